@@ -1,0 +1,421 @@
+"""Neural-network ops on NumPy arrays (and the active backend's arrays), PyTorch-style.
+
+Every op validates its arguments (a ``TypeError``/``ValueError`` that names the argument, raised
+before anything is written), moves NumPy inputs to the active backend once, allocates the result,
+runs one kernel and hands the result back as the type it was given: NumPy in, NumPy out; a backend
+array (``taifuse.backends.taichi_gpu.DeviceArray``) in, a backend array out.
+
+Example::
+
+    >>> import numpy as np
+    >>> import taifuse.functional as F
+    >>> F.relu(np.array([-1.0, 2.0], dtype=np.float32))
+    array([0., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from types import ModuleType
+from typing import Any, Sequence
+
+import numpy as np
+
+from taifuse import _random, backends
+
+__all__ = [
+    "gelu",
+    "relu",
+    "leaky_relu",
+    "silu",
+    "sigmoid",
+    "tanh",
+    "add_relu",
+    "mul_relu",
+    "affine",
+    "linear",
+    "softmax",
+    "log_softmax",
+    "layer_norm",
+    "dropout",
+]
+
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
+_APPROXIMATIONS = ("none", "tanh")
+
+
+# ----------------------------------------------------------------------------- argument handling
+
+
+class _Call:
+    """One op call: converts inputs onto the backend and results back to the caller's type."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.be: ModuleType = backends.active()
+        self.host_io = False  # any NumPy input means results go back to NumPy
+
+    def array(self, value: Any, argname: str, *, dtype: np.dtype | None = None):
+        """Validate one array argument and return it as a contiguous backend array."""
+        be = self.be
+        if isinstance(value, np.ndarray):
+            self.host_io = True
+            arr = value
+        elif be.is_array(value):
+            arr = value
+        elif _is_foreign_device_array(value):
+            raise TypeError(
+                f"{self.op}: {argname} lives on another backend ({type(value).__name__}) but the active "
+                f"backend is {be.NAME!r}; convert it with .numpy() first"
+            )
+        else:
+            raise TypeError(f"{self.op}: {argname} should be a numpy.ndarray, got {type(value).__name__}")
+        if arr.dtype.kind != "f":
+            raise TypeError(f"{self.op}: {argname} should be a floating-point array, got dtype {arr.dtype}")
+        be.check_dtype(arr.dtype, f"{self.op}: {argname}")
+        if dtype is not None and arr.dtype != dtype:
+            raise TypeError(f"{self.op}: {argname} has dtype {arr.dtype} but the input has dtype {dtype}")
+        if isinstance(arr, np.ndarray):
+            return be.from_numpy(arr)
+        return arr
+
+    def out(self, out: Any, shape: tuple[int, ...], dtype: np.dtype):
+        """Validate a caller's ``out=`` buffer, or allocate the result."""
+        if out is None:
+            return self.be.empty(shape, dtype)
+        if not (isinstance(out, np.ndarray) or self.be.is_array(out)):
+            raise TypeError(f"{self.op}: out should be a numpy.ndarray, got {type(out).__name__}")
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"{self.op}: out should have shape {tuple(shape)}, got {tuple(out.shape)}")
+        if out.dtype != dtype:
+            raise TypeError(f"{self.op}: out should have dtype {dtype}, got {out.dtype}")
+        if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
+            raise ValueError(f"{self.op}: out should be C-contiguous")
+        if isinstance(out, np.ndarray) and not out.flags.writeable:
+            raise ValueError(f"{self.op}: out is read-only")
+        return out
+
+    def result(self, value: Any, out: Any = None):
+        """Hand ``value`` (a backend array) back as the caller's type, into ``out`` if given."""
+        if isinstance(out, np.ndarray):
+            if value is not out:
+                np.copyto(out, self.be.to_numpy(value))
+            return out
+        if out is not None:
+            return out
+        return self.be.to_numpy(value) if self.host_io else value
+
+
+def _is_foreign_device_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "numpy")
+
+
+def _check_finite_number(value: Any, op: str, argname: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {argname} should be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: {argname} should be finite, got {value}")
+    return value
+
+
+def _normalize_dim(dim: Any, ndim: int, op: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{op}: dim should be an int, got {type(dim).__name__}")
+    lo, hi = -max(ndim, 1), max(ndim, 1) - 1
+    if not lo <= dim <= hi:
+        raise ValueError(f"{op}: dim should be in [{lo}, {hi}] for a {ndim}-D input, got {dim}")
+    return int(dim) % max(ndim, 1)
+
+
+def _reshape(arr, shape: tuple[int, ...]):
+    return arr.reshape(shape)
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def _unary(op: str, x: Any, out: Any, kernel_args: tuple = ()) -> Any:
+    call = _Call(op)
+    xa = call.array(x, "x")
+    o = call.out(out, tuple(xa.shape), xa.dtype)
+    if xa.size:
+        getattr(call.be, op)(xa, o, *kernel_args)
+    return call.result(o, out)
+
+
+def gelu(x: Any, approximate: str = "none", *, out: Any = None) -> Any:
+    """Gaussian error linear unit, as ``torch.nn.functional.gelu``.
+
+    ``approximate='none'``: x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2))).
+    ``approximate='tanh'``: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3))).
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.gelu(np.array([0.0, 1.0], dtype=np.float32)).round(4)
+        array([0.    , 0.8413], dtype=float32)
+    """
+    if approximate not in _APPROXIMATIONS:
+        raise ValueError(f"gelu: approximate should be one of {_APPROXIMATIONS}, got {approximate!r}")
+    return _unary("gelu", x, out, (approximate,))
+
+
+def relu(x: Any, *, out: Any = None) -> Any:
+    """max(x, 0) elementwise."""
+    return _unary("relu", x, out)
+
+
+def leaky_relu(x: Any, negative_slope: float = 0.01, *, out: Any = None) -> Any:
+    """x if x > 0 else negative_slope * x."""
+    slope = _check_finite_number(negative_slope, "leaky_relu", "negative_slope")
+    return _unary("leaky_relu", x, out, (slope,))
+
+
+def silu(x: Any, *, out: Any = None) -> Any:
+    """x * sigmoid(x) (also called swish)."""
+    return _unary("silu", x, out)
+
+
+def sigmoid(x: Any, *, out: Any = None) -> Any:
+    """1 / (1 + exp(-x)), without overflow for large |x|."""
+    return _unary("sigmoid", x, out)
+
+
+def tanh(x: Any, *, out: Any = None) -> Any:
+    """Hyperbolic tangent elementwise."""
+    return _unary("tanh", x, out)
+
+
+def _binary(op: str, a: Any, b: Any, out: Any) -> Any:
+    call = _Call(op)
+    aa = call.array(a, "a")
+    ba = call.array(b, "b", dtype=aa.dtype)
+    try:
+        shape = np.broadcast_shapes(tuple(aa.shape), tuple(ba.shape))
+    except ValueError:
+        raise ValueError(
+            f"{op}: shapes of a {tuple(aa.shape)} and b {tuple(ba.shape)} cannot be broadcast together"
+        ) from None
+    aa, ba = _broadcast(call, aa, shape), _broadcast(call, ba, shape)
+    o = call.out(out, shape, aa.dtype)
+    if math.prod(shape):
+        getattr(call.be, op)(aa, ba, o)
+    return call.result(o, out)
+
+
+def _broadcast(call: _Call, arr, shape: tuple[int, ...]):
+    if tuple(arr.shape) == tuple(shape):
+        return arr
+    # NOTE: broadcasting materialises the expanded operand (through the host on device backends);
+    # the fused kernels take equal shapes. Per-feature scale/bias is what `affine` is for.
+    host = np.ascontiguousarray(np.broadcast_to(call.be.to_numpy(arr), shape))
+    return call.be.from_numpy(host)
+
+
+def add_relu(a: Any, b: Any, *, out: Any = None) -> Any:
+    """relu(a + b) in one pass (a and b broadcast as in NumPy)."""
+    return _binary("add_relu", a, b, out)
+
+
+def mul_relu(a: Any, b: Any, *, out: Any = None) -> Any:
+    """relu(a * b) in one pass (a and b broadcast as in NumPy)."""
+    return _binary("mul_relu", a, b, out)
+
+
+def affine(x: Any, scale: Any, bias: Any, *, out: Any = None) -> Any:
+    """x * scale + bias with per-feature ``scale`` and ``bias`` over the last axis.
+
+    ``scale`` and ``bias`` are arrays of shape ``(C,)`` with ``C = x.shape[-1]``, or Python numbers.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.affine(np.ones((2, 3), np.float32), np.array([1, 2, 3], np.float32), 0.5)
+        array([[1.5, 2.5, 3.5],
+               [1.5, 2.5, 3.5]], dtype=float32)
+    """
+    call = _Call("affine")
+    xa = call.array(x, "x")
+    if xa.ndim == 0:
+        raise ValueError("affine: x should have at least 1 dimension, got a 0-d array")
+    features = xa.shape[-1]
+    params = []
+    for argname, value in (("scale", scale), ("bias", bias)):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            value = np.full((features,), value, dtype=xa.dtype)
+        arr = call.array(value, argname, dtype=xa.dtype)
+        if tuple(arr.shape) != (features,):
+            raise ValueError(
+                f"affine: {argname} should have shape ({features},) to match x.shape[-1], got {tuple(arr.shape)}"
+            )
+        params.append(arr)
+    o = call.out(out, tuple(xa.shape), xa.dtype)
+    if xa.size:
+        rows = xa.size // features
+        call.be.affine(_reshape(xa, (rows, features)), params[0], params[1], _reshape(o, (rows, features)))
+    return call.result(o, out)
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+def linear(
+    x: Any, weight: Any, bias: Any = None, activation: str | None = None, *, out: Any = None
+) -> Any:
+    """activation(x @ weight.T + bias) with the bias and activation fused into one pass.
+
+    Args:
+        x: input of shape ``(..., in_features)``.
+        weight: ``(out_features, in_features)``, as ``torch.nn.Linear.weight``.
+        bias: ``(out_features,)`` or ``None``.
+        activation: ``None``, ``'relu'``, ``'gelu'``, ``'gelu_tanh'`` or ``'silu'``.
+
+    Returns an array of shape ``(..., out_features)``.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.linear(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32), activation="relu")
+        array([[2., 2., 2.]], dtype=float32)
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear: activation should be one of {ACTIVATIONS}, got {activation!r}")
+    call = _Call("linear")
+    xa = call.array(x, "x")
+    wa = call.array(weight, "weight", dtype=xa.dtype)
+    if wa.ndim != 2:
+        raise ValueError(f"linear: weight should be 2-D (out_features, in_features), got shape {tuple(wa.shape)}")
+    if xa.ndim == 0:
+        raise ValueError("linear: x should have at least 1 dimension, got a 0-d array")
+    out_features, in_features = wa.shape
+    if xa.shape[-1] != in_features:
+        raise ValueError(
+            f"linear: x has {xa.shape[-1]} features (x.shape[-1]) but weight expects {in_features} "
+            f"(weight.shape[1]); shapes x {tuple(xa.shape)}, weight {tuple(wa.shape)}"
+        )
+    ba = None
+    if bias is not None:
+        ba = call.array(bias, "bias", dtype=xa.dtype)
+        if tuple(ba.shape) != (out_features,):
+            raise ValueError(f"linear: bias should have shape ({out_features},), got {tuple(ba.shape)}")
+    out_shape = tuple(xa.shape[:-1]) + (out_features,)
+    o = call.out(out, out_shape, xa.dtype)
+    if isinstance(out, np.ndarray) and isinstance(x, np.ndarray) and np.shares_memory(out, x):
+        raise ValueError("linear: out must not overlap x")
+    rows = math.prod(xa.shape[:-1])
+    if rows and out_features:
+        call.be.linear_act(
+            _reshape(xa, (rows, in_features)), wa, ba, activation, _reshape(o, (rows, out_features))
+        )
+    return call.result(o, out)
+
+
+# ----------------------------------------------------------------------------- row reductions
+
+
+def _softmax_like(op: str, x: Any, dim: int, out: Any) -> Any:
+    call = _Call(op)
+    xa = call.array(x, "x")
+    shape = tuple(xa.shape)
+    d = _normalize_dim(dim, len(shape), op)
+    o = call.out(out, shape, xa.dtype)
+    if xa.size:
+        full = shape if shape else (1,)
+        view = (math.prod(full[:d]), full[d], math.prod(full[d + 1 :]))
+        getattr(call.be, op)(_reshape(xa, view), _reshape(o, view))
+    return call.result(o, out)
+
+
+def softmax(x: Any, dim: int = -1, *, out: Any = None) -> Any:
+    """exp(x) / sum(exp(x)) along ``dim``, computed stably (max subtracted first).
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.softmax(np.zeros((1, 4), np.float32))
+        array([[0.25, 0.25, 0.25, 0.25]], dtype=float32)
+    """
+    return _softmax_like("softmax", x, dim, out)
+
+
+def log_softmax(x: Any, dim: int = -1, *, out: Any = None) -> Any:
+    """x - logsumexp(x) along ``dim``, computed stably."""
+    return _softmax_like("log_softmax", x, dim, out)
+
+
+def layer_norm(
+    x: Any,
+    normalized_shape: int | Sequence[int],
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+    *,
+    out: Any = None,
+) -> Any:
+    """Layer normalization over the trailing ``normalized_shape`` dimensions, as ``torch.nn.functional.layer_norm``.
+
+    y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
+    ``len(normalized_shape)`` axes.
+    """
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = (int(normalized_shape),)
+    try:
+        norm_shape = tuple(int(n) for n in normalized_shape)
+    except TypeError:
+        raise TypeError(
+            f"layer_norm: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}"
+        ) from None
+    eps = _check_finite_number(eps, "layer_norm", "eps")
+    if eps < 0:
+        raise ValueError(f"layer_norm: eps should be non-negative, got {eps}")
+    call = _Call("layer_norm")
+    xa = call.array(x, "x")
+    k = len(norm_shape)
+    if k == 0 or tuple(xa.shape[xa.ndim - k :]) != norm_shape or xa.ndim < k:
+        raise ValueError(
+            f"layer_norm: normalized_shape {norm_shape} should match the trailing dimensions of x {tuple(xa.shape)}"
+        )
+    params = []
+    for argname, value in (("weight", weight), ("bias", bias)):
+        if value is None:
+            params.append(None)
+            continue
+        arr = call.array(value, argname, dtype=xa.dtype)
+        if tuple(arr.shape) != norm_shape:
+            raise ValueError(f"layer_norm: {argname} should have shape {norm_shape}, got {tuple(arr.shape)}")
+        params.append(_reshape(arr, (math.prod(norm_shape),)))
+    o = call.out(out, tuple(xa.shape), xa.dtype)
+    features = math.prod(norm_shape)
+    rows = xa.size // features if features else 0
+    if xa.size:
+        stats_dtype = np.dtype(np.float64) if xa.dtype == np.float64 else np.dtype(np.float32)
+        mean = call.be.empty((rows,), stats_dtype)
+        rstd = call.be.empty((rows,), stats_dtype)
+        call.be.layer_norm(
+            _reshape(xa, (rows, features)), params[0], params[1], eps, _reshape(o, (rows, features)), mean, rstd
+        )
+    return call.result(o, out)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def dropout(x: Any, p: float = 0.5, training: bool = True, *, out: Any = None) -> Any:
+    """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+
+    The mask comes from a counter-based hash of the element index and a seed drawn from
+    taifuse's generator (``taifuse.manual_seed``), so it is reproducible and identical on every
+    backend. With ``training=False`` (or ``p == 0``) ``x`` is returned unchanged, as in PyTorch.
+    """
+    p = _check_finite_number(p, "dropout", "p")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout: p should be in [0, 1], got {p}")
+    if not training or p == 0.0:
+        if out is None:
+            _Call("dropout").array(x, "x")  # still validate the input
+            return x
+        return _unary("dropout", x, out, (0.0, 0))  # p = 0 keeps every element: a copy into out
+    seed = _random.next_seed()
+    return _unary("dropout", x, out, (p, seed))
