@@ -17,7 +17,8 @@ def is_array(obj: object) -> bool:
 
 
 def from_numpy(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a)
+    # NOTE: not np.ascontiguousarray, which turns a 0-d array into shape (1,).
+    return np.asarray(a, order="C")
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:

@@ -1,0 +1,313 @@
+"""Tests specific to the Numba backend's implementation: its float32 approximations over a dense
+sweep, the float16 bit conversions, the dropout hash, and both the serial and the parallel kernel
+of every op (the op tests in test_ops.py only see whichever one the size picks).
+
+The float32 approximations are compared with the backend's own float64 kernels, which use libm and
+are themselves checked against ``backends.reference`` here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from taifuse.backends import numba_cpu as nb  # noqa: E402
+from taifuse.backends import reference as ref  # noqa: E402
+
+DTYPES = (np.float16, np.float32, np.float64)
+# |got - want| <= atol + rtol * |want| against the float64 reference, per storage dtype.
+TOL = {np.float64: (1e-12, 1e-12), np.float32: (1e-6, 2e-6), np.float16: (2.0**-24, 2.0**-10)}
+TRANSCENDENTAL = ("tanh", "sigmoid", "silu", "gelu", "gelu_tanh")
+
+
+def run_unary(name: str, x: np.ndarray, out: np.ndarray) -> None:
+    if name == "gelu_tanh":
+        nb.gelu(x, out, "tanh")
+    elif name == "gelu":
+        nb.gelu(x, out, "none")
+    else:
+        getattr(nb, name)(x, out)
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, dtype, scale: float = 1.0) -> None:
+    atol, rtol = TOL[np.dtype(dtype).type]
+    np.testing.assert_allclose(
+        got.astype(np.float64), want.astype(np.float64), atol=atol * scale, rtol=rtol, equal_nan=True
+    )
+
+
+def sweep_float32(step: int, limit: float = 1e4) -> np.ndarray:
+    """Every ``step``-th float32 bit pattern with |x| <= limit, both signs."""
+    top = int(np.float32(limit).view(np.uint32))
+    bits = np.arange(0, top + 1, step, dtype=np.uint32)
+    pos = bits.view(np.float32)
+    return np.concatenate([pos, -pos])
+
+
+# ----------------------------------------------------------------------------- float32 accuracy
+
+# Bounds asserted below; the measured maxima are in NOTE [ float32 error bounds ] in numba_cpu.py.
+# "mixed" error = |err| / max(1, |true|) everywhere; relative error where |true| > 1e-30.
+MIXED_BOUND = 1e-6
+REL_BOUND = {"tanh": 1e-6, "sigmoid": 1e-6, "silu": 1e-6, "gelu": 5e-5, "gelu_tanh": 5e-5}
+
+
+def _truth(name: str, x64: np.ndarray) -> np.ndarray:
+    """float64 values with full relative accuracy in the tails (0.5 * (1 + erf) cancels in float64)."""
+    if name == "gelu":
+        erfc = np.vectorize(math.erfc, otypes=[np.float64])
+        return x64 * 0.5 * erfc(-x64 / math.sqrt(2.0))
+    if name == "gelu_tanh":
+        u = 2.0 * math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64**3)
+        with np.errstate(over="ignore"):
+            return x64 / (1.0 + np.exp(-u))
+    out = np.empty_like(x64)
+    run_unary(name, x64, out)  # float64 libm kernels, checked against the reference below
+    return out
+
+
+@pytest.mark.parametrize("name", TRANSCENDENTAL)
+def test_float32_approximation_error_dense_sweep(name):
+    x = np.concatenate([sweep_float32(4099), np.linspace(-12, 12, 200_001, dtype=np.float32)])
+    got = np.empty_like(x)
+    run_unary(name, x, got)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = _truth(name, x.astype(np.float64))
+    err = np.abs(got.astype(np.float64) - want)
+    mixed = err / np.maximum(1.0, np.abs(want))
+    assert mixed.max() <= MIXED_BOUND, f"{name}: max mixed error {mixed.max():.3g} at x={x[mixed.argmax()]}"
+    # sigmoid and silu return 0 once exp(x) leaves the normal float32 range (x < -87).
+    tail_ok = (np.abs(want) > 1e-30) & (x > -87)
+    rel = err[tail_ok] / np.abs(want[tail_ok])
+    worst = x[tail_ok][rel.argmax()]
+    assert rel.max() <= REL_BOUND[name], f"{name}: max rel error {rel.max():.3g} at x={worst}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+def test_special_values_match_reference(dtype):
+    x = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e4, -1e4, 60000.0, -60000.0], dtype=dtype)
+    for name in ("relu", *TRANSCENDENTAL):
+        got, want = np.empty_like(x), np.empty_like(x)
+        run_unary(name, x, got)
+        if name.startswith("gelu"):
+            ref.gelu(x, want, "tanh" if name == "gelu_tanh" else "none")
+        else:
+            getattr(ref, name)(x, want)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        assert_close(got, want, dtype)
+    # The PyTorch conventions the reference encodes, spelled out.
+    out = np.empty(2, dtype)
+    nb.tanh(np.array([np.inf, -np.inf], dtype), out)
+    assert out.tolist() == [1.0, -1.0]
+    nb.sigmoid(np.array([np.inf, -np.inf], dtype), out)
+    assert out.tolist() == [1.0, 0.0]
+    nb.relu(np.array([np.nan, -1.0], dtype), out)
+    assert np.isnan(out[0]) and out[1] == 0.0
+
+
+@pytest.mark.parametrize("name", TRANSCENDENTAL)
+def test_float64_kernels_match_reference(name):
+    x = np.random.default_rng(0).standard_normal(10_000) * 8
+    got, want = np.empty_like(x), np.empty_like(x)
+    run_unary(name, x, got)
+    if name.startswith("gelu"):
+        ref.gelu(x, want, "tanh" if name == "gelu_tanh" else "none")
+    else:
+        getattr(ref, name)(x, want)
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- float16 storage
+
+
+def test_float16_widen_is_exact_for_every_bit_pattern():
+    @numba.njit
+    def widen_all(bits, out):
+        for i in range(bits.size):
+            out[i] = nb._widen(bits[i])
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(bits.size, np.float32)
+    widen_all(bits, got)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+    assert np.isnan(got[nan]).all()
+
+
+def test_float16_narrow_rounds_like_numpy():
+    @numba.njit
+    def narrow_all(x, out):
+        for i in range(x.size):
+            out[i] = nb._narrow(x[i], out)
+
+    rng = np.random.default_rng(1)
+    halfway = (np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32))
+    x = np.concatenate(
+        [
+            rng.standard_normal(200_000).astype(np.float32) * s
+            for s in (1e-7, 1e-4, 1.0, 1e3, 7e4)
+        ]
+        + [halfway[np.isfinite(halfway)] * np.float32(1.0 + 2.0**-11)]  # ties and near-ties
+        + [np.array([np.inf, -np.inf, 65504.0, 65519.0, 65520.0, 2.0**-25, 2.0**-24, -0.0], np.float32)]
+    )
+    got = np.empty(x.size, np.uint16)
+    narrow_all(x, got)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------- dropout hash
+
+
+def test_hash32_bit_identical_to_reference():
+    @numba.njit
+    def hash_all(v, out):
+        for i in range(v.size):
+            out[i] = nb._hash32(v[i])
+
+    rng = np.random.default_rng(2)
+    v = np.concatenate(
+        [np.array([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF], np.uint32),
+         rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)]
+    )
+    got = np.empty_like(v)
+    hash_all(v, got)
+    np.testing.assert_array_equal(got, ref.hash32(v))
+    assert int(got[5]) == ref.hash32(0xFFFFFFFF)  # the Python-int path agrees too
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.999, 1.0])
+def test_dropout_bit_identical_serial_and_parallel(dtype, p):
+    x = (np.random.default_rng(3).standard_normal(50_003) * 3).astype(dtype)
+    want = np.empty_like(x)
+    ref.dropout(x, want, p, 0xDEADBEEF)
+    key = np.uint32(ref.dropout_key(0xDEADBEEF))
+    threshold = np.uint32(ref.dropout_threshold(p))
+    for kernel in (nb._dropout_serial, nb._dropout_parallel):
+        got = np.empty_like(x)
+        kernel(nb._bits(x), nb._bits(got), key, threshold, float(ref.dropout_scale(p)))
+        np.testing.assert_array_equal(got == 0, want == 0)
+        if dtype == np.float16:  # float64 -> float32 -> float16 can differ from one rounding by an ulp
+            assert_close(got, want, dtype)
+        else:
+            np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------- serial and parallel paths
+
+
+@pytest.fixture
+def force_path(monkeypatch):
+    def force(parallel: bool) -> None:
+        monkeypatch.setattr(nb, "_parallel", lambda size, transcendental=False: parallel)
+
+    return force
+
+
+def _inputs(shape, dtype, seed=0, scale=3.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parallel", [False, True])
+def test_every_kernel_on_both_paths(dtype, parallel, force_path):
+    force_path(parallel)
+    x = _inputs((3, 5, 4099), dtype)  # odd sizes: partial blocks and vector tails
+    y = _inputs((3, 5, 4099), dtype, seed=1)
+    for name, args in [("relu", ()), ("leaky_relu", (0.1,)), ("silu", ()), ("sigmoid", ()), ("tanh", ()),
+                       ("gelu", ("none",)), ("gelu", ("tanh",))]:
+        got, want = np.empty_like(x), np.empty_like(x)
+        getattr(nb, name)(x, got, *args)
+        getattr(ref, name)(x, want, *args)
+        assert_close(got, want, dtype)
+    # out is x: the in-place kernels (NOTE [ Spans, blocks and in-place kernels ])
+    for name, args in [("relu", ()), ("gelu", ("tanh",)), ("silu", ())]:
+        got, want = x.copy(), np.empty_like(x)
+        getattr(nb, name)(got, got, *args)
+        getattr(ref, name)(x, want, *args)
+        assert_close(got, want, dtype)
+    for name in ("add_relu", "mul_relu"):
+        got, want = np.empty_like(x), np.empty_like(x)
+        getattr(nb, name)(x, y, got)
+        getattr(ref, name)(x, y, want)
+        assert_close(got, want, dtype, scale=10.0)
+
+    x2 = x.reshape(15, 4099)
+    scale, bias = _inputs(4099, dtype, 2), _inputs(4099, dtype, 3)
+    got, want = np.empty_like(x2), np.empty_like(x2)
+    nb.affine(x2, scale, bias, got)
+    ref.affine(x2, scale, bias, want)
+    assert_close(got, want, dtype, scale=10.0)
+
+    for shape in [(15, 4099, 1), (3, 5, 4099), (2, 7, nb._STRIDED_TILE + 3)]:
+        xs = x.reshape(-1)[: math.prod(shape)].reshape(shape)
+        for name in ("softmax", "log_softmax"):
+            got, want = np.empty_like(xs), np.empty_like(xs)
+            getattr(nb, name)(xs, got)
+            getattr(ref, name)(xs, want)
+            assert_close(got, want, dtype, scale=10.0)
+
+    stats = np.float64 if dtype == np.float64 else np.float32
+    w, b = _inputs(4099, dtype, 4), _inputs(4099, dtype, 5)
+    for weight, bias_ in [(None, None), (w, None), (None, b), (w, b)]:
+        got, want = np.empty_like(x2), np.empty_like(x2)
+        gm, gr, wm, wr = (np.empty(15, stats) for _ in range(4))
+        nb.layer_norm(x2, weight, bias_, 1e-5, got, gm, gr)
+        ref.layer_norm(x2, weight, bias_, 1e-5, want, wm, wr)
+        assert_close(got, want, dtype, scale=20.0)
+        np.testing.assert_allclose(gm, wm, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(gr, wr, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+def test_linear_act_both_paths(dtype, parallel, activation, force_path, monkeypatch):
+    force_path(parallel)
+    # A small float16 chunk forces several row chunks through the float32 scratch.
+    monkeypatch.setattr(nb, "_F16_LINEAR_CHUNK_BYTES", 4 * 40 * (37 + 29))
+    x = _inputs((131, 37), dtype, scale=1.0)
+    w = (_inputs((29, 37), dtype, seed=1, scale=1.0) / 6).astype(dtype)
+    for b in (_inputs(29, dtype, seed=2, scale=1.0), None):
+        got, want = np.empty((131, 29), dtype), np.empty((131, 29), dtype)
+        nb.linear_act(x, w, b, activation, got)
+        ref.linear_act(x, w, b, activation, want)
+        assert_close(got, want, dtype, scale=10.0)
+
+
+def test_parallel_threshold_and_describe():
+    info = nb.describe()
+    assert info["backend"] == "numba" and info["numba"] == numba.__version__
+    assert info["threading_layer"] in ("omp", "tbb", "workqueue")
+    assert info["threads"] == numba.get_num_threads()
+    threshold = info["parallel_min_elements"]
+    assert nb._parallel(threshold) and not nb._parallel(threshold - 1)
+    if threshold < 2**62:
+        assert nb._parallel(threshold // nb._TRANSCENDENTAL_DISCOUNT, transcendental=True)
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "dropout", "add_relu"])
+def test_out_overlapping_the_input(name):
+    # out may be x itself (the in-place kernels) or a shifted view of it (x is read from a copy).
+    base = np.random.default_rng(6).standard_normal(70_001).astype(np.float32)
+    shifts = [(slice(None), slice(None)), (slice(0, -1), slice(1, None)), (slice(1, None), slice(0, -1))]
+    for x_slice, out_slice in shifts:
+        buf = base.copy()
+        x, out = buf[x_slice], buf[out_slice]
+        want = np.empty_like(x)
+        args = {"relu": (), "gelu": ("none",), "dropout": (0.5, 99), "add_relu": ()}[name]
+        if name == "add_relu":
+            ref.add_relu(x.copy(), x.copy(), want)
+            nb.add_relu(x, x, out)
+        else:
+            getattr(ref, name)(x.copy(), want, *args)
+            getattr(nb, name)(x, out, *args)
+        assert_close(out, want, np.float32, scale=10.0)
