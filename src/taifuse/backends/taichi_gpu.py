@@ -1,0 +1,449 @@
+"""The Taichi backend: taifuse's kernels on Taichi's Metal arch (and Vulkan, CUDA or CPU).
+
+Data lives on the device in :class:`DeviceArray` (a flat ``ti.Ndarray`` with a logical shape).
+Host<->device copies happen only in :func:`from_numpy`, :func:`to_numpy` and
+:meth:`DeviceArray.numpy`, and each one is counted (:func:`transfer_stats`), so a test can prove
+that a training step copies nothing but its loss back.
+
+Metal has no float64: :func:`check_dtype` refuses it with a ``TypeError`` instead of casting.
+On Linux the same kernels run on ``ti.vulkan`` (lavapipe), which shares Metal's SPIR-V codegen;
+``python -m taifuse.backends.metal_check`` compiles every kernel with only Metal's capabilities.
+
+Taichi is imported and initialised in :func:`init`, never at import time.
+
+# NOTE [ Re-initialising Taichi ]
+# ``ti.init`` tears down the previous runtime and every ndarray it owned. A DeviceArray created
+# before an arch switch is therefore invalid afterwards: using it raises ``RuntimeError`` (it
+# records the runtime generation it was born in). Its storage also skips Taichi's
+# ``delete_ndarray`` on garbage collection, because the dead C++ ndarray's address may by then
+# belong to an ndarray of the new runtime, which the delete would free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from taifuse.backends import reference
+
+NAME = "taichi"
+
+_ARCH_NAMES = ("metal", "vulkan", "cuda", "cpu")
+_SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+# Kernels index with 32-bit ints (64-bit indices are slow or missing on some GPUs).
+_MAX_ELEMENTS = 2**31 - 1
+
+_state: dict[str, Any] = {
+    "ti": None,  # the taichi module, once imported
+    "requested": None,  # arch name the caller asked for
+    "actual": None,  # arch name Taichi runs on
+    "program": None,  # Taichi's Program object we initialised (detects foreign ti.init calls)
+    "generation": 0,  # bumped on every (re-)initialisation; see NOTE [ Re-initialising Taichi ]
+}
+_transfers = {"host_to_device": 0, "device_to_host": 0, "bytes_host_to_device": 0, "bytes_device_to_host": 0}
+_dummies: dict[np.dtype, Any] = {}  # 1-element stand-ins for absent optional arrays (bias=None)
+_storage_class: type | None = None
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+def _import_taichi():
+    if _state["ti"] is None:
+        # Quiet and offline by default; an explicit user setting wins.
+        os.environ.setdefault("ENABLE_TAICHI_HEADER_PRINT", "False")
+        os.environ.setdefault("TI_SKIP_VERSION_CHECK", "ON")
+        import taichi
+
+        _state["ti"] = taichi
+    return _state["ti"]
+
+
+def _current_program():
+    from taichi.lang import impl
+
+    return impl.get_runtime().prog
+
+
+def init(arch: str = "metal") -> None:
+    """Start Taichi on ``arch`` (``'metal'``, ``'vulkan'``, ``'cuda'`` or ``'cpu'``).
+
+    Idempotent for the same arch. A different arch re-initialises Taichi, which invalidates every
+    DeviceArray created before (see NOTE [ Re-initialising Taichi ]). Raises ``RuntimeError``
+    when Taichi cannot run on ``arch`` (it would otherwise fall back to the CPU silently), so the
+    dispatcher's fallback warning says why.
+    """
+    if arch not in _ARCH_NAMES:
+        raise ValueError(f"taichi arch should be one of {_ARCH_NAMES}, got {arch!r}")
+    ti = _import_taichi()
+    if (
+        _state["requested"] == arch
+        and _state["program"] is not None
+        and _current_program() is _state["program"]
+    ):
+        return
+    # Any ti.init call tears the old runtime down, even one that then fails: invalidate first.
+    _state["generation"] += 1
+    _state.update(requested=None, actual=None, program=None)
+    _dummies.clear()
+    with contextlib.redirect_stdout(io.StringIO()):  # ti.init prints "[Taichi] Starting on arch=..."
+        ti.init(
+            arch=getattr(ti, arch),
+            enable_fallback=False,  # raise instead of silently running on the CPU
+            offline_cache=True,
+            log_level=ti.WARN,
+            # LLVM's fast math reassociates (x - max) - log(sum) into x - (max + log(sum)), which
+            # rounds at |max|'s scale (log_softmax off by 1e-4 at max = 1000). ti.cpu is a test
+            # proxy, so it trades speed for that. lavapipe did not reassociate (tested); Metal is untested.
+            fast_math=arch != "cpu",
+        )
+    from taichi.lang import impl
+
+    actual = str(impl.current_cfg().arch).split(".")[-1]
+    expected = ("x64", "arm64") if arch == "cpu" else (arch,)
+    if actual not in expected:
+        raise RuntimeError(f"Taichi started on arch {actual!r} instead of the requested {arch!r}")
+    _state.update(requested=arch, actual=actual, program=_current_program())
+
+
+def _require_init() -> None:
+    if _state["program"] is None:
+        raise RuntimeError("the taichi backend is not initialised; call init(arch=...) first")
+
+
+def describe() -> dict:
+    """Versions and arches: what was asked for and what Taichi actually runs on."""
+    info: dict[str, Any] = {"backend": NAME, "requested_arch": _state["requested"], "arch": _state["actual"]}
+    if _state["ti"] is not None:
+        info["taichi"] = ".".join(str(v) for v in _state["ti"].__version__)
+    return info
+
+
+def sync() -> None:
+    """Wait for every launched kernel to finish (needed before timing device work)."""
+    _require_init()
+    _state["ti"].sync()
+
+
+# ----------------------------------------------------------------------------- transfers
+
+
+def transfer_stats() -> dict[str, int]:
+    """Host<->device copies since the last :func:`reset_transfer_stats`: counts and bytes."""
+    return dict(_transfers)
+
+
+def reset_transfer_stats() -> None:
+    """Zero the counters of :func:`transfer_stats`."""
+    for key in _transfers:
+        _transfers[key] = 0
+
+
+# ----------------------------------------------------------------------------- DeviceArray
+
+
+def _make_storage(ti_dtype, n: int):
+    """A flat ti.Ndarray that knows the runtime generation it belongs to."""
+    global _storage_class
+    if _storage_class is None:
+        from taichi.lang._ndarray import ScalarNdarray
+
+        class _Storage(ScalarNdarray):
+            # Held by the class: module globals may already be None when the interpreter exits.
+            _runtime_state = _state
+
+            def __del__(self):
+                # See NOTE [ Re-initialising Taichi ]: never delete through a newer runtime.
+                if getattr(self, "_generation", None) == self._runtime_state["generation"]:
+                    super().__del__()
+
+        _storage_class = _Storage
+    storage = _storage_class(ti_dtype, (n,))
+    storage._generation = _state["generation"]
+    return storage
+
+
+class DeviceArray:
+    """An array on the Taichi device: a flat 1-D ``ti.Ndarray`` viewed with a logical shape.
+
+    ``reshape`` returns a view that shares the storage. Copies to the host happen only through
+    :meth:`numpy` (or :func:`to_numpy`) and are counted in :func:`transfer_stats`.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from taifuse.backends import taichi_gpu as tg
+        >>> tg.init("cpu")
+        >>> a = tg.from_numpy(np.arange(6, dtype=np.float32))
+        >>> a.reshape((2, 3)).numpy()
+        array([[0., 1., 2.],
+               [3., 4., 5.]], dtype=float32)
+    """
+
+    __slots__ = ("_generation", "_storage", "dtype", "shape")
+
+    def __init__(self, storage: Any, shape: tuple[int, ...], dtype: np.dtype, generation: int) -> None:
+        self._storage = storage  # None for size-0 arrays: Taichi cannot allocate them
+        self._generation = generation
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def _ndarray(self):
+        """The live flat ti.Ndarray (raises if Taichi was re-initialised since)."""
+        if self._generation != _state["generation"]:
+            raise RuntimeError(
+                "this DeviceArray belongs to a Taichi runtime that was re-initialised (arch switch); "
+                "it is no longer valid: create it again from NumPy"
+            )
+        return self._storage
+
+    def reshape(self, *shape: Any) -> DeviceArray:
+        """A view with a new shape and the same storage (no copy); one dimension may be -1."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = tuple(int(s) for s in shape)
+        if shape.count(-1) > 1:
+            raise ValueError(f"reshape: only one dimension can be -1, got {shape}")
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            if known == 0 or self.size % known:
+                raise ValueError(f"reshape: cannot reshape an array of size {self.size} into {shape}")
+            shape = tuple(self.size // known if s == -1 else s for s in shape)
+        if any(s < 0 for s in shape) or math.prod(shape) != self.size:
+            raise ValueError(f"reshape: cannot reshape an array of size {self.size} into {shape}")
+        self._ndarray()
+        return DeviceArray(self._storage, shape, self.dtype, self._generation)
+
+    def numpy(self) -> np.ndarray:
+        """Copy to a new host ``numpy.ndarray`` (one counted device-to-host transfer)."""
+        storage = self._ndarray()
+        _transfers["device_to_host"] += 1
+        _transfers["bytes_device_to_host"] += self.nbytes
+        if storage is None:
+            return np.empty(self.shape, dtype=self.dtype)
+        return storage.to_numpy().reshape(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        # NOTE: lets np.asarray(device_array) work; it is a counted transfer like .numpy().
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        arch = _state["actual"] if self._generation == _state["generation"] else "invalid"
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, arch={arch})"
+
+
+# ----------------------------------------------------------------------------- array API
+
+
+def check_dtype(dtype: np.dtype, argname: str) -> None:
+    """Accept float32 and float16; refuse float64 (Metal has none) and everything else."""
+    dtype = np.dtype(dtype)
+    if dtype in _SUPPORTED_DTYPES:
+        return
+    if dtype == np.float64:
+        raise TypeError(
+            f"{argname} has dtype float64, which the taichi backend does not support (Metal has no "
+            "float64); convert it to float32, or use the numpy or numba backend"
+        )
+    raise TypeError(f"{argname} should be float16 or float32 on the taichi backend, got {dtype}")
+
+
+def is_array(obj: object) -> bool:
+    return isinstance(obj, DeviceArray)
+
+
+def _ti_dtype(dtype: np.dtype):
+    ti = _state["ti"]
+    return ti.f32 if dtype == np.float32 else ti.f16
+
+
+def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
+    """Allocate a DeviceArray (Taichi zero-fills it); size 0 allocates nothing."""
+    _require_init()
+    dtype = np.dtype(dtype)
+    check_dtype(dtype, "empty: dtype")
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"empty: shape should be non-negative, got {shape}")
+    size = math.prod(shape)
+    if size > _MAX_ELEMENTS:
+        raise ValueError(f"the taichi backend indexes with 32-bit ints: {size} elements is too many")
+    storage = _make_storage(_ti_dtype(dtype), size) if size else None
+    return DeviceArray(storage, shape, dtype, _state["generation"])
+
+
+def from_numpy(a: np.ndarray) -> DeviceArray:
+    """Copy a host array to the device (one counted host-to-device transfer)."""
+    a = np.asarray(a)
+    check_dtype(a.dtype, "from_numpy: array")
+    out = empty(a.shape, a.dtype)
+    _transfers["host_to_device"] += 1
+    _transfers["bytes_host_to_device"] += a.nbytes
+    if out.size:
+        out._storage.from_numpy(np.ascontiguousarray(a).reshape(-1))
+    return out
+
+
+def to_numpy(a: DeviceArray) -> np.ndarray:
+    """Copy a DeviceArray to a new host array (one counted device-to-host transfer)."""
+    return a.numpy()
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _k(arr: DeviceArray):
+    from taifuse.backends._taichi_kernels import kernels_for
+
+    return kernels_for(arr.dtype)
+
+
+def _nd(arr: DeviceArray):
+    return arr._ndarray()
+
+
+def _optional(arr: DeviceArray | None, dtype: np.dtype):
+    """The ndarray for an optional argument, or a 1-element stand-in (never read) when absent."""
+    if arr is not None:
+        return _nd(arr)
+    if dtype not in _dummies:
+        _dummies[dtype] = _make_storage(_ti_dtype(dtype), 1)
+    return _dummies[dtype]
+
+
+def gelu(x: DeviceArray, out: DeviceArray, approximate: str) -> None:
+    k = _k(x)
+    (k.gelu_tanh if approximate == "tanh" else k.gelu_erf)(_nd(x), _nd(out), x.size)
+
+
+def relu(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).relu(_nd(x), _nd(out), x.size)
+
+
+def leaky_relu(x: DeviceArray, out: DeviceArray, negative_slope: float) -> None:
+    _k(x).leaky_relu(_nd(x), _nd(out), x.size, float(negative_slope))
+
+
+def silu(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).silu(_nd(x), _nd(out), x.size)
+
+
+def sigmoid(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).sigmoid(_nd(x), _nd(out), x.size)
+
+
+def tanh(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).tanh(_nd(x), _nd(out), x.size)
+
+
+def add_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
+    _k(a).add_relu(_nd(a), _nd(b), _nd(out), a.size)
+
+
+def mul_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
+    _k(a).mul_relu(_nd(a), _nd(b), _nd(out), a.size)
+
+
+def affine(x: DeviceArray, scale: DeviceArray, bias: DeviceArray, out: DeviceArray) -> None:
+    rows, cols = x.shape
+    _k(x).affine(_nd(x), _nd(scale), _nd(bias), _nd(out), rows, cols)
+
+
+def linear_act(
+    x: DeviceArray, w: DeviceArray, b: DeviceArray | None, activation: str | None, out: DeviceArray
+) -> None:
+    from taifuse.backends._taichi_kernels import ACT_CODES
+
+    if activation not in ACT_CODES:
+        raise ValueError(f"activation should be one of {tuple(ACT_CODES)}, got {activation!r}")
+    n_rows, k_dim = x.shape
+    m_cols = w.shape[0]
+    kernels = _k(x)
+    kernel = kernels.linear_act_shared if _on_gpu() else kernels.linear_act
+    kernel(
+        _nd(x),
+        _nd(w),
+        _optional(b, x.dtype),
+        _nd(out),
+        n_rows,
+        m_cols,
+        k_dim,
+        int(b is not None),
+        ACT_CODES[activation],
+    )
+
+
+def _on_gpu() -> bool:
+    # Threadgroup memory exists on the GPU archs only: ti.cpu runs the kernels without it.
+    return _state["requested"] != "cpu"
+
+
+def softmax(x: DeviceArray, out: DeviceArray) -> None:
+    k = _k(x)
+    (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 0)
+
+
+def log_softmax(x: DeviceArray, out: DeviceArray) -> None:
+    k = _k(x)
+    (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 1)
+
+
+def layer_norm(
+    x: DeviceArray,
+    weight: DeviceArray | None,
+    bias: DeviceArray | None,
+    eps: float,
+    out: DeviceArray,
+    mean: DeviceArray,
+    rstd: DeviceArray,
+) -> None:
+    rows, cols = x.shape
+    k = _k(x)
+    (k.layer_norm_rows if _on_gpu() else k.layer_norm)(
+        _nd(x),
+        _optional(weight, x.dtype),
+        _optional(bias, x.dtype),
+        _nd(out),
+        _nd(mean),
+        _nd(rstd),
+        rows,
+        cols,
+        float(eps),
+        int(weight is not None),
+        int(bias is not None),
+    )
+
+
+def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
+    # Key, threshold and scale come from the reference, so the mask is bit-identical to it.
+    _k(x).dropout(
+        _nd(x),
+        _nd(out),
+        x.size,
+        reference.dropout_key(seed),
+        reference.dropout_threshold(p),
+        reference.dropout_scale(p),
+    )
