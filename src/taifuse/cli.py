@@ -27,13 +27,74 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_parser(sub) -> None:
+    from taifuse.bench.suites import suite_names
+
+    bench = sub.add_parser(
+        "bench",
+        help="measure the benchmark suites and write BENCHMARKS.md and results.json",
+        description="Measure taifuse against the strongest NumPy (and PyTorch) baselines, with 95% intervals.",
+    )
+    bench.add_argument("--suite", action="append", choices=suite_names(), metavar="NAME",
+                       help=f"run only this suite (repeatable); one of {', '.join(suite_names())}")
+    bench.add_argument("--quick", action="store_true", help="fewer processes and samples (same sizes), for CI")
+    bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
+    bench.add_argument("--baseline", metavar="FILE",
+                       help="an earlier results.json to compare with; exits 1 on a regression")
+    bench.add_argument("--compare-torch", action="store_true", help="add PyTorch CPU baselines (needs torch)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--processes", type=int, metavar="N",
+                       help="fresh processes per case (at least 2; default 3 with --quick, else 5)")
+    bench.add_argument("--blocks", type=int, metavar="N",
+                       help="ABBA blocks per process and comparison (default 8 with --quick, else 25)")
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    import dataclasses
+
+    import taifuse.bench
+    from taifuse.bench import report
+
+    plan = taifuse.bench.QUICK if args.quick else taifuse.bench.FULL
+    if args.processes is not None:
+        if args.processes < 2:
+            print("taifuse bench: --processes should be at least 2 (the interval resamples processes)",
+                  file=sys.stderr)
+            return 2
+        plan = dataclasses.replace(plan, processes=args.processes)
+    if args.blocks is not None:
+        if args.blocks < 2:
+            print("taifuse bench: --blocks should be at least 2", file=sys.stderr)
+            return 2
+        plan = dataclasses.replace(plan, blocks=args.blocks)
+    result = taifuse.bench.run(
+        args.suite, quick=args.quick, out=args.out, baseline=args.baseline, compare_torch=args.compare_torch,
+        progress=not args.no_progress, command=" ".join(["taifuse", *argv]), plan=plan,
+    )
+    print(report.summary(result))
+    for path in result.get("files", []):
+        print(f"wrote {path}")
+    cmp = result.get("baseline")
+    if cmp is not None:
+        if cmp["status"] == "not comparable":
+            print("baseline: not comparable (environment fingerprint differs: " + "; ".join(cmp["differences"]) + ")")
+            return 0
+        print(f"baseline: {cmp['regressions']} regression(s) in {cmp['compared_rows']} compared row(s)")
+        return 1 if cmp["regressions"] else 0
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="taifuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="print the backends available, the active one, versions and threads")
+    _add_bench_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info(args)
+    if args.command == "bench":
+        return _bench(args, argv)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

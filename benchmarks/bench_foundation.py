@@ -1,0 +1,153 @@
+"""Issue 2's performance goals, measured with the ``taifuse.bench`` harness (no timing code of its own).
+
+f32, 4M elements and a 4096x1024 by 1024x768 linear, each row a ratio measured side by side:
+
+* GELU (tanh) on the active backend at least 5x faster than PyTorch CPU's, and at least 60% of the
+  copy bandwidth measured in the same run;
+* ``linear(x, w, b, activation='gelu')`` at most 1.10x the time of the bare ``np.matmul(x, w.T,
+  out=out)``, and faster than PyTorch's ``gelu(linear(x))``.
+
+Each goal is judged on the 95% interval: "met" when the whole interval satisfies it, "not met" when
+none of it does, "undecided" otherwise. Nothing here forces a pass.
+
+Run: ``python benchmarks/bench_foundation.py [--quick] [--out DIR]`` (needs torch: the ``compare`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import taifuse.bench
+from taifuse.bench import report
+from taifuse.bench.suites import load_cases
+
+GELU_CASE = "elementwise/gelu(approximate='tanh')"
+LINEAR_CASE = "linear/linear(activation='gelu')"
+
+
+def _judge(low: float, high: float, *, at_least: float | None = None, at_most: float | None = None) -> str:
+    if at_least is not None:
+        return "met" if low >= at_least else "not met" if high < at_least else "undecided"
+    assert at_most is not None
+    return "met" if high <= at_most else "not met" if low > at_most else "undecided"
+
+
+def _pick(cases, case_id: str, labels: set[str]):
+    case = next(c for c in cases if c.id == case_id)
+    return dataclasses.replace(case, baselines=tuple(b for b in case.baselines if b.label in labels))
+
+
+def goals(result: dict) -> list[dict]:
+    """Issue 2's four goals, judged from the rows of a run over the two cases."""
+    rows = {r["id"]: r for r in result["rows"]}
+    copy = rows["roofline/copy"]
+    gelu_torch = rows[f"{GELU_CASE}/torch"]
+    gelu_copy = rows[f"{GELU_CASE}/copy bound"]
+    lin_mm = rows[f"{LINEAR_CASE}/bare matmul"]
+    lin_torch = rows[f"{LINEAR_CASE}/torch"]
+    out = []
+
+    def add(name, value, low, high, verdict, detail):
+        out.append(
+            {"goal": name, "value": value, "low": low, "high": high, "status": verdict, "detail": detail}
+        )
+
+    if gelu_torch["value"] is not None:
+        add(
+            "gelu(tanh): speedup over torch >= 5x",
+            gelu_torch["value"],
+            gelu_torch["low"],
+            gelu_torch["high"],
+            _judge(gelu_torch["low"], gelu_torch["high"], at_least=5.0),
+            f"verdict: {gelu_torch['verdict']}",
+        )
+    else:
+        add("gelu(tanh): speedup over torch >= 5x", None, None, None, "not met", gelu_torch["verdict"])
+    if gelu_torch.get("candidate_ms"):
+        t = gelu_torch["candidate_ms"]
+        moved = gelu_torch["bytes_moved"] / 1e6  # MB; MB per ms == GB/s
+        frac = (moved / t["median"]) / copy["value"]
+        low, high = (moved / t["high"]) / copy["high"], (moved / t["low"]) / copy["low"]
+        add(
+            "gelu(tanh): >= 60% of copy bandwidth",
+            frac,
+            low,
+            high,
+            _judge(low, high, at_least=0.60),
+            f"{moved / t['median']:.3g} GB/s against {copy['value']:.3g} GB/s copy ({copy['size']}, "
+            f"{copy['cache_level']}); against a same-size in-cache np.copyto: {gelu_copy['value']:.2f} "
+            f"[{gelu_copy['low']:.2f}, {gelu_copy['high']:.2f}] of its rate",
+        )
+    if lin_mm["value"] is not None:
+        ratio, low, high = 1 / lin_mm["value"], 1 / lin_mm["high"], 1 / lin_mm["low"]
+        add(
+            "linear+gelu: <= 1.10x the bare matmul's time",
+            ratio,
+            low,
+            high,
+            _judge(low, high, at_most=1.10),
+            "time ratio = 1 / speedup",
+        )
+    if lin_torch["value"] is not None:
+        add(
+            "linear+gelu: faster than torch gelu(linear(x))",
+            lin_torch["value"],
+            lin_torch["low"],
+            lin_torch["high"],
+            "met"
+            if lin_torch["verdict"] == "faster"
+            else "not met"
+            if lin_torch["verdict"] in ("slower", "no measurable difference")
+            else "undecided",
+            f"verdict: {lin_torch['verdict']}",
+        )
+    else:
+        add(
+            "linear+gelu: faster than torch gelu(linear(x))",
+            None,
+            None,
+            None,
+            "not met",
+            lin_torch["verdict"],
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer processes and samples")
+    parser.add_argument("--out", help="also write BENCHMARKS.md and results.json here")
+    args = parser.parse_args(argv)
+
+    cases = load_cases(["elementwise", "linear"], quick=True, compare_torch=True)
+    chosen = [
+        _pick(cases, GELU_CASE, {"torch", "copy bound"}),
+        _pick(cases, LINEAR_CASE, {"bare matmul", "torch"}),
+    ]
+    plan = (
+        taifuse.bench.QUICK if args.quick else taifuse.bench.Plan(processes=5, blocks=12, roofline_samples=10)
+    )
+    result = taifuse.bench.run(
+        cases=chosen,
+        plan=plan,
+        compare_torch=True,
+        out=args.out,
+        command="python benchmarks/bench_foundation.py" + (" --quick" if args.quick else ""),
+    )
+    print(report.summary(result))
+    env = result["environment"]
+    print(
+        f"\nbackend {env['backend']}, threads {env['threads']}, load average before/after "
+        f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}\n"
+    )
+    for g in goals(result):
+        interval = "" if g["low"] is None else f" [{g['low']:.3g}, {g['high']:.3g}]"
+        value = "—" if g["value"] is None else f"{g['value']:.3g}"
+        print(f"{g['status']:>9}  {g['goal']}: {value}{interval}  ({g['detail']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

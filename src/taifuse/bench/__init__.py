@@ -1,0 +1,152 @@
+"""``taifuse.bench``: benchmark tables whose every number is measured, with its interval and method.
+
+From Python::
+
+    import taifuse.bench
+    result = taifuse.bench.run(["elementwise"], quick=True, out="bench-out")
+    print(result["rows"][0]["verdict"])
+
+From the shell: ``taifuse bench [--suite NAME ...] [--quick] [--out DIR] [--baseline FILE]
+[--compare-torch]``. Modules: :mod:`~taifuse.bench.stats` (intervals, verdicts),
+:mod:`~taifuse.bench.timing` and :mod:`~taifuse.bench.harness` (fresh processes, ABBA pairs),
+:mod:`~taifuse.bench.roofline`, :mod:`~taifuse.bench.env`, :mod:`~taifuse.bench.report`,
+:mod:`~taifuse.bench.baseline`, and the suites in :mod:`taifuse.bench.suites`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from taifuse.bench.case import Case, Variant
+from taifuse.bench.harness import FULL, QUICK, Plan
+
+__all__ = ["FULL", "QUICK", "Case", "Plan", "Variant", "run"]
+
+
+def _active_backend() -> tuple[str, dict]:
+    from taifuse import backends
+
+    return backends.get_backend(), backends.active().describe()
+
+
+def _progress(total: int, enabled: bool):
+    if enabled:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, unit="process", desc="taifuse bench", file=sys.stderr, leave=False)
+        except ImportError:
+            pass
+    return None
+
+
+def run(
+    suites: Sequence[str] | None = None,
+    *,
+    quick: bool = False,
+    out: str | os.PathLike | None = None,
+    baseline: str | os.PathLike | None = None,
+    compare_torch: bool = False,
+    progress: bool = True,
+    plan: Plan | None = None,
+    command: str | None = None,
+    cases: Sequence[Case] | None = None,
+) -> dict[str, Any]:
+    """Measure the named suites (all when ``suites`` is empty) and return the result dict.
+
+    Args:
+        suites: suite names from :func:`taifuse.bench.suites.suite_names`.
+        quick: fewer processes and samples (same sizes), for CI.
+        out: directory for ``BENCHMARKS.md``, ``results.json`` (and PNGs); nothing is written if None.
+        baseline: an earlier ``results.json`` (or its directory) to compare with.
+        compare_torch: add PyTorch CPU baselines (needs torch).
+        progress: show a progress bar on stderr.
+        plan: override the amount of measuring (processes, ABBA blocks); default QUICK or FULL.
+        command: the command line recorded in the report.
+        cases: run these cases instead of whole suites (a script may drop baselines it does not
+            need with ``dataclasses.replace(case, baselines=...)``); ``suites`` is then ignored.
+            Each must come from a registered suite: worker processes rebuild cases by id.
+
+    Returns a dict with ``environment``, ``method``, ``plan``, ``rows`` and, with ``baseline``,
+    ``baseline`` (whose ``status`` is ``"regression"``, ``"ok"`` or ``"not comparable"``).
+    """
+    from taifuse.bench import baseline as baseline_mod
+    from taifuse.bench import env as env_mod
+    from taifuse.bench import harness, report
+    from taifuse.bench.suites import load_cases
+
+    if compare_torch:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            raise RuntimeError("--compare-torch needs PyTorch: pip install 'taifuse[compare]'")
+    plan = plan or (QUICK if quick else FULL)
+    cases = (
+        list(cases)
+        if cases is not None
+        else load_cases(list(suites or []), quick=quick, compare_torch=compare_torch)
+    )
+    load_before = env_mod.load_average()
+    backend, backend_info = _active_backend()
+    worker_env = dict(os.environ, TAIFUSE_BACKEND=backend)
+    if backend == "taichi" and backend_info.get("arch"):
+        worker_env["TAIFUSE_TAICHI_ARCH"] = str(backend_info["arch"])
+    bar = _progress(plan.processes * (len(cases) + 1), progress)
+
+    def step(label: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(label[-40:])
+            bar.update(1)
+
+    try:
+        raw = harness.measure(
+            cases, plan, quick=quick, compare_torch=compare_torch, env=worker_env, on_step=step
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    rows, method = harness.build_rows(cases, raw)
+    threads: dict = {}
+    for runs in raw["cases"].values():
+        for r in runs:
+            threads.update(r.get("threads", {}))
+    for r in raw["roofline"]:
+        threads.update({k: v for k, v in r.get("threads", {}).items() if k not in threads})
+    result: dict[str, Any] = {
+        "command": command or _python_call(suites, quick, out, baseline, compare_torch),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "plan": {
+            "processes": plan.processes,
+            "blocks": plan.blocks,
+            "roofline_samples": plan.roofline_samples,
+            "min_sample_ns": plan.min_sample_ns,
+            "quick": quick,
+        },
+        "suites": list(dict.fromkeys(c.suite for c in cases)),
+        "environment": {
+            **env_mod.collect(backend, backend_info, threads),
+            "load_average": {"before": load_before, "after": env_mod.load_average()},
+        },
+        "method": method,
+        "errors": raw["errors"],
+        "rows": rows,
+    }
+    if baseline is not None:
+        result["baseline"] = baseline_mod.compare(result, baseline_mod.load(baseline))
+    if out is not None:
+        result["files"] = [str(p) for p in report.write(result, Path(out))]
+    return result
+
+
+def _python_call(suites, quick, out, baseline, compare_torch) -> str:
+    args = [repr(list(suites or []))] + [f"quick={quick}", f"out={str(out)!r}"]
+    if baseline is not None:
+        args.append(f"baseline={str(baseline)!r}")
+    if compare_torch:
+        args.append("compare_torch=True")
+    return f"taifuse.bench.run({', '.join(args)})"

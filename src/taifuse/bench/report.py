@@ -1,0 +1,401 @@
+"""Writes a run's results: ``BENCHMARKS.md``, ``results.json`` and, with matplotlib, ``*.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+METHOD = """\
+Every comparison row times a candidate (taifuse on the active backend) against a baseline whose exact
+code is listed under the row. Before anything is timed, the two outputs are compared with
+`numpy.allclose` at the row's stated tolerance; a mismatch fails the row and it is never timed.
+Rows marked as bounds (a bare matrix product, a copy of the same bytes) compute something else on
+purpose and are not checked: they show how close the candidate comes to a floor.
+Each case runs in {processes} fresh worker processes, one after another. In each process every
+variant is called once (the first-call row: imports, JIT compile or cache load), warmed up until two
+calls in a row run within 1.5x of the fastest, and calibrated so one timed sample lasts at least
+{min_sample_ms:g} ms (`time.perf_counter_ns`). Then candidate A and baseline B are timed in {blocks}
+A-B-B-A blocks per process, each block giving one pair of mean times and one ratio B/A (the speedup;
+above 1 the candidate is faster). The value is the median ratio over all pairs; the 95% interval comes
+from a hierarchical bootstrap ({resamples} resamples, processes first, then pairs within each).
+The first case also times its candidate against itself (the A/A control row, same run). Verdicts:
+"faster" when the interval's lower bound clears 1 + t, "slower" when its upper bound is below
+1/(1 + t), "no measurable difference" when the whole interval lies between those, "inconclusive"
+otherwise, and "unstable" when the ratios' dispersion (1.4826 x MAD of log ratios within each
+process) exceeds {unstable:.0%}; t = max({min_effect:.0%}, A/A spread) = {threshold:.1%} in this run.
+Cache level is where the bytes one call moves (inputs + output) fit by nominal cache size.
+The roofline column divides the candidate's achieved rate by the copy bandwidth (`np.copyto` on arrays
+well past the last-level cache, bytes = read + write) or by the GEMM rate (float32 `np.matmul`),
+both measured in worker processes of this same run."""
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    if unit == "x speedup":
+        return f"{value:.3g}x"
+    if unit == "ms":
+        return f"{value:.4g} ms"
+    return f"{value:.4g} {unit}".strip()
+
+
+def _interval(row: dict) -> str:
+    if row.get("low") is None:
+        return "—"
+    unit = "x" if row["unit"] == "x speedup" else ""
+    return f"[{row['low']:.3g}{unit}, {row['high']:.3g}{unit}]"
+
+
+def _n(row: dict) -> str:
+    if not row.get("n_processes"):
+        return "0"
+    per = row["n_samples"] / row["n_processes"]
+    return (
+        f"{row['n_processes']}x{per:g}" if per == int(per) else f"{row['n_samples']} in {row['n_processes']}"
+    )
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return "—"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def _roofline(row: dict) -> str:
+    r = row.get("roofline")
+    if not r:
+        return "—"
+    return f"{r['achieved']:.3g} {r['unit']} = {r['fraction']:.0%} of {r['of']}"
+
+
+def _table(rows: list[tuple], headers: list[str]) -> str:
+    try:
+        from tabulate import tabulate
+    except ImportError as exc:
+        raise RuntimeError(
+            "taifuse bench writes its tables with tabulate: pip install 'taifuse[bench]'"
+        ) from exc
+
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _code_block(code: str) -> str:
+    return "```python\n" + code + "\n```"
+
+
+def markdown(result: dict) -> str:
+    """The whole ``BENCHMARKS.md`` text for a run's result dict."""
+    env, method, rows = result["environment"], result["method"], result["rows"]
+    lines = [
+        "# taifuse benchmarks",
+        "",
+        (
+            f"Produced by `{result['command']}` on {result['date']} (taifuse {env.get('taifuse')}, backend "
+            f"`{env.get('backend')}`, commit {str(env.get('git_commit'))[:12]}"
+            f"{', with uncommitted changes' if env.get('git_dirty') else ''}). Every number below was "
+            "measured in this run; the method and the environment follow the tables."
+        ),
+        "",
+    ]
+    load = (env.get("load_average") or {}).get("before")
+    cpus = env.get("cpus_usable") or 1
+    if load and load[0] > 0.5 * cpus:
+        lines += [
+            (
+                f"**Warning:** the 1-minute load average was {load[0]} on {cpus} CPUs when the run started: "
+                "other work shared the machine, which skews these timings."
+            ),
+            "",
+        ]
+    number = {row["id"]: i + 1 for i, row in enumerate(rows)}
+    roof = [r for r in rows if r["kind"] == "roofline"]
+    if roof:
+        lines += ["## Roofline (measured in this run)", ""]
+        lines.append(
+            _table(
+                [
+                    (
+                        number[r["id"]],
+                        r["label"],
+                        _fmt(r["value"], r["unit"]),
+                        _interval(r),
+                        _n(r),
+                        r["size"],
+                        r["cache_level"],
+                        "—",
+                        r["verdict"],
+                        f"`{r['code']}`",
+                    )
+                    for r in roof
+                ],
+                ["#", "row", "value", "95% CI", "n", "size", "cache", "roofline", "verdict", "code"],
+            )
+        )
+        lines.append("")
+    suites = list(dict.fromkeys(r["suite"] for r in rows if r["kind"] != "roofline"))
+    for suite in suites:
+        srows = [r for r in rows if r.get("suite") == suite]
+        lines += [f"## Suite: {suite}", ""]
+        table = []
+        for r in srows:
+            cand_ms = r.get("candidate_ms", {}).get("median") if r.get("candidate_ms") else None
+            base_ms = r.get("baseline_ms", {}).get("median") if r.get("baseline_ms") else None
+            bound = " (bound)" if r.get("baseline") and not r["baseline"]["same_result"] else ""
+            table.append(
+                (
+                    number[r["id"]],
+                    _cell(r["label"] + bound),
+                    _fmt(r["value"], r["unit"]),
+                    _interval(r),
+                    _n(r),
+                    _fmt(cand_ms, "ms"),
+                    _fmt(base_ms, "ms"),
+                    _cell(r["size"]),
+                    _bytes(r.get("bytes_moved")),
+                    r["cache_level"],
+                    _roofline(r),
+                    r["verdict"],
+                )
+            )
+        lines.append(
+            _table(
+                table,
+                [
+                    "#",
+                    "row",
+                    "value",
+                    "95% CI",
+                    "n (procs x pairs)",
+                    "taifuse time",
+                    "baseline time",
+                    "size",
+                    "bytes/call",
+                    "cache",
+                    "roofline",
+                    "verdict",
+                ],
+            )
+        )
+        lines += ["", "### Row details", ""]
+        for case in dict.fromkeys(r["case"] for r in srows):
+            crows = [r for r in srows if r["case"] == case]
+            lines += _case_details(crows[0])
+            for r in crows:
+                lines += _row_details(number[r["id"]], r)
+    if result.get("baseline"):
+        lines += _baseline_section(result["baseline"])
+    lines += [
+        "## Method",
+        "",
+        METHOD.format(
+            processes=result["plan"]["processes"],
+            blocks=result["plan"]["blocks"],
+            min_sample_ms=result["plan"]["min_sample_ns"] / 1e6,
+            resamples=method["resamples"],
+            unstable=method["unstable_dispersion"],
+            min_effect=method["min_effect"],
+            threshold=method["threshold"],
+        ),
+        "",
+    ]
+    lines += ["## Environment", "", _table(_env_rows(env), ["key", "value"]), ""]
+    return "\n".join(lines)
+
+
+def _case_details(r: dict) -> list[str]:
+    return [
+        f"#### {r['case']}",
+        "",
+        (
+            f"dtype {r['dtype']}, shape {r['shape']}, seed {r['seed']}, backend {r.get('backend')}, "
+            f"threads {json.dumps(r.get('threads', {}))}, {_bytes(r.get('bytes_moved'))} moved per call "
+            f"({r['cache_level']})."
+        ),
+        "",
+        f"Inputs: `{r['setup_code']}` with seed={r['seed']}.",
+        "",
+        "Candidate:",
+        "",
+        _code_block(r["candidate"]["code"]),
+        "",
+    ]
+
+
+def _row_details(num: int, r: dict) -> list[str]:
+    out = [
+        f"**{num}. {r['label']}**: {_fmt(r['value'], r['unit'])} {_interval(r)}, n={_n(r)}, {r['verdict']}."
+    ]
+    if r.get("note"):
+        out.append(f"{r['note']}.")
+    check = r.get("check")
+    if r.get("baseline") and not r["baseline"]["same_result"]:
+        out.append(f"Bound, not checked: {r['baseline']['note']}.")
+    elif check:
+        errs = (
+            f"max abs err {check['max_abs_err']:.3g}, max rel err {check['max_rel_err']:.3g}"
+            if check.get("max_abs_err") is not None
+            else check.get("reason", "")
+        )
+        status = "outputs allclose" if check["ok"] else f"OUTPUTS DIFFER ({check['reason']})"
+        out.append(f"Correctness: {status} at rtol={check['rtol']:g}, atol={check['atol']:g}; {errs}.")
+    if r.get("loops"):
+        out.append(f"Calls per timed sample, per process: {json.dumps(r['loops'])}.")
+    out.append("")
+    if r.get("baseline") and r["kind"] == "compare":
+        out += [f"Baseline ({r['baseline']['label']}):", "", _code_block(r["baseline"]["code"]), ""]
+    return out
+
+
+def _baseline_section(cmp: dict) -> list[str]:
+    lines = ["## Against the baseline run", ""]
+    if cmp["status"] == "not comparable":
+        lines += [
+            "**Not comparable**: the environment fingerprint differs: " + "; ".join(cmp["differences"]),
+            "",
+        ]
+        return lines
+    lines += [
+        (
+            f"Threshold {cmp['threshold']:.1%}; {cmp['regressions']} regression(s) in "
+            f"{cmp['compared_rows']} compared row(s). Change = new speedup / old speedup."
+        ),
+        "",
+    ]
+    lines.append(
+        _table(
+            [
+                (
+                    _cell(r["label"]),
+                    _fmt(r["old"], "x speedup"),
+                    _fmt(r["new"], "x speedup"),
+                    _fmt(r.get("value"), "x speedup"),
+                    "—" if r["low"] is None else f"[{r['low']:.3g}, {r['high']:.3g}]",
+                    r["verdict"],
+                )
+                for r in cmp["rows"]
+            ],
+            ["row", "old", "new", "change", "95% CI", "verdict"],
+        )
+    )
+    return lines + [""]
+
+
+def _env_rows(env: dict) -> list[tuple[str, str]]:
+    caches = ", ".join(
+        f"L{c['level']} {c['type'].lower()} {_bytes(c['bytes'])}" for c in env.get("caches", [])
+    )
+    timer = env.get("timer", {})
+    rows = [
+        ("CPU", env.get("cpu_model")),
+        ("cores (logical / usable)", f"{env.get('logical_cpus')} / {env.get('cpus_usable')}"),
+        ("caches (cpu0)", caches or "unknown"),
+        ("memory", f"{env.get('memory_gib')} GiB"),
+        ("OS / kernel", f"{env.get('os')} / {env.get('kernel')}"),
+        ("Python", f"{env.get('python')} ({env.get('python_implementation')})"),
+        ("NumPy", env.get("numpy")),
+        ("NumPy BLAS", env.get("blas")),
+        ("numba", env.get("numba")),
+        ("taichi", env.get("taichi")),
+        ("torch", env.get("torch")),
+        ("taifuse backend", f"{env.get('backend')} {json.dumps(env.get('backend_info'))}"),
+        ("Taichi arch", env.get("taichi_arch")),
+        ("threads", json.dumps(env.get("threads"))),
+        ("thread environment", json.dumps(env.get("thread_env"))),
+        ("git", f"{env.get('git_commit')} ({'dirty' if env.get('git_dirty') else 'clean'})"),
+        (
+            "timer",
+            (
+                f"{timer.get('clock')} ({timer.get('implementation')}), advertised "
+                f"{timer.get('advertised_resolution_ns', 0):g} ns, "
+                f"smallest step {timer.get('smallest_step_ns')} ns"
+            ),
+        ),
+        (
+            "load average (1/5/15 min) before / after",
+            (
+                f"{(env.get('load_average') or {}).get('before')} / "
+                f"{(env.get('load_average') or {}).get('after')}"
+            ),
+        ),
+        ("fingerprint", env.get("fingerprint")),
+    ]
+    return [(k, _cell(str(v))) for k, v in rows]
+
+
+def write(result: dict, out_dir: str | Path) -> list[Path]:
+    """Write ``BENCHMARKS.md`` and ``results.json`` (and PNGs when matplotlib is importable)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "BENCHMARKS.md", out / "results.json"]
+    paths[0].write_text(markdown(result))
+    paths[1].write_text(json.dumps(result, indent=1, default=_json_default, allow_nan=False))
+    paths += _plots(result, out)
+    return paths
+
+
+def _json_default(value):
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _plots(result: dict, out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for suite in dict.fromkeys(r["suite"] for r in result["rows"] if r["kind"] != "roofline"):
+        rows = [
+            r
+            for r in result["rows"]
+            if r.get("suite") == suite and r["kind"] in ("compare", "control") and r["value"] is not None
+        ]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+        y = range(len(rows))
+        ax.errorbar(
+            [r["value"] for r in rows],
+            list(y),
+            fmt="o",
+            xerr=[[r["value"] - r["low"] for r in rows], [r["high"] - r["value"] for r in rows]],
+        )
+        ax.axvline(1.0, color="grey", lw=0.8)
+        ax.set_yticks(list(y), [r["label"] for r in rows], fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("speedup (baseline time / taifuse time), 95% CI")
+        fig.tight_layout()
+        path = out / f"{suite}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def summary(result: dict) -> str:
+    """A compact console table: each row's value, interval, n and verdict."""
+    table = [
+        (
+            r["label"],
+            _fmt(r["value"], r["unit"]),
+            _interval(r),
+            _n(r),
+            r["cache_level"],
+            _roofline(r),
+            r["verdict"],
+        )
+        for r in result["rows"]
+    ]
+    text = _table(table, ["row", "value", "95% CI", "n", "cache", "roofline", "verdict"])
+    if result.get("errors"):
+        text += "\n" + "\n".join(f"error in {case}: {msg}" for case, msg in result["errors"].items())
+    return text

@@ -1,0 +1,276 @@
+"""Elementwise suite: taifuse's kernels on the active backend against the strongest NumPy code
+(in-place ufuncs into preallocated buffers, ``x*x*x`` rather than ``x**3``) and PyTorch CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from taifuse.bench.case import Case, Variant
+from taifuse.bench.env import largest_cache_bytes
+
+SUITE = "elementwise"
+N = 4 * 1024 * 1024  # 16 MiB per float32 array: past L2, and past L3 on most machines
+ROWS, COLS = 4096, 1024  # the same element count as a 2-D activation map for affine
+_TAIFUSE = ("numpy as np", "taifuse.functional as F")
+_TORCH = ("numpy as np", "torch", "torch.nn.functional as TF")
+_OUT = "out = np.empty_like(x)"
+
+
+# NumPy has no erf: Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7) evaluated in place is the
+# strongest pure-NumPy exact-GELU we know of; np.vectorize(math.erf) would be a strawman.
+def numpy_gelu_erf(x: str = "x") -> str:
+    """In-place NumPy exact GELU of the array named ``x`` into ``out`` (scratch ``t``, ``u``)."""
+    return f"""
+np.multiply({x}, 0.7071067811865476, out=u)
+np.abs(u, out=u)
+np.multiply(u, 0.3275911, out=t)
+t += 1.0
+np.reciprocal(t, out=t)
+np.multiply(t, 1.061405429, out=out)
+out -= 1.453152027
+out *= t
+out += 1.421413741
+out *= t
+out -= 0.284496736
+out *= t
+out += 0.254829592
+out *= t
+np.square(u, out=u)
+np.negative(u, out=u)
+np.exp(u, out=u)
+out *= u
+np.subtract(2.0, out, out=out, where={x} >= 0)
+out *= {x}
+out *= 0.5
+"""
+
+
+def numpy_gelu_tanh(x: str = "x") -> str:
+    """In-place NumPy tanh-GELU of the array named ``x`` into ``out`` (scratch ``t``)."""
+    return f"""
+np.multiply({x}, {x}, out=t)
+t *= {x}
+t *= 0.044715
+t += {x}
+t *= 0.7978845608028654
+np.tanh(t, out=t)
+t += 1.0
+np.multiply({x}, t, out=out)
+out *= 0.5
+"""
+
+
+_NUMPY_SILU = """
+np.negative(x, out=t)
+np.exp(t, out=t)
+t += 1.0
+np.divide(x, t, out=out)
+"""
+
+
+def _unary_inputs(seed: int, n: int = N) -> dict:
+    return {"x": np.random.default_rng(seed).standard_normal(n, dtype=np.float32)}
+
+
+def dram_elements() -> int:
+    """float32 elements per array for a working set (input + output) of 4x the largest cache."""
+    largest = largest_cache_bytes() or 64 * 2**20
+    return max(N, (4 * largest // 8) // 2**20 * 2**20)
+
+
+def _binary_inputs(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"a": rng.standard_normal(N, dtype=np.float32), "b": rng.standard_normal(N, dtype=np.float32)}
+
+
+def _affine_inputs(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((ROWS, COLS), dtype=np.float32),
+        "scale": rng.standard_normal(COLS, dtype=np.float32),
+        "bias": rng.standard_normal(COLS, dtype=np.float32),
+    }
+
+
+_UNARY_SETUP = f"x = np.random.default_rng(seed).standard_normal({N}, dtype=np.float32)"
+_BINARY_SETUP = (
+    f"rng = np.random.default_rng(seed); a, b = (rng.standard_normal({N}, dtype=np.float32) for _ in 'ab')"
+)
+_AFFINE_SETUP = (
+    f"rng = np.random.default_rng(seed); x = rng.standard_normal(({ROWS}, {COLS}), dtype=np.float32); "
+    f"scale, bias = (rng.standard_normal({COLS}, dtype=np.float32) for _ in 'sb')"
+)
+
+
+def _torch(code: str, prepare: str = "xt = torch.from_numpy(x)", result: str = "y") -> Variant:
+    return Variant(
+        "torch",
+        code,
+        result=result,
+        prepare=prepare,
+        imports=_TORCH,
+        note="PyTorch CPU on zero-copy views of the same NumPy inputs",
+    )
+
+
+def _unary_case(
+    name: str,
+    taifuse_code: str,
+    numpy_code: str,
+    torch_code: str,
+    scratch: str,
+    quick: bool,
+    compare_torch: bool,
+    extra_baselines: tuple[Variant, ...] = (),
+) -> Case:
+    baselines = [
+        Variant(
+            "numpy",
+            numpy_code,
+            prepare=f"{_OUT}\n{scratch}",
+            note="in-place NumPy ufuncs into preallocated buffers",
+        )
+    ]
+    if compare_torch:
+        baselines.append(_torch(f"y = {torch_code}"))
+    baselines.extend(extra_baselines)
+    return Case(
+        suite=SUITE,
+        name=name,
+        setup=_unary_inputs,
+        setup_code=_UNARY_SETUP,
+        candidate=Variant("taifuse", taifuse_code, prepare=_OUT, imports=_TAIFUSE),
+        baselines=tuple(baselines),
+        dtype="float32",
+        shape=f"({N},)",
+        bytes_moved=2 * 4 * N,
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
+    """The elementwise cases (the same list in quick mode: each is cheap, and quick only cuts samples)."""
+    copy_bound = Variant(
+        "copy bound",
+        "np.copyto(out, x)",
+        prepare=_OUT,
+        same_result=False,
+        note="not the same function: a copy of the same bytes, the in-cache roofline for this size",
+    )
+    out = [
+        _unary_case(
+            "gelu(approximate='tanh')",
+            "F.gelu(x, approximate='tanh', out=out)",
+            numpy_gelu_tanh(),
+            "TF.gelu(xt, approximate='tanh')",
+            "t = np.empty_like(x)",
+            quick,
+            compare_torch,
+            (copy_bound,),
+        ),
+        _unary_case(
+            "gelu(approximate='none')",
+            "F.gelu(x, approximate='none', out=out)",
+            numpy_gelu_erf(),
+            "TF.gelu(xt)",
+            "t = np.empty_like(x)\nu = np.empty_like(x)",
+            quick,
+            compare_torch,
+        ),
+        _unary_case(
+            "silu",
+            "F.silu(x, out=out)",
+            _NUMPY_SILU,
+            "TF.silu(xt)",
+            "t = np.empty_like(x)",
+            quick,
+            compare_torch,
+        ),
+    ]
+    add_baselines = [
+        Variant(
+            "numpy", "np.add(a, b, out=out)\nnp.maximum(out, 0.0, out=out)", prepare="out = np.empty_like(a)"
+        )
+    ]
+    if compare_torch:
+        add_baselines.append(
+            _torch(
+                "torch.add(at, bt, out=ot)\not.relu_()",
+                result="ot",
+                prepare="at, bt = torch.from_numpy(a), torch.from_numpy(b)\not = torch.empty_like(at)",
+            )
+        )
+    out.append(
+        Case(
+            suite=SUITE,
+            name="add_relu",
+            setup=_binary_inputs,
+            setup_code=_BINARY_SETUP,
+            candidate=Variant(
+                "taifuse", "F.add_relu(a, b, out=out)", prepare="out = np.empty_like(a)", imports=_TAIFUSE
+            ),
+            baselines=tuple(add_baselines),
+            dtype="float32",
+            shape=f"({N},) + ({N},)",
+            bytes_moved=3 * 4 * N,
+            rtol=1e-6,
+            atol=1e-6,
+        )
+    )
+    affine_baselines = [Variant("numpy", "np.multiply(x, scale, out=out)\nout += bias", prepare=_OUT)]
+    if compare_torch:
+        affine_baselines.append(
+            _torch(
+                "torch.addcmul(bt, xt, st, out=ot)",
+                result="ot",
+                prepare=(
+                    "xt, st, bt = (torch.from_numpy(v) for v in (x, scale, bias))\not = torch.empty_like(xt)"
+                ),
+            )
+        )
+    out.append(
+        Case(
+            suite=SUITE,
+            name="affine",
+            setup=_affine_inputs,
+            setup_code=_AFFINE_SETUP,
+            candidate=Variant("taifuse", "F.affine(x, scale, bias, out=out)", prepare=_OUT, imports=_TAIFUSE),
+            baselines=tuple(affine_baselines),
+            dtype="float32",
+            shape=f"({ROWS}, {COLS}) * ({COLS},) + ({COLS},)",
+            bytes_moved=2 * 4 * ROWS * COLS + 2 * 4 * COLS,
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    )
+    out.append(_past_last_cache_case())
+    return out
+
+
+def _past_last_cache_case() -> Case:
+    # On machines whose last-level cache holds the 4M-element arrays, this row shows the DRAM case.
+    n = dram_elements()
+    return Case(
+        suite=SUITE,
+        name=f"gelu(approximate='tanh'), {n // 2**20}M elements",
+        setup=functools.partial(_unary_inputs, n=n),
+        setup_code=f"x = np.random.default_rng(seed).standard_normal({n}, dtype=np.float32)",
+        candidate=Variant(
+            "taifuse", "F.gelu(x, approximate='tanh', out=out)", prepare=_OUT, imports=_TAIFUSE
+        ),
+        baselines=(
+            Variant(
+                "copy bound",
+                "np.copyto(out, x)",
+                prepare=_OUT,
+                same_result=False,
+                note="not the same function: a copy of the same bytes, the DRAM roofline at this size",
+            ),
+        ),
+        dtype="float32",
+        shape=f"({n},)",
+        bytes_moved=2 * 4 * n,
+    )

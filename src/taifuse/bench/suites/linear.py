@@ -1,0 +1,110 @@
+"""Fused linear + activation: taifuse ``linear(x, w, b, activation)`` against the bare BLAS product
+(a lower bound), NumPy's product followed by separate bias and activation passes, and PyTorch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from taifuse.bench.case import Case, Variant
+from taifuse.bench.suites.elementwise import numpy_gelu_erf, numpy_gelu_tanh
+
+SUITE = "linear"
+BATCH, IN_FEATURES, OUT_FEATURES = 4096, 1024, 768
+_TAIFUSE = ("numpy as np", "taifuse.functional as F")
+_TORCH = ("numpy as np", "torch", "torch.nn.functional as TF")
+_OUT = f"out = np.empty(({BATCH}, {OUT_FEATURES}), dtype=np.float32)"
+
+# NumPy epilogues applied in place to the biased product `y`, written into `out`.
+_NUMPY_EPILOGUE = {
+    "gelu": numpy_gelu_erf("y"),
+    "gelu_tanh": numpy_gelu_tanh("y"),
+    "relu": "np.maximum(y, 0.0, out=out)",
+}
+_TORCH_ACT = {
+    "gelu": "TF.gelu({})",
+    "gelu_tanh": "TF.gelu({}, approximate='tanh')",
+    "relu": "TF.relu({})",
+}
+
+
+def _inputs(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    # Weights scaled like torch.nn.Linear's init so activations land where GELU is not trivial.
+    scale = np.float32(1.0 / math.sqrt(IN_FEATURES))
+    return {
+        "x": rng.standard_normal((BATCH, IN_FEATURES), dtype=np.float32),
+        "w": rng.standard_normal((OUT_FEATURES, IN_FEATURES), dtype=np.float32) * scale,
+        "b": rng.standard_normal(OUT_FEATURES, dtype=np.float32) * scale,
+    }
+
+
+_SETUP = (
+    "rng = np.random.default_rng(seed); scale = np.float32(1 / math.sqrt(IN_FEATURES)); "
+    f"x = rng.standard_normal(({BATCH}, {IN_FEATURES}), dtype=np.float32); "
+    f"w = rng.standard_normal(({OUT_FEATURES}, {IN_FEATURES}), dtype=np.float32) * scale; "
+    f"b = rng.standard_normal({OUT_FEATURES}, dtype=np.float32) * scale  # IN_FEATURES = {IN_FEATURES}"
+)
+
+
+def _numpy_separate(activation: str) -> Variant:
+    code = f"np.matmul(x, w.T, out=y)\ny += b\n{_NUMPY_EPILOGUE[activation].strip()}"
+    prepare = f"{_OUT}\ny = np.empty_like(out)\nt = np.empty_like(out)\nu = np.empty_like(out)"
+    return Variant(
+        "numpy separate",
+        code,
+        prepare=prepare,
+        note="np.matmul into a buffer, then bias and activation as separate in-place NumPy passes",
+    )
+
+
+def _case(activation: str, compare_torch: bool) -> Case:
+    baselines = [
+        Variant(
+            "bare matmul",
+            "np.matmul(x, w.T, out=out)",
+            prepare=_OUT,
+            same_result=False,
+            note="not the same function: the BLAS product alone, the lower bound of any fused linear",
+        ),
+        _numpy_separate(activation),
+    ]
+    if compare_torch:
+        baselines.append(
+            Variant(
+                "torch",
+                "y = " + _TORCH_ACT[activation].format("TF.linear(xt, wt, bt)"),
+                result="y",
+                prepare="xt, wt, bt = (torch.from_numpy(v) for v in (x, w, b))",
+                imports=_TORCH,
+                note="PyTorch CPU gelu(linear(x)) on zero-copy views of the same inputs",
+            )
+        )
+    flops = 2 * BATCH * IN_FEATURES * OUT_FEATURES
+    return Case(
+        suite=SUITE,
+        name=f"linear(activation='{activation}')",
+        setup=_inputs,
+        setup_code=_SETUP,
+        candidate=Variant(
+            "taifuse",
+            f"F.linear(x, w, b, activation='{activation}', out=out)",
+            prepare=_OUT,
+            imports=_TAIFUSE,
+        ),
+        baselines=tuple(baselines),
+        dtype="float32",
+        shape=f"x ({BATCH}, {IN_FEATURES}) @ w ({OUT_FEATURES}, {IN_FEATURES}).T + b ({OUT_FEATURES},)",
+        bytes_moved=4
+        * (BATCH * IN_FEATURES + OUT_FEATURES * IN_FEATURES + OUT_FEATURES + BATCH * OUT_FEATURES),
+        flops=flops,
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
+    """GELU (exact) in quick mode; GELU-tanh and ReLU epilogues as well in the full run."""
+    activations = ("gelu",) if quick else ("gelu", "gelu_tanh", "relu")
+    return [_case(a, compare_torch) for a in activations]

@@ -1,0 +1,166 @@
+"""The benchmark statistics on synthetic samples, and the correctness gate of the harness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taifuse.bench import harness, stats
+from taifuse.bench.case import Case, Variant, check_outputs
+from taifuse.bench.worker import measure_case
+
+PROCESSES, PAIRS = 5, 30
+
+
+def synthetic_times(ratio: float, *, noise: float = 0.03, process_noise: float = 0.10, seed: int = 0):
+    """Per-process candidate/baseline times with a true speedup ``ratio`` (baseline = ratio x candidate).
+
+    Each process gets its own speed factor (shared by both sides, as a slow process slows both);
+    each sample gets independent lognormal noise.
+    """
+    rng = np.random.default_rng(seed)
+    cand, base = [], []
+    for _ in range(PROCESSES):
+        speed = np.exp(rng.normal(0.0, process_noise))
+        cand.append(1e6 * speed * np.exp(rng.normal(0.0, noise, PAIRS)))
+        base.append(1e6 * speed * ratio * np.exp(rng.normal(0.0, noise, PAIRS)))
+    return cand, base
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.8, 1.0, 1.3, 2.0, 7.5])
+def test_known_ratio_lands_inside_interval(ratio):
+    cand, base = synthetic_times(ratio, seed=int(ratio * 100))
+    est = stats.speedup(cand, base)
+    assert est.low <= ratio <= est.high
+    assert est.low <= est.median <= est.high
+    assert (est.n_processes, est.n_samples) == (PROCESSES, PROCESSES * PAIRS)
+
+
+def test_interval_covers_true_ratio_in_most_experiments():
+    covered = 0
+    trials = 40
+    for seed in range(trials):
+        cand, base = synthetic_times(1.5, noise=0.05, seed=1000 + seed)
+        est = stats.speedup(cand, base, seed=seed)
+        covered += est.low <= 1.5 <= est.high
+    # A 95% interval from 5 processes: allow some under-coverage, but not a broken interval.
+    assert covered / trials >= 0.85
+
+
+def test_a_vs_a_says_no_measurable_difference():
+    cand, _ = synthetic_times(1.0, seed=7)
+    rng = np.random.default_rng(9)
+    # The same code on both sides: same process speed, independent sample noise.
+    again = [c * np.exp(rng.normal(0.0, 0.03, c.size)) for c in cand]
+    est = stats.speedup(cand, again)
+    assert stats.verdict(est, stats.threshold()) == stats.NO_DIFFERENCE
+    assert stats.control_spread(est) < stats.MIN_EFFECT
+
+
+def test_planted_2x_says_faster_and_half_says_slower():
+    cand, base = synthetic_times(2.0, seed=3)
+    assert stats.verdict(stats.speedup(cand, base), stats.threshold()) == stats.FASTER
+    assert stats.verdict(stats.speedup(base, cand), stats.threshold()) == stats.SLOWER
+
+
+def test_wild_dispersion_says_unstable():
+    cand, base = synthetic_times(2.0, noise=0.8, seed=4)
+    est = stats.speedup(cand, base)
+    assert est.dispersion > stats.UNSTABLE_DISPERSION
+    assert stats.verdict(est, stats.threshold()) == stats.UNSTABLE
+
+
+def test_verdict_boundaries():
+    def est(low, high):
+        return stats.Estimate(
+            median=(low + high) / 2, low=low, high=high, n_processes=5, n_samples=100, dispersion=0.01
+        )
+
+    assert stats.verdict(est(1.06, 1.2), 0.05) == stats.FASTER
+    assert stats.verdict(est(1.0, 1.1), 0.05) == stats.INCONCLUSIVE
+    assert stats.verdict(est(0.97, 1.04), 0.05) == stats.NO_DIFFERENCE
+    assert stats.verdict(est(0.5, 0.9), 0.05) == stats.SLOWER
+    # A noisy A/A control raises the bar: an 8% speedup is no longer a difference.
+    control = est(0.9, 1.12)
+    limit = stats.threshold(control)
+    assert limit == pytest.approx(0.12)
+    assert stats.verdict(est(1.08, 1.1), limit) == stats.NO_DIFFERENCE
+    assert "verified" not in " ".join(stats.VERDICTS)
+
+
+def test_bootstrap_is_seeded_and_handles_unequal_processes():
+    groups = [np.arange(1.0, 11.0), np.arange(1.0, 4.0), np.array([5.0])]
+    a = stats.bootstrap_distribution(groups, seed=1, resamples=500)
+    b = stats.bootstrap_distribution(groups, seed=1, resamples=500)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (500,)
+    assert np.all((a >= 1.0) & (a <= 10.0))
+
+
+def test_resampling_processes_widens_interval_when_processes_disagree():
+    # Same pairs noise, but processes that disagree by 20%: the interval must reflect it.
+    steady = [np.full(PAIRS, 2.0) * np.exp(np.random.default_rng(s).normal(0, 0.02, PAIRS)) for s in range(5)]
+    spread = [g * f for g, f in zip(steady, (0.8, 0.9, 1.0, 1.1, 1.2))]
+    assert stats.estimate(spread).high - stats.estimate(spread).low > 3 * (
+        stats.estimate(steady).high - stats.estimate(steady).low
+    )
+
+
+def test_change_between_runs():
+    cand, base = synthetic_times(2.0, seed=11)
+    ratios = [b / a for a, b in zip(cand, base)]
+    same = stats.change(ratios, ratios)
+    assert same.low <= 1.0 <= same.high
+    assert stats.verdict(same, stats.threshold()) == stats.NO_DIFFERENCE
+    halved = stats.change([r / 2 for r in ratios], ratios)
+    assert stats.verdict(halved, stats.threshold()) == stats.SLOWER
+
+
+def test_pair_ratios_rejects_bad_input():
+    with pytest.raises(ValueError, match="one sample per pair"):
+        stats.pair_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        stats.pair_ratios([0.0], [1.0])
+    with pytest.raises(ValueError, match="at least one"):
+        stats.estimate([[]])
+
+
+def _tiny_case(baseline_code: str) -> Case:
+    return Case(
+        suite="test",
+        name="double",
+        setup=lambda seed: {"x": np.random.default_rng(seed).random(4096)},
+        setup_code="x = rng.random(4096)",
+        candidate=Variant("candidate", "np.multiply(x, 2.0, out=out)", prepare="out = np.empty_like(x)"),
+        baselines=(
+            Variant("good", "np.add(x, x, out=out)", prepare="out = np.empty_like(x)"),
+            Variant("wrong", baseline_code, prepare="out = np.empty_like(x)"),
+        ),
+        dtype="float64",
+        shape="(4096,)",
+        bytes_moved=2 * 8 * 4096,
+    )
+
+
+def test_planted_mismatch_fails_the_row_and_is_never_timed():
+    case = _tiny_case("np.multiply(x, 2.001, out=out)")
+    pairs = harness.comparisons(case, control=True)
+    run = measure_case(case, pairs, blocks=3, min_sample_ns=100_000)
+    assert run["failed"] == ["wrong"]
+    assert not run["checks"]["wrong"]["ok"] and run["checks"]["good"]["ok"]
+    assert "candidate|wrong" not in run["samples"]
+    assert len(run["samples"]["candidate|good"]["a"]) == 3
+    rows = harness.case_rows(case, [run, run], {"copy_gbps": 10.0, "gemm_gflops": 100.0}, 0.05, control=True)
+    by_label = {r["baseline"]["label"]: r for r in rows if r["kind"] in ("compare", "control")}
+    assert by_label["wrong"]["verdict"] == stats.FAILED
+    assert by_label["wrong"]["value"] is None
+    assert by_label["good"]["value"] is not None and by_label["good"]["verdict"] in stats.VERDICTS
+    assert by_label["candidate"]["kind"] == "control"
+
+
+def test_check_outputs_catches_shape_and_dtype():
+    x = np.ones(4, dtype=np.float32)
+    assert check_outputs(x, x.copy(), 1e-6, 1e-6)["ok"]
+    assert "dtype" in check_outputs(x, x.astype(np.float64), 1e-6, 1e-6)["reason"]
+    assert "shape" in check_outputs(x, x[:3], 1e-6, 1e-6)["reason"]
+    assert not check_outputs(x, x + 1e-3, 1e-6, 1e-6)["ok"]
