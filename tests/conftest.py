@@ -1,0 +1,113 @@
+"""pytest configuration: the ``backend`` fixture, the hypothesis profile, and the CI guard that a
+required GPU backend (Vulkan on Linux CI, Metal on the macOS job) really ran.
+
+Every test that takes ``backend`` runs once per param in ``helpers.BACKEND_PARAMS``. The fixture is
+session-scoped, so pytest groups the tests by backend and Taichi switches arch a few times per run
+instead of once per test. A backend that is absent (its package not installed, or for the GPU
+params the Vulkan/Metal runtime) is skipped, and one that is installed but fails to start fails;
+an absent backend fails too when it is required: ``TAIFUSE_REQUIRE_VULKAN=1`` / ``TAIFUSE_REQUIRE_METAL=1``
+or ``--require-backend=taichi-vulkan``, which CI sets, turn that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+from helpers import BACKEND_PARAMS, BackendSpec, start
+from hypothesis import HealthCheck, settings
+
+REQUIRE_ENV = {"taichi-vulkan": "TAIFUSE_REQUIRE_VULKAN", "taichi-metal": "TAIFUSE_REQUIRE_METAL"}
+
+# Hypothesis: a modest number of examples (CI has 2 cores and every example runs on every backend),
+# no deadline (the first call of a Taichi or Numba kernel compiles it), and on CI a fixed
+# derandomized sequence so a red run can be reproduced.
+settings.register_profile(
+    "taifuse",
+    max_examples=int(os.environ.get("TAIFUSE_HYPOTHESIS_EXAMPLES", "10")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=os.environ.get("CI", "").lower() in ("1", "true", "yes"),
+    print_blob=True,
+)
+settings.load_profile("taifuse")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-backend",
+        action="append",
+        default=[],
+        choices=BACKEND_PARAMS,
+        help="fail (instead of skipping) when this backend is unavailable or none of its tests passed",
+    )
+
+
+def required_backends(config: pytest.Config) -> set[str]:
+    required = set(config.getoption("--require-backend"))
+    for param, env in REQUIRE_ENV.items():
+        if os.environ.get(env, "") == "1":
+            required.add(param)
+    return required
+
+
+@pytest.fixture(scope="session", params=BACKEND_PARAMS)
+def backend(request: pytest.FixtureRequest) -> BackendSpec:
+    """The backend under test, started and active (a ``helpers.BackendSpec``)."""
+    spec = BackendSpec(request.param)
+    reason = start(spec)
+    if reason is not None:
+        if not spec.may_be_absent:
+            # Its package is installed, so failing to start is a bug, not an absence.
+            pytest.fail(f"{spec.param} failed to start: {reason}", pytrace=False)
+        if spec.param in required_backends(request.config):
+            pytest.fail(f"{spec.param} is required on this run but unavailable: {reason}", pytrace=False)
+        pytest.skip(f"{spec.param} unavailable: {reason}")
+    return spec
+
+
+_passed: Counter[str] = Counter()
+# Tests outside the backend fixture that need a GPU backend say so with a marker (pyproject.toml).
+MARKERS = {"taichi-vulkan": "vulkan"}
+
+
+def _required_for(item: pytest.Item) -> str | None:
+    """The required backend this test exercises, if any."""
+    required = required_backends(item.config)
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") in required:
+        return callspec.params["backend"]
+    for param, marker in MARKERS.items():
+        if param in required and item.get_closest_marker(marker) is not None:
+            return param
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    param = _required_for(item)
+    if param is None:
+        return
+    if report.skipped:
+        # "CI must fail if the Vulkan tests were skipped": a skip of a required backend is a failure.
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{param} is required on this run, but this test was skipped: {reason}"
+    elif report.when == "call" and report.passed:
+        _passed[param] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Skips of a required backend already fail (above); this catches a run in which none of its
+    # tests ran at all (all deselected, or none collected): a required backend must have run.
+    missing = [p for p in sorted(required_backends(session.config)) if _passed[p] == 0]
+    if missing and session.exitstatus == 0:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"REQUIRED BACKEND DID NOT RUN: no test passed on {', '.join(missing)}"
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(message, red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
