@@ -14,13 +14,22 @@ Example::
 from taifuse._random import manual_seed
 from taifuse.backends import available_backends, get_backend, set_backend, use_backend
 
+# NOTE: after this import ``taifuse.tensor`` is the function, not the module (as ``torch.tensor``);
+# import the module's other names with ``from taifuse.tensor import ...``.
+from taifuse.tensor import Tensor, enable_grad, is_grad_enabled, no_grad, tensor
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "Tensor",
     "__version__",
     "available_backends",
+    "enable_grad",
     "get_backend",
+    "is_grad_enabled",
     "manual_seed",
+    "no_grad",
     "set_backend",
+    "tensor",
     "use_backend",
 ]

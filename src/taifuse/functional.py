@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from taifuse import _random, backends
+from taifuse.tensor import Tensor
 
 __all__ = [
     "gelu",
@@ -39,6 +40,8 @@ __all__ = [
     "log_softmax",
     "layer_norm",
     "dropout",
+    "mse_loss",
+    "cross_entropy",
 ]
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
@@ -94,6 +97,9 @@ class _Call:
             raise ValueError(f"{self.op}: out should be C-contiguous")
         if isinstance(out, np.ndarray) and not out.flags.writeable:
             raise ValueError(f"{self.op}: out is read-only")
+        if isinstance(out, np.ndarray) and not self.be.is_array(out):
+            # A device backend computes into its own buffer; result() copies that into `out`.
+            return self.be.empty(shape, dtype)
         return out
 
     def result(self, value: Any, out: Any = None):
@@ -129,6 +135,17 @@ def _normalize_dim(dim: Any, ndim: int, op: str) -> int:
     return int(dim) % max(ndim, 1)
 
 
+def _has_tensor(*args: Any) -> bool:
+    return any(isinstance(a, Tensor) for a in args)
+
+
+def _tensor_op(op: str, out: Any, *args: Any) -> Any:
+    """``op`` on Tensor arguments: its differentiable version in ``taifuse._autograd_ops``."""
+    from taifuse import _autograd_ops  # it imports this module
+
+    return _autograd_ops.call(op, out, *args)
+
+
 def _reshape(arr, shape: tuple[int, ...]):
     return arr.reshape(shape)
 
@@ -157,6 +174,8 @@ def gelu(x: Any, approximate: str = "none", *, out: Any = None) -> Any:
         >>> F.gelu(np.array([0.0, 1.0], dtype=np.float32)).round(4)
         array([0.    , 0.8413], dtype=float32)
     """
+    if _has_tensor(x):
+        return _tensor_op("gelu", out, x, approximate)
     if approximate not in _APPROXIMATIONS:
         raise ValueError(f"gelu: approximate should be one of {_APPROXIMATIONS}, got {approximate!r}")
     return _unary("gelu", x, out, (approximate,))
@@ -164,27 +183,37 @@ def gelu(x: Any, approximate: str = "none", *, out: Any = None) -> Any:
 
 def relu(x: Any, *, out: Any = None) -> Any:
     """max(x, 0) elementwise."""
+    if _has_tensor(x):
+        return _tensor_op("relu", out, x)
     return _unary("relu", x, out)
 
 
 def leaky_relu(x: Any, negative_slope: float = 0.01, *, out: Any = None) -> Any:
     """x if x > 0 else negative_slope * x."""
+    if _has_tensor(x):
+        return _tensor_op("leaky_relu", out, x, negative_slope)
     slope = _check_finite_number(negative_slope, "leaky_relu", "negative_slope")
     return _unary("leaky_relu", x, out, (slope,))
 
 
 def silu(x: Any, *, out: Any = None) -> Any:
     """x * sigmoid(x) (also called swish)."""
+    if _has_tensor(x):
+        return _tensor_op("silu", out, x)
     return _unary("silu", x, out)
 
 
 def sigmoid(x: Any, *, out: Any = None) -> Any:
     """1 / (1 + exp(-x)), without overflow for large |x|."""
+    if _has_tensor(x):
+        return _tensor_op("sigmoid", out, x)
     return _unary("sigmoid", x, out)
 
 
 def tanh(x: Any, *, out: Any = None) -> Any:
     """Hyperbolic tangent elementwise."""
+    if _has_tensor(x):
+        return _tensor_op("tanh", out, x)
     return _unary("tanh", x, out)
 
 
@@ -216,11 +245,15 @@ def _broadcast(call: _Call, arr, shape: tuple[int, ...]):
 
 def add_relu(a: Any, b: Any, *, out: Any = None) -> Any:
     """relu(a + b) in one pass (a and b broadcast as in NumPy)."""
+    if _has_tensor(a, b):
+        return _tensor_op("add_relu", out, a, b)
     return _binary("add_relu", a, b, out)
 
 
 def mul_relu(a: Any, b: Any, *, out: Any = None) -> Any:
     """relu(a * b) in one pass (a and b broadcast as in NumPy)."""
+    if _has_tensor(a, b):
+        return _tensor_op("mul_relu", out, a, b)
     return _binary("mul_relu", a, b, out)
 
 
@@ -236,6 +269,8 @@ def affine(x: Any, scale: Any, bias: Any, *, out: Any = None) -> Any:
         array([[1.5, 2.5, 3.5],
                [1.5, 2.5, 3.5]], dtype=float32)
     """
+    if _has_tensor(x, scale, bias):
+        return _tensor_op("affine", out, x, scale, bias)
     call = _Call("affine")
     xa = call.array(x, "x")
     if xa.ndim == 0:
@@ -244,8 +279,10 @@ def affine(x: Any, scale: Any, bias: Any, *, out: Any = None) -> Any:
     params = []
     for argname, value in (("scale", scale), ("bias", bias)):
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            value = np.full((features,), value, dtype=xa.dtype)
-        arr = call.array(value, argname, dtype=xa.dtype)
+            # Not call.array: a number is no NumPy input and must not send a device result to the host.
+            arr = call.be.from_numpy(np.full((features,), value, dtype=xa.dtype))
+        else:
+            arr = call.array(value, argname, dtype=xa.dtype)
         if tuple(arr.shape) != (features,):
             raise ValueError(
                 f"affine: {argname} should have shape ({features},) to match x.shape[-1], got {tuple(arr.shape)}"
@@ -280,6 +317,8 @@ def linear(
         >>> F.linear(np.ones((1, 2), np.float32), np.ones((3, 2), np.float32), activation="relu")
         array([[2., 2., 2.]], dtype=float32)
     """
+    if _has_tensor(x, weight, bias):
+        return _tensor_op("linear", out, x, weight, bias, activation)
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation should be one of {ACTIVATIONS}, got {activation!r}")
     call = _Call("linear")
@@ -337,11 +376,15 @@ def softmax(x: Any, dim: int = -1, *, out: Any = None) -> Any:
         >>> F.softmax(np.zeros((1, 4), np.float32))
         array([[0.25, 0.25, 0.25, 0.25]], dtype=float32)
     """
+    if _has_tensor(x):
+        return _tensor_op("softmax", out, x, dim)
     return _softmax_like("softmax", x, dim, out)
 
 
 def log_softmax(x: Any, dim: int = -1, *, out: Any = None) -> Any:
     """x - logsumexp(x) along ``dim``, computed stably."""
+    if _has_tensor(x):
+        return _tensor_op("log_softmax", out, x, dim)
     return _softmax_like("log_softmax", x, dim, out)
 
 
@@ -359,14 +402,20 @@ def layer_norm(
     y = (x - mean) / sqrt(var + eps) * weight + bias, with the biased variance over the last
     ``len(normalized_shape)`` axes.
     """
+    if _has_tensor(x, weight, bias):
+        return _tensor_op("layer_norm", out, x, normalized_shape, weight, bias, eps)
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         normalized_shape = (int(normalized_shape),)
-    try:
-        norm_shape = tuple(int(n) for n in normalized_shape)
-    except TypeError:
+    # NOTE: not int(n) for each n, which would accept "4" and 4.5; PyTorch takes only integers here.
+    if (
+        not isinstance(normalized_shape, Sequence)
+        or isinstance(normalized_shape, (str, bytes))
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in normalized_shape)
+    ):
         raise TypeError(
             f"layer_norm: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}"
-        ) from None
+        )
+    norm_shape = tuple(int(n) for n in normalized_shape)
     eps = _check_finite_number(eps, "layer_norm", "eps")
     if eps < 0:
         raise ValueError(f"layer_norm: eps should be non-negative, got {eps}")
@@ -409,6 +458,8 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, *, out: Any = None) -
     taifuse's generator (``taifuse.manual_seed``), so it is reproducible and identical on every
     backend. With ``training=False`` (or ``p == 0``) ``x`` is returned unchanged, as in PyTorch.
     """
+    if _has_tensor(x):
+        return _tensor_op("dropout", out, x, p, training)
     p = _check_finite_number(p, "dropout", "p")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout: p should be in [0, 1], got {p}")
@@ -419,3 +470,32 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, *, out: Any = None) -
         return _unary("dropout", x, out, (0.0, 0))  # p = 0 keeps every element: a copy into out
     seed = _random.next_seed()
     return _unary("dropout", x, out, (p, seed))
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def mse_loss(input: Any, target: Any, reduction: str = "mean") -> Any:
+    """Mean squared error, as ``torch.nn.functional.mse_loss``.
+
+    loss = (input - target)^2 elementwise, then its mean (``'mean'``), sum (``'sum'``) or nothing
+    (``'none'``). ``input`` and ``target`` have the same shape. NumPy in, NumPy out (a 0-d array
+    when reduced); Tensors in, a differentiable Tensor out. For example, input ``[1, 3]`` against
+    target ``[0, 0]`` gives 5.0.
+    """
+    from taifuse import _autograd_ops  # it imports this module
+
+    return _autograd_ops.mse_loss(input, target, reduction)
+
+
+def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
+    """Cross entropy of ``logits`` against class indices, as ``torch.nn.functional.cross_entropy``.
+
+    loss[n] = logsumexp(logits[n]) - logits[n, target[n]] for ``logits (N, C)`` and integer
+    ``target (N,)`` in ``[0, C)`` (or ``logits (C,)`` with a 0-d target), then its mean, sum or
+    nothing (``reduction``). The backward is the fused softmax(logits) - onehot(target). For
+    example, all-zero logits over 4 classes give log(4) ~ 1.3863 for any target.
+    """
+    from taifuse import _autograd_ops  # it imports this module
+
+    return _autograd_ops.cross_entropy(logits, target, reduction)

@@ -53,6 +53,28 @@ KERNEL_NAMES = (
     "layer_norm",
     "dropout",
 )
+# Kernels of the autograd layer (tensor.py): a backward per differentiable op, and the losses with
+# theirs. Signatures in reference.py's "Backward and loss kernels" section.
+BACKWARD_KERNEL_NAMES = (
+    "gelu_backward",
+    "relu_backward",
+    "leaky_relu_backward",
+    "silu_backward",
+    "sigmoid_backward",
+    "tanh_backward",
+    "add_relu_backward",
+    "mul_relu_backward",
+    "affine_backward",
+    "linear_act_backward",
+    "softmax_backward",
+    "log_softmax_backward",
+    "layer_norm_backward",
+    "dropout_backward",
+    "mse_loss",
+    "mse_loss_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+)
 # Array helpers every backend exports.
 ARRAY_API = ("NAME", "init", "describe", "check_dtype", "is_array", "from_numpy", "to_numpy", "empty")
 
@@ -94,8 +116,10 @@ def _requested() -> tuple[str, str | None]:
 def _start(name: str, arch: str | None) -> ModuleType:
     if not _installed(name):
         raise BackendUnavailable(f"the {_REQUIRES[name]!r} package is not installed")
-    module = importlib.import_module(_MODULES[name])
     try:
+        # Importing can fail too (a broken numba/llvmlite install, a taichi wheel without its
+        # runtime): that is a fallback with a warning, exactly like a failed init().
+        module = importlib.import_module(_MODULES[name])
         if name == "taichi":
             module.init(arch=arch or "metal")
         else:
@@ -173,7 +197,9 @@ def set_backend(name: str, *, arch: str | None = None) -> None:
     name = name.lower()
     if arch is not None:
         if name != "taichi":
-            raise ValueError(f"arch is only meaningful for the taichi backend, got arch={arch!r} with {name!r}")
+            raise ValueError(
+                f"arch is only meaningful for the taichi backend, got arch={arch!r} with {name!r}"
+            )
         if arch not in TAICHI_ARCHES:
             raise ValueError(f"arch should be one of {TAICHI_ARCHES}, got {arch!r}")
     with _lock:

@@ -1,0 +1,140 @@
+"""Plain tensor arithmetic on a backend's arrays, in one place.
+
+``tensor.py`` does its arithmetic (``+ - * / @``, reductions, reshapes) and its gradient
+bookkeeping (broadcast reductions, accumulation) only through the object :func:`math_for`
+returns. On the host backends (``numpy``, ``numba``) that is :class:`HostMath`, NumPy on
+``numpy.ndarray``. A device backend supplies its own object with the same methods as the module
+attribute ``TENSOR_MATH``, so that tensor data stays on the device.
+
+# NOTE [ Tensor storage ]
+# A Tensor's array is always C-contiguous (kernels require it): operations that would return a
+# strided view (``transpose``, ``broadcast_to``) return contiguous copies here.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+
+class HostMath:
+    """Tensor arithmetic for backends whose arrays are ``numpy.ndarray``."""
+
+    @staticmethod
+    def asarray(data: Any, dtype: np.dtype | None) -> np.ndarray:
+        return np.array(data, dtype=dtype, order="C", copy=True)
+
+    @staticmethod
+    def to_numpy(a: np.ndarray) -> np.ndarray:
+        return a
+
+    @staticmethod
+    def add(a: Any, b: Any) -> np.ndarray:
+        return np.add(a, b)
+
+    @staticmethod
+    def sub(a: Any, b: Any) -> np.ndarray:
+        return np.subtract(a, b)
+
+    @staticmethod
+    def mul(a: Any, b: Any) -> np.ndarray:
+        return np.multiply(a, b)
+
+    @staticmethod
+    def div(a: Any, b: Any) -> np.ndarray:
+        return np.divide(a, b)
+
+    @staticmethod
+    def neg(a: np.ndarray) -> np.ndarray:
+        return np.negative(a)
+
+    @staticmethod
+    def pow_scalar(a: np.ndarray, exponent: float) -> np.ndarray:
+        # NOTE: x * x, not x ** 2: NumPy's float32 power is far slower (FACTS.md).
+        if exponent == 2:
+            return a * a
+        return np.power(a, np.asarray(exponent, dtype=a.dtype))
+
+    @staticmethod
+    def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.matmul(a, b)
+
+    @staticmethod
+    def sum(a: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool) -> np.ndarray:
+        # float16 sums accumulate in float32 (storage-only dtype), then round once.
+        acc = np.float32 if a.dtype == np.float16 else None
+        return np.asarray(np.sum(a, axis=axis, keepdims=keepdims, dtype=acc), dtype=a.dtype)
+
+    @staticmethod
+    def reshape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return np.ascontiguousarray(a).reshape(shape)
+
+    @staticmethod
+    def transpose(a: np.ndarray, axes: tuple[int, ...] | None = None) -> np.ndarray:
+        return np.ascontiguousarray(np.transpose(a, axes))
+
+    @staticmethod
+    def broadcast_to(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if tuple(a.shape) == tuple(shape):
+            return a
+        return np.ascontiguousarray(np.broadcast_to(a, shape))
+
+    @staticmethod
+    def full(shape: tuple[int, ...], value: float, dtype: np.dtype) -> np.ndarray:
+        return np.full(shape, value, dtype=dtype)
+
+    @staticmethod
+    def copy(a: np.ndarray) -> np.ndarray:
+        return np.array(a, order="C", copy=True)
+
+    @staticmethod
+    def add_(acc: np.ndarray, a: Any) -> None:
+        """acc += a, in place (gradient accumulation into a leaf's ``.grad``, optimizer steps)."""
+        np.add(acc, a, out=acc)
+
+    @staticmethod
+    def sub_(acc: np.ndarray, a: Any) -> None:
+        np.subtract(acc, a, out=acc)
+
+    @staticmethod
+    def mul_(acc: np.ndarray, a: Any) -> None:
+        np.multiply(acc, a, out=acc)
+
+    @staticmethod
+    def item(a: np.ndarray) -> float | int:
+        return a.reshape(()).item()
+
+
+HOST_MATH = HostMath()
+
+
+def math_for(backend: ModuleType) -> Any:
+    """The tensor-arithmetic object of ``backend``: its ``TENSOR_MATH``, else NumPy's for a host backend."""
+    math = getattr(backend, "TENSOR_MATH", None)
+    if math is not None:
+        return math
+    if backend.is_array(np.empty(0)):
+        return HOST_MATH
+    raise NotImplementedError(
+        f"Tensors on the {backend.NAME!r} backend are not implemented yet (it has no TENSOR_MATH); "
+        "use the numba or numpy backend"
+    )
+
+
+def sum_to_shape(m: Any, grad: Any, shape: tuple[int, ...]) -> Any:
+    """Sum ``grad`` over the axes that broadcasting expanded, so that it has ``shape``.
+
+    The gradient of a broadcast input is the sum of the output gradient over every position the
+    input was copied to: leading axes the input lacked, and axes where it had size 1.
+    """
+    shape = tuple(shape)
+    if tuple(grad.shape) == shape:
+        return grad
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1
+    )
+    reduced = m.sum(grad, axes, True) if axes else grad
+    return m.reshape(reduced, shape)

@@ -1,0 +1,799 @@
+"""The Numba backend's backward and loss kernels (``taifuse.backends.BACKWARD_KERNEL_NAMES``).
+
+Same signatures and semantics as the "Backward and loss kernels" section of ``reference.py``,
+which specifies them; same conventions as ``numba_cpu`` (float16 as uint16 bits, float32 math
+for float32/float16, libm float64 math for float64, serial and parallel variants, sums in
+float64). ``numba_cpu`` re-exports these names, so the backend's table is one module.
+
+# NOTE [ Import order ]
+# This module uses numba_cpu's jitted helpers (loads/stores, exp, sigmoid, erfc) and numba_cpu
+# re-exports this module's kernels: a cycle. The helpers are imported at the bottom, after every
+# kernel here is defined. Numba resolves a jitted function's globals when it compiles (first
+# call), not when it is decorated, so the kernels see them; and whichever module is imported
+# first, the other finds everything it needs already defined.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+# The jit options of numba_cpu (see the notes there): FMA contraction only, numpy error model.
+_FASTMATH = {"contract"}
+_REDUCE_FASTMATH = {"contract", "reassoc"}
+_HELPER = {"cache": True, "nogil": True, "error_model": "numpy", "fastmath": _FASTMATH}
+_REDUCE_HELPER = {**_HELPER, "fastmath": _REDUCE_FASTMATH}
+_SERIAL = _HELPER
+_PARALLEL = {**_HELPER, "parallel": True}
+
+_BLOCK = 16384  # elements per parallel work item of elementwise kernels
+_COL_TILE = 256  # columns per work item of column sums (bias / weight gradients)
+
+__all__ = [
+    "add_relu_backward",
+    "affine_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "dropout_backward",
+    "gelu_backward",
+    "layer_norm_backward",
+    "leaky_relu_backward",
+    "linear_act_backward",
+    "log_softmax_backward",
+    "mse_loss",
+    "mse_loss_backward",
+    "mul_relu_backward",
+    "relu_backward",
+    "sigmoid_backward",
+    "silu_backward",
+    "softmax_backward",
+    "tanh_backward",
+]
+
+# ----------------------------------------------------------------------------- derivatives (float32 forms)
+
+_F32_INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
+_F32_INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
+_F32_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
+_F32_GELU_CUBIC = np.float32(0.044715)
+_F32_GELU_CUBIC3 = np.float32(3.0 * 0.044715)
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@njit(**_HELPER)
+def _gelu_grad_f32(v):
+    # Phi(v) + v * phi(v); Phi through erfc from the small side, as numba_cpu's gelu.
+    e = _half_erfc_f32(abs(v) * _F32_INV_SQRT2)
+    cdf = e if v < 0 else np.float32(1.0) - e
+    return cdf + v * _F32_INV_SQRT_2PI * _exp_neg_f32(np.float32(-0.5) * v * v)
+
+
+@njit(**_HELPER)
+def _gelu_grad_f64(v):
+    return 0.5 * (1.0 + math.erf(v * _INV_SQRT2)) + v * _INV_SQRT_2PI * math.exp(-0.5 * v * v)
+
+
+@njit(**_HELPER)
+def _gelu_tanh_grad_f32(v):
+    # With s = sigmoid(2u) = (1 + tanh u) / 2, 1 - tanh(u)^2 = 4 s (1 - s): no tanh needed.
+    k = _F32_SQRT_2_OVER_PI
+    u = k * (v + _F32_GELU_CUBIC * v * v * v)
+    s = _sigmoid_f32(u + u)
+    return s + np.float32(2.0) * v * s * (np.float32(1.0) - s) * k * (
+        np.float32(1.0) + _F32_GELU_CUBIC3 * v * v
+    )
+
+
+@njit(**_HELPER)
+def _gelu_tanh_grad_f64(v):
+    t = math.tanh(_SQRT_2_OVER_PI * (v + 0.044715 * v * v * v))
+    return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * v * v)
+
+
+@njit(**_HELPER)
+def _silu_grad(v):
+    s = _sigmoid(v)
+    one = _like(1.0, v)
+    return s * (one + v * (one - s))
+
+
+# Op codes of the elementwise backward span and the linear epilogue.
+_RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH = range(7)
+_ACT_CODES = {None: -1, "relu": _RELU, "gelu": _GELU, "gelu_tanh": _GELU_TANH, "silu": _SILU}
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+@njit(**_HELPER)
+def _unary_backward_span(x, g, out, op, param, lo, hi):
+    # One loop per op, so that each loop body is branch-free and vectorizes.
+    if op == _RELU:
+        for i in range(lo, hi):
+            gv = _widen(g[i])
+            out[i] = _narrow(gv if _widen(x[i]) > 0 else _like(0.0, gv), out)
+    elif op == _LEAKY_RELU:
+        for i in range(lo, hi):
+            gv = _widen(g[i])
+            # param is float64: the product rounds once into out, as in the reference.
+            out[i] = _narrow(gv if _widen(x[i]) > 0 else gv * param, out)
+    elif op == _GELU:
+        for i in range(lo, hi):
+            out[i] = _narrow(_widen(g[i]) * _gelu_grad(_widen(x[i])), out)
+    elif op == _GELU_TANH:
+        for i in range(lo, hi):
+            out[i] = _narrow(_widen(g[i]) * _gelu_tanh_grad(_widen(x[i])), out)
+    elif op == _SILU:
+        for i in range(lo, hi):
+            out[i] = _narrow(_widen(g[i]) * _silu_grad(_widen(x[i])), out)
+    elif op == _SIGMOID:
+        for i in range(lo, hi):
+            y = _widen(x[i])
+            out[i] = _narrow(_widen(g[i]) * y * (_like(1.0, y) - y), out)
+    else:  # _TANH
+        for i in range(lo, hi):
+            y = _widen(x[i])
+            out[i] = _narrow(_widen(g[i]) * (_like(1.0, y) - y * y), out)
+
+
+@njit(**_SERIAL)
+def _unary_backward_serial(x, g, out, op, param):
+    _unary_backward_span(x, g, out, op, param, 0, x.size)
+
+
+@njit(**_PARALLEL)
+def _unary_backward_parallel(x, g, out, op, param):
+    n = x.size
+    for block in prange((n + _BLOCK - 1) // _BLOCK):
+        lo = block * _BLOCK
+        _unary_backward_span(x, g, out, op, param, lo, min(lo + _BLOCK, n))
+
+
+def _unary_backward(x: np.ndarray, g: np.ndarray, out: np.ndarray, op: int, param: float = 0.0) -> None:
+    xf, gf, of = _flat(x), _flat(g), _flat(out)
+    kernel = _unary_backward_parallel if _parallel(xf.size) else _unary_backward_serial
+    kernel(xf, gf, of, op, float(param))
+
+
+def gelu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray, approximate: str) -> None:
+    """grad_in = grad_out * gelu'(x) (``reference.gelu_backward``)."""
+    _unary_backward(x, grad_out, grad_in, _GELU_TANH if approximate == "tanh" else _GELU)
+
+
+def relu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
+    """grad_in = grad_out where x > 0, else 0."""
+    _unary_backward(x, grad_out, grad_in, _RELU)
+
+
+def leaky_relu_backward(
+    x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray, negative_slope: float
+) -> None:
+    """grad_in = grad_out if x > 0 else negative_slope * grad_out."""
+    _unary_backward(x, grad_out, grad_in, _LEAKY_RELU, negative_slope)
+
+
+def silu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
+    """grad_in = grad_out * s * (1 + x * (1 - s)), s = sigmoid(x)."""
+    _unary_backward(x, grad_out, grad_in, _SILU)
+
+
+def sigmoid_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
+    """grad_in = grad_out * y * (1 - y) from the forward output y."""
+    _unary_backward(y, grad_out, grad_in, _SIGMOID)
+
+
+def tanh_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
+    """grad_in = grad_out * (1 - y^2) from the forward output y."""
+    _unary_backward(y, grad_out, grad_in, _TANH)
+
+
+def add_relu_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
+    """grad_in = grad_out where the forward output y > 0, else 0 (relu's mask on y)."""
+    _unary_backward(y, grad_out, grad_in, _RELU)
+
+
+@njit(**_HELPER)
+def _mul_relu_backward_span(a, b, g, ga, gb, lo, hi):
+    for i in range(lo, hi):
+        av, bv = _widen(a[i]), _widen(b[i])
+        gv = _widen(g[i]) if av * bv > 0 else _like(0.0, av)
+        if ga is not None:
+            ga[i] = _narrow(gv * bv, ga)
+        if gb is not None:
+            gb[i] = _narrow(gv * av, gb)
+
+
+@njit(**_SERIAL)
+def _mul_relu_backward_serial(a, b, g, ga, gb):
+    _mul_relu_backward_span(a, b, g, ga, gb, 0, a.size)
+
+
+@njit(**_PARALLEL)
+def _mul_relu_backward_parallel(a, b, g, ga, gb):
+    n = a.size
+    for block in prange((n + _BLOCK - 1) // _BLOCK):
+        lo = block * _BLOCK
+        _mul_relu_backward_span(a, b, g, ga, gb, lo, min(lo + _BLOCK, n))
+
+
+def mul_relu_backward(
+    a: np.ndarray, b: np.ndarray, grad_out: np.ndarray, grad_a: np.ndarray | None, grad_b: np.ndarray | None
+) -> None:
+    """With m = (a * b > 0): grad_a = grad_out * m * b, grad_b = grad_out * m * a."""
+    kernel = _mul_relu_backward_parallel if _parallel(a.size) else _mul_relu_backward_serial
+    kernel(
+        _flat(a),
+        _flat(b),
+        _flat(grad_out),
+        None if grad_a is None else _flat(grad_a),
+        None if grad_b is None else _flat(grad_b),
+    )
+
+
+# ----------------------------------------------------------------------------- column sums
+# Bias, scale and weight gradients are sums over rows. Each work item owns a tile of columns
+# and walks the rows, accumulating in float64 into a small scratch, so threads never share an
+# output and the inner loop runs along a contiguous row.
+
+
+@njit(**_REDUCE_HELPER)
+def _affine_cols(x, g, gs, gb, lo, hi):
+    width = hi - lo
+    acc_s = np.zeros(width, np.float64)
+    acc_b = np.zeros(width, np.float64)
+    for r in range(g.shape[0]):
+        for j in range(width):
+            gv = np.float64(_widen(g[r, lo + j]))
+            acc_b[j] += gv
+            acc_s[j] += gv * _widen(x[r, lo + j])
+    for j in range(width):
+        if gs is not None:
+            gs[lo + j] = _narrow(acc_s[j], gs)
+        if gb is not None:
+            gb[lo + j] = _narrow(acc_b[j], gb)
+
+
+@njit(**_HELPER)
+def _affine_rows(scale, g, gx, lo, hi):
+    cols = g.shape[1]
+    for r in range(lo, hi):
+        for c in range(cols):
+            gx[r, c] = _narrow(_widen(g[r, c]) * _widen(scale[c]), gx)
+
+
+@njit(**_SERIAL)
+def _affine_backward_serial(x, scale, g, gx, gs, gb):
+    if gx is not None:
+        _affine_rows(scale, g, gx, 0, g.shape[0])
+    if gs is not None or gb is not None:
+        _affine_cols(x, g, gs, gb, 0, g.shape[1])
+
+
+@njit(**_PARALLEL)
+def _affine_backward_parallel(x, scale, g, gx, gs, gb):
+    rows, cols = g.shape
+    if gx is not None:
+        for r in prange(rows):
+            _affine_rows(scale, g, gx, r, r + 1)
+    if gs is not None or gb is not None:
+        tiles = (cols + _COL_TILE - 1) // _COL_TILE
+        for t in prange(tiles):
+            _affine_cols(x, g, gs, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+
+
+def affine_backward(
+    x: np.ndarray,
+    scale: np.ndarray,
+    grad_out: np.ndarray,
+    grad_x: np.ndarray | None,
+    grad_scale: np.ndarray | None,
+    grad_bias: np.ndarray | None,
+) -> None:
+    """grad_x = grad_out * scale; grad_scale, grad_bias = column sums of grad_out * x and grad_out."""
+    kernel = _affine_backward_parallel if _parallel(x.size) else _affine_backward_serial
+    kernel(
+        _bits(x),
+        _bits(scale),
+        _bits(grad_out),
+        None if grad_x is None else _bits(grad_x),
+        None if grad_scale is None else _bits(grad_scale),
+        None if grad_bias is None else _bits(grad_bias),
+    )
+
+
+# ----------------------------------------------------------------------------- fused linear backward
+
+
+@njit(**_HELPER)
+def _grad_pre_row(pre, g, op, gp, r, lo, hi):
+    # gp[r, lo:hi] = g * act'(pre), one loop per activation so that each vectorizes.
+    if op == _RELU:
+        for c in range(lo, hi):
+            gv = _widen(g[r, c])
+            gp[r, c] = gv if _widen(pre[r, c]) > 0 else _like(0.0, gv)
+    elif op == _GELU:
+        for c in range(lo, hi):
+            gp[r, c] = _widen(g[r, c]) * _gelu_grad(_widen(pre[r, c]))
+    elif op == _GELU_TANH:
+        for c in range(lo, hi):
+            gp[r, c] = _widen(g[r, c]) * _gelu_tanh_grad(_widen(pre[r, c]))
+    else:  # _SILU
+        for c in range(lo, hi):
+            gp[r, c] = _widen(g[r, c]) * _silu_grad(_widen(pre[r, c]))
+
+
+@njit(**_REDUCE_HELPER)
+def _linear_epilogue_cols(pre, g, op, gp, gb, lo, hi):
+    # gp[:, lo:hi] = g * act'(pre) and gb[lo:hi] = its column sums, in one pass over the tile.
+    width = hi - lo
+    acc = np.zeros(width, np.float64)
+    for r in range(g.shape[0]):
+        _grad_pre_row(pre, g, op, gp, r, lo, hi)
+        if gb is not None:
+            for j in range(width):
+                acc[j] += gp[r, lo + j]
+    if gb is not None:
+        for j in range(width):
+            gb[lo + j] = _narrow(acc[j], gb)
+
+
+@njit(**_REDUCE_HELPER)
+def _bias_cols(g, gb, lo, hi):
+    width = hi - lo
+    acc = np.zeros(width, np.float64)
+    for r in range(g.shape[0]):
+        for j in range(width):
+            acc[j] += _widen(g[r, lo + j])
+    for j in range(width):
+        gb[lo + j] = _narrow(acc[j], gb)
+
+
+@njit(**_SERIAL)
+def _linear_epilogue_serial(pre, g, op, gp, gb):
+    _linear_epilogue_cols(pre, g, op, gp, gb, 0, g.shape[1])
+
+
+@njit(**_PARALLEL)
+def _linear_epilogue_parallel(pre, g, op, gp, gb):
+    cols = g.shape[1]
+    tiles = (cols + _COL_TILE - 1) // _COL_TILE
+    for t in prange(tiles):
+        _linear_epilogue_cols(pre, g, op, gp, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+
+
+@njit(**_SERIAL)
+def _bias_grad_serial(g, gb):
+    _bias_cols(g, gb, 0, g.shape[1])
+
+
+@njit(**_PARALLEL)
+def _bias_grad_parallel(g, gb):
+    cols = g.shape[1]
+    tiles = (cols + _COL_TILE - 1) // _COL_TILE
+    for t in prange(tiles):
+        _bias_cols(g, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+
+
+def linear_act_backward(
+    x: np.ndarray,
+    w: np.ndarray,
+    pre: np.ndarray | None,
+    grad_out: np.ndarray,
+    activation: str | None,
+    grad_pre: np.ndarray,
+    grad_x: np.ndarray | None,
+    grad_w: np.ndarray | None,
+    grad_b: np.ndarray | None,
+) -> None:
+    """One fused pass (grad_pre = grad_out * act'(pre), grad_b = its column sums), then two BLAS products.
+
+    float16: grad_pre is formed in a float32 scratch and the products run in float32 on float32
+    copies of ``x`` and ``w`` (float16 is storage only). With ``activation=None`` grad_pre is
+    grad_out itself and ``grad_pre`` is left untouched.
+    """
+    op = _ACT_CODES[activation]
+    half = x.dtype == np.float16
+    gp = grad_pre
+    if op < 0:
+        gp = grad_out.astype(np.float32) if half else grad_out
+    elif half:
+        gp = np.empty(grad_out.shape, np.float32)
+    par = _parallel(grad_out.size)
+    if op >= 0:
+        epilogue = _linear_epilogue_parallel if par else _linear_epilogue_serial
+        epilogue(_bits(pre), _bits(grad_out), op, gp, None if grad_b is None else _bits(grad_b))
+    elif grad_b is not None:
+        (_bias_grad_parallel if par else _bias_grad_serial)(_bits(grad_out), _bits(grad_b))
+    if half:
+        if grad_x is not None:
+            grad_x[...] = gp @ w.astype(np.float32)
+        if grad_w is not None:
+            grad_w[...] = gp.T @ x.astype(np.float32)
+        return
+    if grad_x is not None:
+        np.matmul(gp, w, out=grad_x)
+    if grad_w is not None:
+        np.matmul(gp.T, x, out=grad_w)
+
+
+# ----------------------------------------------------------------------------- softmax backward
+
+
+@njit(**_REDUCE_HELPER)
+def _softmax_backward_row(y, g, out, r, log):
+    cols = y.shape[1]
+    s = 0.0
+    if log:
+        for c in range(cols):
+            s += _widen(g[r, c])
+        for c in range(cols):
+            yv = _widen(y[r, c])
+            out[r, c] = _narrow(_widen(g[r, c]) - _exp_neg(yv) * _like(s, yv), out)
+    else:
+        for c in range(cols):
+            s += _widen(g[r, c]) * _widen(y[r, c])
+        for c in range(cols):
+            yv = _widen(y[r, c])
+            out[r, c] = _narrow(yv * (_widen(g[r, c]) - _like(s, yv)), out)
+
+
+@njit(**_SERIAL)
+def _softmax_backward_rows_serial(y, g, out, log):
+    for r in range(y.shape[0]):
+        _softmax_backward_row(y, g, out, r, log)
+
+
+@njit(**_PARALLEL)
+def _softmax_backward_rows_parallel(y, g, out, log):
+    for r in prange(y.shape[0]):
+        _softmax_backward_row(y, g, out, r, log)
+
+
+@njit(**_REDUCE_HELPER)
+def _softmax_backward_strided(y, g, out, a, log):
+    # Reduce over axis 1 of (A, C, B) with one running sum per inner position b.
+    channels, inner = y.shape[1], y.shape[2]
+    s = np.zeros(inner, np.float64)
+    for c in range(channels):
+        for j in range(inner):
+            if log:
+                s[j] += _widen(g[a, c, j])
+            else:
+                s[j] += _widen(g[a, c, j]) * _widen(y[a, c, j])
+    for c in range(channels):
+        for j in range(inner):
+            yv = _widen(y[a, c, j])
+            if log:
+                out[a, c, j] = _narrow(_widen(g[a, c, j]) - _exp_neg(yv) * _like(s[j], yv), out)
+            else:
+                out[a, c, j] = _narrow(yv * (_widen(g[a, c, j]) - _like(s[j], yv)), out)
+
+
+@njit(**_SERIAL)
+def _softmax_backward_strided_serial(y, g, out, log):
+    for a in range(y.shape[0]):
+        _softmax_backward_strided(y, g, out, a, log)
+
+
+@njit(**_PARALLEL)
+def _softmax_backward_strided_parallel(y, g, out, log):
+    for a in prange(y.shape[0]):
+        _softmax_backward_strided(y, g, out, a, log)
+
+
+def _softmax_like_backward(y: np.ndarray, g: np.ndarray, out: np.ndarray, log: bool) -> None:
+    outer, channels, inner = y.shape
+    par = _parallel(y.size) and outer > 1
+    if inner == 1:
+        args = (
+            _bits(y.reshape(outer, channels)),
+            _bits(g.reshape(outer, channels)),
+            _bits(out.reshape(outer, channels)),
+        )
+        (_softmax_backward_rows_parallel if par else _softmax_backward_rows_serial)(*args, log)
+    else:
+        (_softmax_backward_strided_parallel if par else _softmax_backward_strided_serial)(
+            _bits(y), _bits(g), _bits(out), log
+        )
+
+
+def softmax_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
+    """grad_in = y * (grad_out - sum_c(grad_out * y)) over axis 1 of ``(A, C, B)``."""
+    _softmax_like_backward(y, grad_out, grad_in, False)
+
+
+def log_softmax_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
+    """grad_in = grad_out - exp(y) * sum_c(grad_out) over axis 1 of ``(A, C, B)``."""
+    _softmax_like_backward(y, grad_out, grad_in, True)
+
+
+# ----------------------------------------------------------------------------- layer norm backward
+
+
+@njit(**_REDUCE_HELPER)
+def _layer_norm_backward_row(x, weight, mean, rstd, g, gx, r):
+    cols = x.shape[1]
+    mu, rs = np.float64(mean[r]), np.float64(rstd[r])
+    s_gy = 0.0
+    s_gyx = 0.0
+    for c in range(cols):
+        gy = np.float64(_widen(g[r, c]))
+        if weight is not None:
+            gy *= _widen(weight[c])
+        s_gy += gy
+        s_gyx += gy * (_widen(x[r, c]) - mu) * rs
+    a = s_gy / cols
+    b = s_gyx / cols
+    v0 = _widen(x[r, 0])
+    mu_c, rs_c, a_c, b_c = _like(mu, v0), _like(rs, v0), _like(a, v0), _like(b, v0)
+    for c in range(cols):
+        gyc = _widen(g[r, c])
+        if weight is not None:
+            gyc = gyc * _widen(weight[c])
+        xhat = (_widen(x[r, c]) - mu_c) * rs_c
+        gx[r, c] = _narrow(rs_c * (gyc - a_c - xhat * b_c), gx)
+
+
+@njit(**_REDUCE_HELPER)
+def _layer_norm_param_cols(x, mean, rstd, g, gw, gb, lo, hi):
+    width = hi - lo
+    acc_w = np.zeros(width, np.float64)
+    acc_b = np.zeros(width, np.float64)
+    for r in range(x.shape[0]):
+        mu, rs = np.float64(mean[r]), np.float64(rstd[r])
+        for j in range(width):
+            gv = np.float64(_widen(g[r, lo + j]))
+            acc_b[j] += gv
+            acc_w[j] += gv * (_widen(x[r, lo + j]) - mu) * rs
+    for j in range(width):
+        if gw is not None:
+            gw[lo + j] = _narrow(acc_w[j], gw)
+        if gb is not None:
+            gb[lo + j] = _narrow(acc_b[j], gb)
+
+
+@njit(**_SERIAL)
+def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb):
+    if gx is not None:
+        for r in range(x.shape[0]):
+            _layer_norm_backward_row(x, weight, mean, rstd, g, gx, r)
+    if gw is not None or gb is not None:
+        _layer_norm_param_cols(x, mean, rstd, g, gw, gb, 0, x.shape[1])
+
+
+@njit(**_PARALLEL)
+def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb):
+    rows, cols = x.shape
+    if gx is not None:
+        for r in prange(rows):
+            _layer_norm_backward_row(x, weight, mean, rstd, g, gx, r)
+    if gw is not None or gb is not None:
+        tiles = (cols + _COL_TILE - 1) // _COL_TILE
+        for t in prange(tiles):
+            _layer_norm_param_cols(x, mean, rstd, g, gw, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+
+
+def layer_norm_backward(
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    grad_out: np.ndarray,
+    grad_x: np.ndarray | None,
+    grad_weight: np.ndarray | None,
+    grad_bias: np.ndarray | None,
+) -> None:
+    """grad_x per row from the saved mean/rstd; grad_weight, grad_bias as column sums (``reference``)."""
+    kernel = _layer_norm_backward_parallel if _parallel(x.size) else _layer_norm_backward_serial
+    opt = [None if a is None else _bits(a) for a in (weight, grad_x, grad_weight, grad_bias)]
+    kernel(_bits(x), opt[0], mean, rstd, _bits(grad_out), opt[1], opt[2], opt[3])
+
+
+def dropout_backward(grad_out: np.ndarray, grad_in: np.ndarray, p: float, seed: int) -> None:
+    """grad_in = grad_out * (keep / (1 - p)): the forward dropout kernel applied to grad_out."""
+    _dropout_forward(grad_out, grad_in, p, seed)
+
+
+# ----------------------------------------------------------------------------- losses
+
+_NONE, _MEAN, _SUM = range(3)
+_REDUCTION_CODES = {"none": _NONE, "mean": _MEAN, "sum": _SUM}
+
+
+@njit(**_REDUCE_HELPER)
+def _mse_span(x, t, out, reduction, lo, hi):
+    s = 0.0
+    for i in range(lo, hi):
+        d = _widen(x[i]) - _widen(t[i])
+        if reduction == _NONE:
+            out[i] = _narrow(d * d, out)
+        else:
+            s += np.float64(d) * d
+    return s
+
+
+@njit(**_SERIAL)
+def _mse_serial(x, t, out, reduction):
+    s = _mse_span(x, t, out, reduction, 0, x.size)
+    if reduction != _NONE:
+        out[0] = _narrow(s / x.size if reduction == _MEAN else s, out)
+
+
+@njit(**_PARALLEL)
+def _mse_parallel(x, t, out, reduction):
+    n = x.size
+    blocks = (n + _BLOCK - 1) // _BLOCK
+    partial = np.zeros(blocks, np.float64)
+    for block in prange(blocks):
+        lo = block * _BLOCK
+        partial[block] = _mse_span(x, t, out, reduction, lo, min(lo + _BLOCK, n))
+    if reduction != _NONE:
+        s = partial.sum()
+        out[0] = _narrow(s / n if reduction == _MEAN else s, out)
+
+
+def mse_loss(input: np.ndarray, target: np.ndarray, out: np.ndarray, reduction: str) -> None:
+    """(input - target)^2, unreduced into ``out`` or summed/averaged (float64 sum) into ``out (1,)``."""
+    kernel = _mse_parallel if _parallel(input.size) else _mse_serial
+    kernel(_flat(input), _flat(target), _flat(out), _REDUCTION_CODES[reduction])
+
+
+@njit(**_HELPER)
+def _mse_backward_span(x, t, g, out, reduction, scale, lo, hi):
+    if reduction == _NONE:
+        for i in range(lo, hi):
+            gv = _widen(g[i])
+            out[i] = _narrow(_like(2.0, gv) * (_widen(x[i]) - _widen(t[i])) * gv, out)
+    else:
+        for i in range(lo, hi):
+            d = _widen(x[i]) - _widen(t[i])
+            out[i] = _narrow(d * _like(scale, d), out)
+
+
+@njit(**_SERIAL)
+def _mse_backward_serial(x, t, g, out, reduction, scale):
+    _mse_backward_span(x, t, g, out, reduction, scale, 0, x.size)
+
+
+@njit(**_PARALLEL)
+def _mse_backward_parallel(x, t, g, out, reduction, scale):
+    n = x.size
+    for block in prange((n + _BLOCK - 1) // _BLOCK):
+        lo = block * _BLOCK
+        _mse_backward_span(x, t, g, out, reduction, scale, lo, min(lo + _BLOCK, n))
+
+
+def mse_loss_backward(
+    input: np.ndarray, target: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray, reduction: str
+) -> None:
+    """grad_in = 2 * (input - target) * g (g per element, or grad_out[0], / input.size for mean)."""
+    code = _REDUCTION_CODES[reduction]
+    scale = 0.0
+    if code != _NONE:
+        scale = 2.0 * float(grad_out.reshape(-1)[0]) / (input.size if code == _MEAN else 1)
+    kernel = _mse_backward_parallel if _parallel(input.size) else _mse_backward_serial
+    kernel(_flat(input), _flat(target), _flat(grad_out), _flat(grad_in), code, scale)
+
+
+@njit(**_REDUCE_HELPER)
+def _cross_entropy_row(x, target, lse, r):
+    # Returns the row's loss in float64 and writes its log-sum-exp.
+    cols = x.shape[1]
+    m = _widen(x[r, 0])
+    for c in range(1, cols):
+        m = _maxnum(m, _widen(x[r, c]))
+    s = 0.0
+    for c in range(cols):
+        s += _exp_neg(_widen(x[r, c]) - m)
+    row_lse = np.float64(m) + math.log(s)
+    lse[r] = row_lse
+    return row_lse - _widen(x[r, target[r]])
+
+
+@njit(**_SERIAL)
+def _cross_entropy_serial(x, target, out, reduction, lse):
+    s = 0.0
+    for r in range(x.shape[0]):
+        loss = _cross_entropy_row(x, target, lse, r)
+        if reduction == _NONE:
+            out[r] = _narrow(loss, out)
+        else:
+            s += loss
+    if reduction != _NONE:
+        out[0] = _narrow(s / x.shape[0] if reduction == _MEAN else s, out)
+
+
+@njit(**_PARALLEL)
+def _cross_entropy_parallel(x, target, out, reduction, lse):
+    rows = x.shape[0]
+    losses = np.empty(rows, np.float64)
+    for r in prange(rows):
+        losses[r] = _cross_entropy_row(x, target, lse, r)
+    if reduction == _NONE:
+        for r in range(rows):
+            out[r] = _narrow(losses[r], out)
+    else:
+        s = losses.sum()
+        out[0] = _narrow(s / rows if reduction == _MEAN else s, out)
+
+
+def cross_entropy(
+    logits: np.ndarray, target: np.ndarray, out: np.ndarray, reduction: str, lse: np.ndarray
+) -> None:
+    """loss[n] = lse[n] - logits[n, target[n]], reduced as asked; writes ``lse`` for the backward."""
+    kernel = (
+        _cross_entropy_parallel if _parallel(logits.size) and logits.shape[0] > 1 else _cross_entropy_serial
+    )
+    kernel(_bits(logits), target, _bits(out), _REDUCTION_CODES[reduction], lse)
+
+
+@njit(**_HELPER)
+def _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r):
+    cols = x.shape[1]
+    v0 = _widen(x[r, 0])
+    gr = _like(scale, v0) if reduction != _NONE else _widen(g[r])
+    lr = _like(lse[r], v0)
+    t = target[r]
+    for c in range(cols):
+        p = _exp_neg(_widen(x[r, c]) - lr)
+        if c == t:
+            p = p - _like(1.0, v0)
+        out[r, c] = _narrow(gr * p, out)
+
+
+@njit(**_SERIAL)
+def _cross_entropy_backward_serial(x, target, lse, g, out, reduction, scale):
+    for r in range(x.shape[0]):
+        _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r)
+
+
+@njit(**_PARALLEL)
+def _cross_entropy_backward_parallel(x, target, lse, g, out, reduction, scale):
+    for r in prange(x.shape[0]):
+        _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r)
+
+
+def cross_entropy_backward(
+    logits: np.ndarray,
+    target: np.ndarray,
+    lse: np.ndarray,
+    grad_out: np.ndarray,
+    grad_in: np.ndarray,
+    reduction: str,
+) -> None:
+    """grad_in[n, c] = g[n] * (exp(logits[n, c] - lse[n]) - [c == target[n]]), one pass per row."""
+    code = _REDUCTION_CODES[reduction]
+    scale = 0.0
+    if code != _NONE:
+        scale = float(grad_out.reshape(-1)[0]) / (logits.shape[0] if code == _MEAN else 1)
+    par = _parallel(logits.size) and logits.shape[0] > 1
+    kernel = _cross_entropy_backward_parallel if par else _cross_entropy_backward_serial
+    kernel(_bits(logits), target, lse, _bits(grad_out), _bits(grad_in), code, scale)
+
+
+# ----------------------------------------------------------------------------- numba_cpu's helpers
+# Imported last: see NOTE [ Import order ] at the top.
+
+from taifuse.backends.numba_cpu import (
+    _bits,
+    _by_precision,
+    _exp_neg,
+    _exp_neg_f32,
+    _flat,
+    _half_erfc_f32,
+    _like,
+    _maxnum,
+    _narrow,
+    _parallel,
+    _sigmoid,
+    _sigmoid_f32,
+    _widen,
+)
+from taifuse.backends.numba_cpu import dropout as _dropout_forward
+
+_gelu_grad = _by_precision(_gelu_grad_f32, _gelu_grad_f64)
+_gelu_tanh_grad = _by_precision(_gelu_tanh_grad_f32, _gelu_tanh_grad_f64)

@@ -1,0 +1,46 @@
+"""Neural-network layers on taifuse Tensors, named and initialized as in ``torch.nn``.
+
+Example::
+
+    >>> import numpy as np, taifuse, taifuse.nn as nn
+    >>> taifuse.set_backend("numpy")  # Tensors run on the host backends (numpy, numba) for now
+    >>> taifuse.manual_seed(0)
+    >>> model = nn.Sequential(nn.Linear(4, 8, activation="gelu"), nn.Linear(8, 2))
+    >>> [name for name, _ in model.named_parameters()]
+    ['0.weight', '0.bias', '1.weight', '1.bias']
+    >>> model(taifuse.tensor(np.ones((3, 4), np.float32))).shape
+    (3, 2)
+"""
+
+from taifuse.nn.layers import (
+    GELU,
+    CrossEntropyLoss,
+    Dropout,
+    LayerNorm,
+    LeakyReLU,
+    Linear,
+    MSELoss,
+    ReLU,
+    Sequential,
+    Sigmoid,
+    SiLU,
+    Tanh,
+)
+from taifuse.nn.module import Module, Parameter
+
+__all__ = [
+    "GELU",
+    "CrossEntropyLoss",
+    "Dropout",
+    "LayerNorm",
+    "LeakyReLU",
+    "Linear",
+    "MSELoss",
+    "Module",
+    "Parameter",
+    "ReLU",
+    "Sequential",
+    "SiLU",
+    "Sigmoid",
+    "Tanh",
+]

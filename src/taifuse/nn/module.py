@@ -1,0 +1,223 @@
+"""``Module`` and ``Parameter``: the container and the trainable tensor, as in ``torch.nn``."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from taifuse.tensor import Tensor
+
+
+class Parameter(Tensor):
+    """A Tensor that a :class:`Module` registers as trainable (``requires_grad=True`` by default)."""
+
+    def __init__(self, data: Any, requires_grad: bool = True, dtype: Any = None) -> None:
+        super().__init__(data, requires_grad=requires_grad, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + super().__repr__()
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :meth:`Module.load_state_dict` did not match (empty lists when everything did)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class Module:
+    """Base class of layers and models.
+
+    Assigning a :class:`Parameter` or a ``Module`` to an attribute registers it, in assignment
+    order; ``named_parameters`` and ``state_dict`` name parameters by their dotted attribute path
+    (``'0.weight'``), as PyTorch does, so names and layouts port.
+    """
+
+    training: bool
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    # -- registration
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}.__init__ should call super().__init__() first")
+        params, modules = self.__dict__["_parameters"], self.__dict__["_modules"]
+        params.pop(name, None)
+        modules.pop(name, None)
+        if isinstance(value, Parameter):
+            params[name] = value
+        elif isinstance(value, Module):
+            modules[name] = value
+        elif value is None and name in ("bias", "weight"):
+            params[name] = None  # an absent optional parameter, as torch.nn.Linear(bias=False)
+        else:
+            object.__setattr__(self, name, value)
+            return
+        self.__dict__.pop(name, None)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: registered parameters and submodules.
+        d = self.__dict__
+        if name in d.get("_parameters", {}):
+            return d["_parameters"][name]
+        if name in d.get("_modules", {}):
+            return d["_modules"][name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._parameters:
+            del self._parameters[name]
+        elif name in self._modules:
+            del self._modules[name]
+        else:
+            object.__delattr__(self, name)
+
+    # -- traversal
+
+    def named_children(self) -> Iterator[tuple[str, Module]]:
+        """Direct submodules with their attribute names."""
+        yield from self._modules.items()
+
+    def children(self) -> Iterator[Module]:
+        """Direct submodules."""
+        for _, module in self.named_children():
+            yield module
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
+        """This module and every submodule, depth first, with dotted names (``''`` for this one)."""
+        stack = [(prefix, self)]
+        seen: set[int] = set()
+        while stack:
+            name, module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            yield name, module
+            children = [(f"{name}.{n}" if name else n, m) for n, m in module._modules.items()]
+            stack.extend(reversed(children))
+
+    def modules(self) -> Iterator[Module]:
+        """This module and every submodule."""
+        for _, module in self.named_modules():
+            yield module
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, Parameter]]:
+        """Parameters with dotted names; a parameter shared by two modules is listed once."""
+        seen: set[int] = set()
+        modules = self.named_modules(prefix) if recurse else iter([(prefix, self)])
+        for mod_name, module in modules:
+            for name, param in module._parameters.items():
+                if param is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                yield (f"{mod_name}.{name}" if mod_name else name), param
+
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        """Every parameter (each once)."""
+        for _, param in self.named_parameters(recurse=recurse):
+            yield param
+
+    # -- modes and gradients
+
+    def train(self, mode: bool = True) -> Module:
+        """Set training mode (dropout active) on this module and its submodules; returns self."""
+        for module in self.modules():
+            object.__setattr__(module, "training", bool(mode))
+        return self
+
+    def eval(self) -> Module:
+        """Evaluation mode: ``train(False)``."""
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of every parameter (to ``None``, or to zeros)."""
+        for param in self.parameters():
+            if set_to_none or param.grad is None:
+                param.grad = None
+            else:
+                param.grad = Tensor._wrap(param._be.from_numpy(np.zeros(param.shape, param.dtype)), param._be)
+
+    # -- calling
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} should implement forward()")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        lines = [f"({name}): " + repr(module).replace("\n", "\n  ") for name, module in self._modules.items()]
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        if not lines:
+            return head + ")"
+        return head + "\n  " + "\n  ".join(lines) + "\n)"
+
+    # -- state
+
+    def state_dict(self) -> OrderedDict[str, Tensor]:
+        """``{name: Tensor}`` of every parameter, detached (sharing the parameters' data)."""
+        return OrderedDict((name, param.detach()) for name, param in self.named_parameters())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
+        """Copy values into the parameters, by name.
+
+        Args:
+            state_dict: ``{name: Tensor or numpy.ndarray}``, as :meth:`state_dict` returns.
+            strict: raise ``ValueError`` on missing or unexpected names; otherwise report them.
+
+        Every value is checked (names, shapes) before any parameter changes, so a failed load
+        leaves the module as it was. Values are converted to each parameter's dtype.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"load_state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}"
+            )
+        params = dict(self.named_parameters())
+        missing = [name for name in params if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in params]
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected} for {type(self).__name__}"
+            )
+        updates = []
+        for name, param in params.items():
+            if name not in state_dict:
+                continue
+            value = state_dict[name]
+            if isinstance(value, Tensor):
+                value = value.numpy()
+            if not isinstance(value, np.ndarray):
+                raise TypeError(
+                    f"load_state_dict: {name!r} should be a Tensor or numpy.ndarray, got {type(value).__name__}"
+                )
+            if tuple(value.shape) != param.shape:
+                raise ValueError(
+                    f"load_state_dict: {name!r} has shape {tuple(value.shape)} but the parameter has shape {param.shape}"
+                )
+            if value.dtype.kind not in "fiu":
+                raise TypeError(f"load_state_dict: {name!r} should hold numbers, got dtype {value.dtype}")
+            updates.append((param, value))
+        for param, value in updates:
+            param._data = param._be.from_numpy(np.array(value, dtype=param.dtype, order="C"))
+        return IncompatibleKeys(missing, unexpected)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :meth:`state_dict` to a NumPy ``.npz`` file (one array per parameter name)."""
+        np.savez(path, **{name: t.numpy() for name, t in self.state_dict().items()})
+
+    def load(self, path: str | os.PathLike, strict: bool = True) -> IncompatibleKeys:
+        """Load parameters from a ``.npz`` file written by :meth:`save` (see :meth:`load_state_dict`)."""
+        with np.load(path, allow_pickle=False) as data:
+            state = {name: data[name] for name in data.files}
+        return self.load_state_dict(state, strict=strict)

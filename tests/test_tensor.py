@@ -1,0 +1,270 @@
+"""The autograd Tensor: graph bookkeeping, grad mode, errors, and what ``import taifuse`` costs.
+
+Op gradients themselves are checked in test_autograd_ops.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from helpers import BACKEND_PARAMS, BackendSpec, start
+
+import taifuse
+import taifuse.functional as F
+from taifuse.tensor import Tensor
+
+TAICHI_SKIP = "the taichi backend has no device tensor math or backward kernels yet (issue 3)"
+
+
+@pytest.fixture(scope="module", params=BACKEND_PARAMS)
+def grad_backend(request: pytest.FixtureRequest) -> BackendSpec:
+    spec = BackendSpec(request.param)
+    if spec.name == "taichi":
+        pytest.skip(TAICHI_SKIP)
+    reason = start(spec)
+    if reason is not None:
+        pytest.skip(f"{spec.param} unavailable: {reason}")
+    spec.activate()
+    return spec
+
+
+def t64(values, requires_grad=True):
+    return taifuse.tensor(np.asarray(values, dtype=np.float64), requires_grad=requires_grad)
+
+
+# ----------------------------------------------------------------------------- creation
+
+
+def test_tensor_creation_and_attributes(grad_backend):
+    a = taifuse.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert a.dtype == np.float32 and a.shape == (2, 2) and a.ndim == 2 and a.size == 4
+    assert not a.requires_grad and a.grad is None and a.is_leaf and a.grad_fn is None
+    assert a.backend == grad_backend.name
+    assert taifuse.tensor(np.ones(3, np.float16)).dtype == np.float16
+    assert taifuse.tensor(np.ones(3), dtype=np.float32).dtype == np.float32
+    assert taifuse.tensor([1, 2]).dtype == np.int64
+    assert taifuse.tensor(2.5).item() == 2.5
+    src = np.ones(3, np.float32)
+    b = taifuse.tensor(src)
+    src[0] = 7.0
+    assert b.numpy()[0] == 1.0, "tensor() copies its data"
+    assert "requires_grad=True" in repr(taifuse.tensor([1.0], requires_grad=True))
+    assert "grad_fn" in repr(taifuse.tensor([1.0], requires_grad=True) * 2)
+
+
+def test_tensor_creation_errors(grad_backend):
+    with pytest.raises(TypeError, match="floating-point"):
+        taifuse.tensor([1, 2], requires_grad=True)
+    with pytest.raises(TypeError, match="numbers"):
+        taifuse.tensor(["a", "b"])
+    with pytest.raises(ValueError, match="one element"):
+        taifuse.tensor([1.0, 2.0]).item()
+
+
+# ----------------------------------------------------------------------------- graph structure
+
+
+def test_tensor_used_twice_accumulates(grad_backend):
+    x = t64([1.0, -2.0, 3.0])
+    y = (x * x + x).sum()  # dy/dx = 2x + 1
+    y.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0, -3.0, 7.0])
+
+
+def test_diamond_graph(grad_backend):
+    x = t64([0.5, 2.0])
+    a = x * 2.0
+    b = a + 1.0
+    c = F.tanh(a)
+    d = (b * c).sum()  # d = sum((2x + 1) tanh(2x))
+    d.backward()
+    xs = np.array([0.5, 2.0])
+    expected = 2 * np.tanh(2 * xs) + (2 * xs + 1) * (1 - np.tanh(2 * xs) ** 2) * 2
+    np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-12)
+
+
+def test_grads_accumulate_across_backward_calls(grad_backend):
+    x = t64([1.0, 2.0])
+    (x * 3.0).sum().backward()
+    (x * x).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0 + 2.0, 3.0 + 4.0])
+
+
+def test_shared_gradient_arrays_are_not_aliased(grad_backend):
+    # add() hands the same gradient array to both inputs; accumulating into one leaf must not
+    # change the other.
+    a, b = t64([1.0]), t64([1.0])
+    (a + b).sum().backward()
+    (a * 5.0).sum().backward()
+    assert a.grad.item() == 6.0 and b.grad.item() == 1.0
+
+
+def test_deep_chain_does_not_recurse(grad_backend):
+    x = t64([1.0])
+    y = x
+    for _ in range(5000):  # far past Python's default recursion limit of 1000
+        y = y * 1.0 + 0.0
+    y.sum().backward()
+    assert x.grad.item() == 1.0
+
+
+def test_broadcast_gradients_sum_to_input_shape(grad_backend):
+    x = t64(np.ones((2, 3)))
+    b = t64(np.arange(3.0))
+    s = t64(2.0)
+    ((x + b) * s).sum().backward()
+    np.testing.assert_array_equal(b.grad.numpy(), [4.0, 4.0, 4.0])
+    assert s.grad.shape == () and s.grad.item() == (6.0 + 2 * (0 + 1 + 2))
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((2, 3), 2.0))
+
+
+def test_non_leaf_and_constant_inputs_get_no_grad(grad_backend):
+    x = t64([1.0, 2.0])
+    c = t64([3.0, 4.0], requires_grad=False)
+    y = x * c
+    y.sum().backward()
+    assert c.grad is None and y.grad is None
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 4.0])
+
+
+def test_backward_on_a_leaf(grad_backend):
+    x = t64([1.0])
+    x.backward()
+    assert x.grad.item() == 1.0
+
+
+# ----------------------------------------------------------------------------- grad mode, detach
+
+
+def test_no_grad_context_and_decorator(grad_backend):
+    x = t64([1.0])
+    with taifuse.no_grad():
+        y = x * 2.0
+        assert not taifuse.is_grad_enabled()
+        with taifuse.enable_grad():
+            assert (x * 2.0).requires_grad
+    assert taifuse.is_grad_enabled()
+    assert not y.requires_grad and y.grad_fn is None
+
+    @taifuse.no_grad()
+    def f(t):
+        return F.gelu(t)
+
+    assert not f(x).requires_grad
+    assert (x * 2.0).requires_grad
+
+
+def test_no_grad_is_thread_local(grad_backend):
+    seen = []
+    with taifuse.no_grad():
+        worker = threading.Thread(target=lambda: seen.append(taifuse.is_grad_enabled()))
+        worker.start()
+        worker.join()
+    assert seen == [True]
+
+
+def test_detach(grad_backend):
+    x = t64([1.0, 2.0])
+    d = (x * 2.0).detach()
+    assert not d.requires_grad and d.is_leaf
+    (x * d).sum().backward()  # d is a constant here
+    np.testing.assert_array_equal(x.grad.numpy(), [2.0, 4.0])
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_backward_twice_raises_without_retain_graph(grad_backend):
+    x = t64([1.0, 2.0])
+    y = F.gelu(x * x).sum()
+    y.backward()
+    with pytest.raises(RuntimeError, match="second time.*retain_graph=True"):
+        y.backward()
+
+
+def test_retain_graph_allows_a_second_backward(grad_backend):
+    x = t64([1.0, 2.0])
+    y = (x * x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [4.0, 8.0])
+
+
+def test_backward_needs_grad_for_non_scalars(grad_backend):
+    x = t64([1.0, 2.0])
+    y = x * 3.0
+    with pytest.raises(RuntimeError, match="one-element"):
+        y.backward()
+    with pytest.raises(ValueError, match="shape"):
+        y.backward(np.ones(3))
+    y.backward(np.array([1.0, 10.0]))
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 30.0])
+
+
+def test_backward_without_requires_grad_raises(grad_backend):
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        taifuse.tensor([1.0]).backward()
+
+
+def test_matmul_shape_mismatch_names_shapes(grad_backend):
+    a, b = t64(np.ones((2, 3))), t64(np.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"\(2, 3\).*\(4, 5\)"):
+        a @ b
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        a @ t64(1.0)
+
+
+def test_mixed_dtypes_raise(grad_backend):
+    with pytest.raises(TypeError, match="float32 and float64"):
+        taifuse.tensor([1.0]) + taifuse.tensor([1.0], dtype=np.float64)
+
+
+def test_bad_operands_raise(grad_backend):
+    x = t64([1.0])
+    with pytest.raises(TypeError, match="unsupported operand"):
+        x + "a"
+    with pytest.raises(TypeError, match="exponent"):
+        x**x
+    with pytest.raises(ValueError, match="reshape"):
+        x.reshape(2)
+    with pytest.raises(ValueError, match="out of range"):
+        x.sum(dim=3)
+
+
+def test_mixing_backends_raises():
+    with taifuse.use_backend("numpy"):
+        a = taifuse.tensor([1.0], requires_grad=True)
+    other = [b for b in taifuse.available_backends() if b == "numba"]
+    if not other:
+        pytest.skip("needs a second host backend (numba)")
+    with taifuse.use_backend("numba"):
+        b = taifuse.tensor([1.0])
+        with pytest.raises(TypeError, match="different backends"):
+            a + b
+        with pytest.raises(TypeError, match="active backend"):
+            F.gelu(a)
+
+
+def test_numpy_interop(grad_backend):
+    x = t64([1.0, 2.0])
+    y = np.array([10.0, 20.0]) + x  # NumPy defers to Tensor.__radd__
+    assert isinstance(y, Tensor) and y.requires_grad
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [1.0, 1.0])
+
+
+# ----------------------------------------------------------------------------- import cost
+
+
+def test_import_taifuse_imports_numpy_only():
+    code = (
+        "import sys, taifuse, taifuse.nn, taifuse.functional; "
+        "heavy = [m for m in ('numba', 'taichi', 'torch', 'llvmlite') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
