@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,22 +27,22 @@ from taifuse import _random, backends
 from taifuse.tensor import Tensor
 
 __all__ = [
-    "gelu",
-    "relu",
-    "leaky_relu",
-    "silu",
-    "sigmoid",
-    "tanh",
     "add_relu",
-    "mul_relu",
     "affine",
-    "linear",
-    "softmax",
-    "log_softmax",
-    "layer_norm",
-    "dropout",
-    "mse_loss",
     "cross_entropy",
+    "dropout",
+    "gelu",
+    "layer_norm",
+    "leaky_relu",
+    "linear",
+    "log_softmax",
+    "mse_loss",
+    "mul_relu",
+    "relu",
+    "sigmoid",
+    "silu",
+    "softmax",
+    "tanh",
 ]
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")

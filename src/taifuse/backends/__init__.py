@@ -21,8 +21,8 @@ import platform
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from types import ModuleType
-from typing import Iterator
 
 BACKENDS = ("numpy", "numba", "taichi")
 TAICHI_ARCHES = ("metal", "vulkan", "cuda", "cpu")

@@ -241,8 +241,10 @@ _F32_HALF = np.float32(0.5)
 @njit(**_HELPER)
 def _clamp(v, lo, hi):
     """lo <= v <= hi, with NaN passed through (both compares are false for NaN)."""
-    v = hi if v > hi else v
-    return lo if v < lo else v
+    # NOTE: not min/max: these ternaries pass NaN through, and linters' "simplify to min/max"
+    # fixes change that. Keep the comparisons as written (noqa below).
+    v = hi if v > hi else v  # noqa: FURB136
+    return lo if v < lo else v  # noqa: FURB136
 
 
 @njit(**_HELPER)
@@ -289,7 +291,7 @@ def _exp_neg_f32(v):
     # Cody-Waite range reduction, 2**n built from its bit pattern. Values below -87 (true result
     # < 1.6e-38) return 0; NaN -> NaN; exp(-inf) = 0.
     # Measured over every 7th float32 bit pattern in [-87, 0]: max rel error 8.5e-8.
-    vc = v if v > _EXP_LO else _EXP_LO  # NaN -> _EXP_LO: the integer part must not be NaN
+    vc = v if v > _EXP_LO else _EXP_LO  # noqa: FURB136  NaN -> _EXP_LO: the integer part must not be NaN
     n = np.floor(vc * _LOG2E + _F32_HALF)
     r = v - n * _LN2_HI
     r = r - n * _LN2_LO
@@ -312,7 +314,7 @@ def _exp_f32(v):
     # _exp_neg_f32, with v held to [-87, 89]. exp(v) for v < -87 returns exp(-87) = 1.6e-38
     # (harmless next to 1), and for v >= 88.8 returns +inf, as the true value overflows.
     x = _clamp(v, _EXP_LO, _EXP_HI)
-    xn = x if x > _EXP_LO else _EXP_LO  # NaN -> _EXP_LO: the integer part must not be NaN
+    xn = x if x > _EXP_LO else _EXP_LO  # noqa: FURB136  NaN -> _EXP_LO: the integer part must not be NaN
     n = np.floor(xn * _LOG2E + _F32_HALF)
     r = x - n * _LN2_HI
     r = r - n * _LN2_LO
@@ -1080,7 +1082,7 @@ def dropout(x: np.ndarray, out: np.ndarray, p: float, seed: int) -> None:
 # They live in _numba_backward.py (which uses the helpers above) and are re-exported here so that
 # the backend's kernel table is this one module. Imported last: see NOTE [ Import order ] there.
 
-from taifuse.backends._numba_backward import (  # noqa: E402
+from taifuse.backends._numba_backward import (  # noqa: E402, F401 (re-exported kernel table)
     add_relu_backward,
     affine_backward,
     cross_entropy,

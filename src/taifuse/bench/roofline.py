@@ -1,11 +1,17 @@
 """The machine's ceilings, measured in the same run as the rows they judge: copy bandwidth and GEMM rate.
 
-Copy: ``np.copyto`` between two float32 arrays well past the last-level cache; bytes moved = read +
-write. GEMM: ``np.matmul(x, w.T, out=out)`` in float32 at 4096x1024x768 (2*M*N*K flops), the
+Copy: ``np.copyto`` between two float32 arrays well past the last-level cache, split into one
+contiguous chunk per CPU and run on that many threads (``np.copyto`` releases the GIL), so the
+ceiling is what the whole machine can copy, as the multi-threaded kernels it judges use every core;
+bytes moved = read + write. GEMM: ``np.matmul(x, w.T, out=out)`` in float32 at 4096x1024x768 (2*M*N*K flops), the
 product the fused-linear suite is built on.
 """
 
 from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -13,7 +19,7 @@ from taifuse.bench import timing
 from taifuse.bench.env import largest_cache_bytes
 
 GEMM_SHAPE = (4096, 1024, 768)  # (rows of x, inner, rows of w)
-COPY_CODE = "np.copyto(dst, src)"
+COPY_CODE = "np.copyto(dst[chunk], src[chunk]) for one contiguous chunk per CPU, on os.cpu_count() threads"
 GEMM_CODE = "np.matmul(x, w.T, out=out)"
 _MIB = 1024 * 1024
 
@@ -33,7 +39,16 @@ def _samples(fn, samples: int) -> list[float]:
 def _time_copy(copy_bytes: int, samples: int, seed: int) -> list[float]:
     src = np.random.default_rng(seed).standard_normal(copy_bytes // 4, dtype=np.float32)
     dst = np.empty_like(src)
-    return _samples(lambda: np.copyto(dst, src), samples)
+    workers = os.cpu_count() or 1
+    bounds = np.linspace(0, src.size, workers + 1).astype(np.int64)
+    chunks = [(dst[lo:hi], src[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+
+        def copy() -> None:
+            for future in [pool.submit(np.copyto, d, s) for d, s in chunks]:
+                future.result()
+
+        return _samples(copy, samples)
 
 
 def _time_gemm(samples: int, seed: int) -> list[float]:
