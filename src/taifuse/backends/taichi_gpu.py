@@ -151,6 +151,8 @@ def _make_storage(ti_dtype, n: int):
     """A flat ti.Ndarray that knows the runtime generation it belongs to."""
     global _storage_class
     if _storage_class is None:
+        import sys as _sys
+
         from taichi.lang._ndarray import ScalarNdarray
 
         class _Storage(ScalarNdarray):
@@ -159,6 +161,10 @@ def _make_storage(ti_dtype, n: int):
 
             def __del__(self):
                 # See NOTE [ Re-initialising Taichi ]: never delete through a newer runtime.
+                # At interpreter exit Taichi's own globals may be gone already; the process is
+                # releasing everything anyway.
+                if _sys.is_finalizing():
+                    return
                 if getattr(self, "_generation", None) == self._runtime_state["generation"]:
                     super().__del__()
 
