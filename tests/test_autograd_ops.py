@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import BACKEND_PARAMS, BackendSpec, start
 
 import taifuse
 import taifuse.functional as F
@@ -31,20 +30,7 @@ try:
 except ImportError:  # the torch comparisons skip
     torch = None
 
-TAICHI_SKIP = "the taichi backend has no backward kernels yet (issue 3: device backward kernels)"
-
-
-@pytest.fixture(scope="module", params=BACKEND_PARAMS)
-def grad_backend(request: pytest.FixtureRequest) -> BackendSpec:
-    """A backend with autograd kernels, started and active."""
-    spec = BackendSpec(request.param)
-    if spec.name == "taichi":
-        pytest.skip(TAICHI_SKIP)
-    reason = start(spec)
-    if reason is not None:
-        pytest.skip(f"{spec.param} unavailable: {reason}")
-    spec.activate()
-    return spec
+# grad_backend: the fixture in conftest.py (numpy and numba; taichi skips until it has backward kernels).
 
 
 # ----------------------------------------------------------------------------- the op table

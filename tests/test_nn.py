@@ -9,26 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import BACKEND_PARAMS, BackendSpec, start
 
 import taifuse
 import taifuse.functional as F
 from taifuse import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-TAICHI_SKIP = "the taichi backend has no device tensor math or backward kernels yet (issue 3)"
-
-
-@pytest.fixture(scope="module", params=BACKEND_PARAMS)
-def grad_backend(request: pytest.FixtureRequest) -> BackendSpec:
-    spec = BackendSpec(request.param)
-    if spec.name == "taichi":
-        pytest.skip(TAICHI_SKIP)
-    reason = start(spec)
-    if reason is not None:
-        pytest.skip(f"{spec.param} unavailable: {reason}")
-    spec.activate()
-    return spec
+# grad_backend: the fixture in conftest.py (numpy and numba; taichi skips until it has backward kernels).
 
 
 def _model() -> nn.Module:
