@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -318,21 +317,7 @@ class _LayerNorm(_Op):
 
 
 def _layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: float) -> Tensor:
-    # Validation as functional.layer_norm does it, which cannot hand back mean and rstd.
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
-        normalized_shape = (int(normalized_shape),)
-    if (
-        not isinstance(normalized_shape, Sequence)
-        or isinstance(normalized_shape, (str, bytes))
-        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in normalized_shape)
-    ):
-        raise TypeError(
-            f"layer_norm: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}"
-        )
-    norm_shape = tuple(int(n) for n in normalized_shape)
-    eps = F._check_finite_number(eps, "layer_norm", "eps")
-    if eps < 0:
-        raise ValueError(f"layer_norm: eps should be non-negative, got {eps}")
+    norm_shape, eps = F._layer_norm_args(normalized_shape, eps)
     x = _tensor_arg(x, "layer_norm", "x")
     k = len(norm_shape)
     if k == 0 or x.ndim < k or x.shape[x.ndim - k :] != norm_shape:

@@ -389,6 +389,25 @@ def log_softmax(x: Any, dim: int = -1, *, out: Any = None) -> Any:
     return _softmax_like("log_softmax", x, dim, out)
 
 
+def _layer_norm_args(normalized_shape: Any, eps: Any) -> tuple[tuple[int, ...], float]:
+    """Validate layer_norm's ``normalized_shape`` and ``eps`` (shared with the Tensor path)."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = (int(normalized_shape),)
+    # NOTE: not int(n) for each n, which would accept "4" and 4.5; PyTorch takes only integers here.
+    if (
+        not isinstance(normalized_shape, Sequence)
+        or isinstance(normalized_shape, (str, bytes))
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in normalized_shape)
+    ):
+        raise TypeError(
+            f"layer_norm: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}"
+        )
+    eps = _check_finite_number(eps, "layer_norm", "eps")
+    if eps < 0:
+        raise ValueError(f"layer_norm: eps should be non-negative, got {eps}")
+    return tuple(int(n) for n in normalized_shape), eps
+
+
 def layer_norm(
     x: Any,
     normalized_shape: int | Sequence[int],
@@ -405,21 +424,7 @@ def layer_norm(
     """
     if _has_tensor(x, weight, bias):
         return _tensor_op("layer_norm", out, x, normalized_shape, weight, bias, eps)
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
-        normalized_shape = (int(normalized_shape),)
-    # NOTE: not int(n) for each n, which would accept "4" and 4.5; PyTorch takes only integers here.
-    if (
-        not isinstance(normalized_shape, Sequence)
-        or isinstance(normalized_shape, (str, bytes))
-        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in normalized_shape)
-    ):
-        raise TypeError(
-            f"layer_norm: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}"
-        )
-    norm_shape = tuple(int(n) for n in normalized_shape)
-    eps = _check_finite_number(eps, "layer_norm", "eps")
-    if eps < 0:
-        raise ValueError(f"layer_norm: eps should be non-negative, got {eps}")
+    norm_shape, eps = _layer_norm_args(normalized_shape, eps)
     call = _Call("layer_norm")
     xa = call.array(x, "x")
     k = len(norm_shape)
