@@ -77,7 +77,7 @@ def goals(result: dict) -> list[dict]:
             high,
             _judge(low, high, at_least=0.60),
             f"{moved / t['median']:.3g} GB/s against {copy['value']:.3g} GB/s copy ({copy['size']}, "
-            f"{copy['cache_level']}); against a same-size in-cache np.copyto: {gelu_copy['value']:.2f} "
+            f"{copy['cache_level']}); against a same-size np.copyto on every CPU: {gelu_copy['value']:.2f} "
             f"[{gelu_copy['low']:.2f}, {gelu_copy['high']:.2f}] of its rate",
         )
     if lin_mm["value"] is not None:

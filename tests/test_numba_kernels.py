@@ -15,8 +15,8 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from taifuse.backends import numba_cpu as nb  # noqa: E402
-from taifuse.backends import reference as ref  # noqa: E402
+from taifuse.backends import numba_cpu as nb
+from taifuse.backends import reference as ref
 
 DTYPES = (np.float16, np.float32, np.float64)
 # |got - want| <= atol + rtol * |want| against the float64 reference, per storage dtype.
@@ -87,6 +87,44 @@ def test_float32_approximation_error_dense_sweep(name):
     assert rel.max() <= REL_BOUND[name], f"{name}: max rel error {rel.max():.3g} at x={worst}"
 
 
+def test_exp2_float32_accuracy_and_ends():
+    # gelu and gelu_tanh build exp from _exp2_f32; its own bound (rel 1.7e-7 measured) and the
+    # ends the callers rely on: 2**-127 -> 0, 2**128 -> inf, integers exact.
+    @numba.njit(error_model="numpy", fastmath={"contract"})
+    def exp2_all(w, out):
+        for i in range(w.size):
+            out[i] = nb._exp2_f32(w[i])
+
+    w = np.linspace(-126, 127, 1_000_001, dtype=np.float32)
+    got = np.empty_like(w)
+    exp2_all(w, got)
+    want = np.exp2(w.astype(np.float64))
+    rel = np.abs(got - want) / want
+    assert rel.max() <= 2.5e-7, f"max rel error {rel.max():.3g} at w={w[rel.argmax()]}"
+    ints = np.arange(-126, 128, dtype=np.float32)
+    exp2_all(ints, got[: ints.size])
+    # Against float64: NumPy's float32 exp2 is not exact at every integer.
+    assert np.array_equal(got[: ints.size], np.exp2(ints.astype(np.float64)))
+    ends = np.array([-127.0, 128.0], np.float32)
+    exp2_all(ends, got[:2])
+    assert got[0] == 0.0 and got[1] == np.inf
+
+
+def test_spans_ask_llvm_for_512_bit_vectors():
+    # NOTE [ 512-bit vectors ] in numba_cpu: the attribute must reach the function the span is
+    # inlined into (a compile error here would mean LLVM rejected it).
+    @numba.njit(error_model="numpy")
+    def double(x, out):
+        nb._unary_span(x, out, nb._LEAKY_RELU, 2.0)
+
+    x = np.array([-1.0, 2.0], np.float32)
+    out = np.empty_like(x)
+    double(x, out)
+    assert out.tolist() == [-2.0, 2.0]
+    ir = next(iter(double.inspect_llvm().values()))
+    assert nb._PREFER_512 in ir
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
 def test_special_values_match_reference(dtype):
@@ -147,12 +185,9 @@ def test_float16_narrow_rounds_like_numpy():
             out[i] = nb._narrow(x[i], out)
 
     rng = np.random.default_rng(1)
-    halfway = (np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32))
+    halfway = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     x = np.concatenate(
-        [
-            rng.standard_normal(200_000).astype(np.float32) * s
-            for s in (1e-7, 1e-4, 1.0, 1e3, 7e4)
-        ]
+        [rng.standard_normal(200_000).astype(np.float32) * s for s in (1e-7, 1e-4, 1.0, 1e3, 7e4)]
         + [halfway[np.isfinite(halfway)] * np.float32(1.0 + 2.0**-11)]  # ties and near-ties
         + [np.array([np.inf, -np.inf, 65504.0, 65519.0, 65520.0, 2.0**-25, 2.0**-24, -0.0], np.float32)]
     )
@@ -174,8 +209,10 @@ def test_hash32_bit_identical_to_reference():
 
     rng = np.random.default_rng(2)
     v = np.concatenate(
-        [np.array([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF], np.uint32),
-         rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)]
+        [
+            np.array([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF], np.uint32),
+            rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32),
+        ]
     )
     got = np.empty_like(v)
     hash_all(v, got)
@@ -222,8 +259,15 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
     force_path(parallel)
     x = _inputs((3, 5, 4099), dtype)  # odd sizes: partial blocks and vector tails
     y = _inputs((3, 5, 4099), dtype, seed=1)
-    for name, args in [("relu", ()), ("leaky_relu", (0.1,)), ("silu", ()), ("sigmoid", ()), ("tanh", ()),
-                       ("gelu", ("none",)), ("gelu", ("tanh",))]:
+    for name, args in [
+        ("relu", ()),
+        ("leaky_relu", (0.1,)),
+        ("silu", ()),
+        ("sigmoid", ()),
+        ("tanh", ()),
+        ("gelu", ("none",)),
+        ("gelu", ("tanh",)),
+    ]:
         got, want = np.empty_like(x), np.empty_like(x)
         getattr(nb, name)(x, got, *args)
         getattr(ref, name)(x, want, *args)
