@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from taifuse import _random, backends
+from taifuse import _random, backends, pool
 from taifuse import functional as F
 from taifuse._tensor_math import sum_to_shape
 from taifuse.tensor import Function, Tensor, _common_backend
@@ -45,7 +45,8 @@ def _check_active(be: ModuleType, op: str) -> None:
 
 
 def _empty(be: ModuleType, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    return be.empty(tuple(shape), np.dtype(dtype))
+    # Intermediates and gradients come from the pool; see NOTE [ Buffer ownership ] in taifuse/pool.py.
+    return pool.empty(be, tuple(shape), np.dtype(dtype))
 
 
 def _stats_dtype(dtype: np.dtype) -> np.dtype:
@@ -205,6 +206,8 @@ class _Linear(_Op):
     elementwise pass, the memory PyTorch keeps for its activation's input, and no recomputed
     matrix product in the backward.
     """
+
+    owns_grads = True  # gx, gw and gb are new arrays, one per input
 
     def forward(self, x: Any, w: Any, b: Any, activation: str | None) -> Any:
         self.x, self.w, self.activation, self.has_bias = x, w, activation, b is not None

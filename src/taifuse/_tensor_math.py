@@ -18,9 +18,39 @@ from typing import Any
 
 import numpy as np
 
+from taifuse import pool as _pool
+
+
+def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A result buffer from the host pool (NOTE [ Buffer ownership ] in taifuse/pool.py)."""
+    return _pool.host_pool().acquire(shape, dtype)
+
+
+def _floating(*operands: Any) -> bool:
+    return all(o.dtype.kind == "f" for o in operands if isinstance(o, np.ndarray))
+
+
+def _binary(ufunc: np.ufunc, a: Any, b: Any) -> np.ndarray:
+    # Only float operands take a pooled `out`: there np.result_type (Python scalars weak, NEP 50)
+    # is exactly the dtype the ufunc picks, so the result is the one it would have allocated.
+    if not (_floating(a, b) and (isinstance(a, np.ndarray) or isinstance(b, np.ndarray))):
+        return ufunc(a, b)
+    shape = np.broadcast_shapes(np.shape(a), np.shape(b))
+    return ufunc(a, b, out=_buffer(shape, np.result_type(a, b)))
+
+
+def _reduced_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None, keepdims: bool) -> tuple[int, ...]:
+    axes = range(len(shape)) if axis is None else [d % len(shape) for d in axis]
+    if keepdims:
+        return tuple(1 if i in axes else n for i, n in enumerate(shape))
+    return tuple(n for i, n in enumerate(shape) if i not in axes)
+
 
 class HostMath:
-    """Tensor arithmetic for backends whose arrays are ``numpy.ndarray``."""
+    """Tensor arithmetic for backends whose arrays are ``numpy.ndarray``.
+
+    Results are written into buffers from the host pool (``out=``), never freshly allocated.
+    """
 
     @staticmethod
     def asarray(data: Any, dtype: np.dtype | None) -> np.ndarray:
@@ -32,40 +62,49 @@ class HostMath:
 
     @staticmethod
     def add(a: Any, b: Any) -> np.ndarray:
-        return np.add(a, b)
+        return _binary(np.add, a, b)
 
     @staticmethod
     def sub(a: Any, b: Any) -> np.ndarray:
-        return np.subtract(a, b)
+        return _binary(np.subtract, a, b)
 
     @staticmethod
     def mul(a: Any, b: Any) -> np.ndarray:
-        return np.multiply(a, b)
+        return _binary(np.multiply, a, b)
 
     @staticmethod
     def div(a: Any, b: Any) -> np.ndarray:
-        return np.divide(a, b)
+        return _binary(np.divide, a, b)
 
     @staticmethod
     def neg(a: np.ndarray) -> np.ndarray:
-        return np.negative(a)
+        if not _floating(a):
+            return np.negative(a)
+        return np.negative(a, out=_buffer(a.shape, a.dtype))
 
     @staticmethod
     def pow_scalar(a: np.ndarray, exponent: float) -> np.ndarray:
         # NOTE: x * x, not x ** 2: NumPy's float32 power is far slower (FACTS.md).
         if exponent == 2:
-            return a * a
-        return np.power(a, np.asarray(exponent, dtype=a.dtype))
+            return _binary(np.multiply, a, a)
+        return _binary(np.power, a, np.asarray(exponent, dtype=a.dtype))
 
     @staticmethod
     def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return np.matmul(a, b)
+        if a.ndim < 2 or b.ndim < 2 or not _floating(a, b):
+            return np.matmul(a, b)  # vector promotions: rare, left to NumPy
+        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        return np.matmul(a, b, out=_buffer(shape, np.result_type(a, b)))
 
     @staticmethod
     def sum(a: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool) -> np.ndarray:
         # float16 sums accumulate in float32 (storage-only dtype), then round once.
-        acc = np.float32 if a.dtype == np.float16 else None
-        return np.asarray(np.sum(a, axis=axis, keepdims=keepdims, dtype=acc), dtype=a.dtype)
+        if a.dtype == np.float16 or not _floating(a):
+            acc = np.float32 if a.dtype == np.float16 else None
+            return np.asarray(np.sum(a, axis=axis, keepdims=keepdims, dtype=acc), dtype=a.dtype)
+        out = _buffer(_reduced_shape(a.shape, axis, keepdims), a.dtype)
+        np.sum(a, axis=axis, keepdims=keepdims, out=out)
+        return out
 
     @staticmethod
     def reshape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -73,21 +112,30 @@ class HostMath:
 
     @staticmethod
     def transpose(a: np.ndarray, axes: tuple[int, ...] | None = None) -> np.ndarray:
-        return np.ascontiguousarray(np.transpose(a, axes))
+        view = np.transpose(a, axes)
+        out = _buffer(view.shape, a.dtype)
+        np.copyto(out, view)
+        return out
 
     @staticmethod
     def broadcast_to(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         if tuple(a.shape) == tuple(shape):
             return a
-        return np.ascontiguousarray(np.broadcast_to(a, shape))
+        out = _buffer(tuple(shape), a.dtype)
+        np.copyto(out, np.broadcast_to(a, shape))
+        return out
 
     @staticmethod
     def full(shape: tuple[int, ...], value: float, dtype: np.dtype) -> np.ndarray:
-        return np.full(shape, value, dtype=dtype)
+        out = _buffer(tuple(shape), np.dtype(dtype))
+        np.copyto(out, value, casting="unsafe")  # what np.full does
+        return out
 
     @staticmethod
     def copy(a: np.ndarray) -> np.ndarray:
-        return np.array(a, order="C", copy=True)
+        out = _buffer(a.shape, a.dtype)
+        np.copyto(out, a)
+        return out
 
     @staticmethod
     def add_(acc: np.ndarray, a: Any) -> None:

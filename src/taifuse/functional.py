@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from taifuse import _random, backends
+from taifuse import _random, backends, pool
 from taifuse.tensor import Tensor
 
 __all__ = [
@@ -87,7 +87,7 @@ class _Call:
     def out(self, out: Any, shape: tuple[int, ...], dtype: np.dtype):
         """Validate a caller's ``out=`` buffer, or allocate the result."""
         if out is None:
-            return self.be.empty(shape, dtype)
+            return pool.empty(self.be, shape, dtype)
         if not (isinstance(out, np.ndarray) or self.be.is_array(out)):
             raise TypeError(f"{self.op}: out should be a numpy.ndarray, got {type(out).__name__}")
         if tuple(out.shape) != tuple(shape):
@@ -100,7 +100,7 @@ class _Call:
             raise ValueError(f"{self.op}: out is read-only")
         if isinstance(out, np.ndarray) and not self.be.is_array(out):
             # A device backend computes into its own buffer; result() copies that into `out`.
-            return self.be.empty(shape, dtype)
+            return pool.empty(self.be, shape, dtype)
         return out
 
     def result(self, value: Any, out: Any = None):
@@ -446,8 +446,8 @@ def layer_norm(
     rows = xa.size // features if features else 0
     if xa.size:
         stats_dtype = np.dtype(np.float64) if xa.dtype == np.float64 else np.dtype(np.float32)
-        mean = call.be.empty((rows,), stats_dtype)
-        rstd = call.be.empty((rows,), stats_dtype)
+        mean = pool.empty(call.be, (rows,), stats_dtype)
+        rstd = pool.empty(call.be, (rows,), stats_dtype)
         call.be.layer_norm(
             _reshape(xa, (rows, features)), params[0], params[1], eps, _reshape(o, (rows, features)), mean, rstd
         )

@@ -114,6 +114,9 @@ class Function:
     be: ModuleType  # the backend the forward ran on; the backward runs there too
     m: Any  # its tensor math (taifuse._tensor_math)
     needs_grad: tuple[bool, ...]
+    # True when backward returns freshly allocated arrays, none of them shared with another
+    # input, an output or saved state: a leaf's first gradient then takes the array, not a copy.
+    owns_grads: bool = False
 
     def __init__(self) -> None:
         self.parents: tuple[Tensor | None, ...] = ()
@@ -545,15 +548,23 @@ _SECOND_BACKWARD = (
 )
 
 
-def _accumulate_leaf(leaf: Tensor, grad: Any, m: Any) -> None:
+def _accumulate_leaf(leaf: Tensor, grad: Any, m: Any, owned: bool = False) -> None:
+    # owned: ``grad`` is a fresh array nothing else refers to (Function.owns_grads), so a leaf
+    # without a gradient may keep it as is.
     if tuple(grad.shape) != leaf.shape:
         raise RuntimeError(
             f"internal error: gradient of shape {tuple(grad.shape)} for a leaf of shape {leaf.shape}"
         )
     if leaf.grad is None:
         # A copy: backward functions may hand the same array to several inputs, and .grad is
-        # accumulated in place afterwards.
-        leaf.grad = Tensor._wrap(m.copy(grad), leaf._be)
+        # accumulated in place afterwards. An optimizer may have given the leaf a slot in its
+        # flat gradient buffer (NOTE [ Flat buffers ] in taifuse/optim/optimizer.py): copy there.
+        slot = getattr(leaf, "_grad_slot", None)
+        if slot is not None and isinstance(slot, np.ndarray) and isinstance(grad, np.ndarray):
+            np.copyto(slot, grad)
+            leaf.grad = Tensor._wrap(slot, leaf._be)
+        else:
+            leaf.grad = Tensor._wrap(grad if owned else m.copy(grad), leaf._be)
     else:
         m.add_(leaf.grad._data, grad)
 
@@ -563,11 +574,18 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
     if root._ctx is None:
         _accumulate_leaf(root, grad, m)
         return
-    order = _graph_order(root)  # holds every tensor, so their ids stay valid below
+    order = _graph_order(root)
     pending: dict[int, Any] = {id(root): grad}
-    for t in reversed(order):
+    del root, grad
+    for i in range(len(order) - 1, -1, -1):
+        # NOTE: each tensor leaves `order` as its node runs, and no local outlives its iteration,
+        # so that arrays are freed as the backward goes (a checkpoint's segment boundaries and
+        # recomputed activations, say), not when it ends. `pending` only ever holds the ids of
+        # tensors still in `order`, so ids stay unique.
+        t, order[i] = order[i], None
         g = pending.pop(id(t), None)
         ctx = t._ctx
+        del t
         if g is None or ctx is None:
             continue
         if ctx.released:
@@ -580,11 +598,12 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
             if parent is None or pg is None or not needed:
                 continue
             if parent._ctx is None:
-                _accumulate_leaf(parent, pg, m)
+                _accumulate_leaf(parent, pg, m, owned=ctx.owns_grads)
             elif id(parent) in pending:
                 pending[id(parent)] = m.add(pending[id(parent)], pg)
             else:
                 pending[id(parent)] = pg
+        g = grads = parents = parent = pg = None
 
 
 # ----------------------------------------------------------------------------- arithmetic nodes
