@@ -113,15 +113,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-GRAD_TAICHI_SKIP = "the taichi backend has no device tensor math or backward kernels yet (issue 3)"
-
-
 @pytest.fixture(scope="module", params=BACKEND_PARAMS)
 def grad_backend(request: pytest.FixtureRequest) -> BackendSpec:
-    """A backend with autograd kernels, started and active (the Taichi backend skips until it has them)."""
+    """A backend with autograd kernels, started and active (every backend: numpy, numba, taichi)."""
     spec = BackendSpec(request.param)
-    if spec.name == "taichi":
-        pytest.skip(GRAD_TAICHI_SKIP)
     reason = start(spec)
     if reason is not None:
         pytest.skip(f"{spec.param} unavailable: {reason}")

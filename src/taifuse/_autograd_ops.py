@@ -455,6 +455,18 @@ def _class_indices(target: Any, rows: int | None, classes: int, be: ModuleType) 
             raise TypeError(
                 f"cross_entropy: target lives on backend {target.backend!r}, logits on {be.NAME!r}"
             )
+        if not isinstance(target._data, np.ndarray):
+            # A device-resident target is used as is: a host range check would copy it back every
+            # step (NOTE [ Class indices on the device ] in backends/_taichi_backward.py).
+            if target.dtype.kind not in "iu":
+                raise TypeError(
+                    f"cross_entropy: target should hold integer class indices, got dtype {target.dtype}"
+                )
+            if target.shape != (() if rows is None else (rows,)):
+                raise ValueError(
+                    f"cross_entropy: target should have shape {() if rows is None else (rows,)}, got {target.shape}"
+                )
+            return target._data
         host = target.numpy()
     else:
         host = np.asarray(target)

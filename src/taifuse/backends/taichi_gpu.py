@@ -281,8 +281,14 @@ def is_array(obj: object) -> bool:
     return isinstance(obj, DeviceArray)
 
 
+# Integer data (class indices) is stored as int32: NOTE [ Class indices on the device ] in _taichi_backward.py.
+INDEX_DTYPE = np.dtype(np.int32)
+
+
 def _ti_dtype(dtype: np.dtype):
     ti = _state["ti"]
+    if dtype == INDEX_DTYPE:
+        return ti.i32
     return ti.f32 if dtype == np.float32 else ti.f16
 
 
@@ -290,7 +296,8 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
     """Allocate a DeviceArray (Taichi zero-fills it); size 0 allocates nothing."""
     _require_init()
     dtype = np.dtype(dtype)
-    check_dtype(dtype, "empty: dtype")
+    if dtype != INDEX_DTYPE:
+        check_dtype(dtype, "empty: dtype")
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"empty: shape should be non-negative, got {shape}")
@@ -304,7 +311,12 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
 def from_numpy(a: np.ndarray) -> DeviceArray:
     """Copy a host array to the device (one counted host-to-device transfer)."""
     a = np.asarray(a)
-    check_dtype(a.dtype, "from_numpy: array")
+    if a.dtype.kind in "biu":
+        if a.size and (a.min() < np.iinfo(INDEX_DTYPE).min or a.max() > np.iinfo(INDEX_DTYPE).max):
+            raise ValueError("from_numpy: integer data outside int32, the taichi backend's integer type")
+        a = a.astype(INDEX_DTYPE)
+    else:
+        check_dtype(a.dtype, "from_numpy: array")
     out = empty(a.shape, a.dtype)
     _transfers["host_to_device"] += 1
     _transfers["bytes_host_to_device"] += a.nbytes
@@ -453,3 +465,28 @@ def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
         reference.dropout_threshold(p),
         reference.dropout_scale(p),
     )
+
+
+# ----------------------------------------------------------------------------- autograd layer
+# NOTE: imported at the end (they import this module lazily); the kernels compile on first use.
+from taifuse.backends._taichi_backward import (  # noqa: F401
+    add_relu_backward,
+    affine_backward,
+    cross_entropy,
+    cross_entropy_backward,
+    dropout_backward,
+    gelu_backward,
+    layer_norm_backward,
+    leaky_relu_backward,
+    linear_act_backward,
+    log_softmax_backward,
+    mse_loss,
+    mse_loss_backward,
+    mul_relu_backward,
+    relu_backward,
+    sigmoid_backward,
+    silu_backward,
+    softmax_backward,
+    tanh_backward,
+)
+from taifuse.backends._taichi_tensor_math import TENSOR_MATH  # noqa: F401

@@ -1,0 +1,586 @@
+"""Tensor arithmetic on the taichi backend's DeviceArrays: :class:`TaichiMath`.
+
+The Taichi counterpart of ``taifuse._tensor_math.HostMath`` (same methods, same NumPy
+semantics: broadcasting, Python scalars, ``sum`` over an axis tuple with float32 accumulation), so
+that a Tensor's data never leaves the device. Every method runs Taichi kernels on the flat
+``ti.Ndarray`` storage of a DeviceArray; only :meth:`TaichiMath.to_numpy` and
+:meth:`TaichiMath.item` copy to the host (counted in ``taichi_gpu.transfer_stats``).
+
+Every result is allocated by :func:`_new`, the one allocation path of this module (and of
+``_taichi_backward``), so that a buffer pool can take it over in one place.
+
+# NOTE [ Strided views in kernels ]
+# DeviceArrays are always C-contiguous, but a kernel may read one through any strides: broadcasting
+# is a stride of 0, a transpose is a permutation of strides. Before a launch the host merges
+# adjacent dimensions that are contiguous for every operand (and drops size-1 dimensions), then
+# pads to MAX_DIMS; a kernel decomposes each flat output index over that padded shape. So
+# ``broadcast_to``, ``transpose`` and broadcasting arithmetic are one gather each, and ``matmul``
+# reads a transposed operand without copying it (``_taichi_backward`` uses that for linear's
+# weight gradient).
+#
+# NOTE [ Loop limits in reductions ]
+# lavapipe stops a shader invocation after ~65k loop iterations in total (notes/taichi_backend.md),
+# and a long float32 running sum drifts. So ``sum`` never lets one thread add more than
+# REDUCE_CHUNK terms: a pass sums chunks of REDUCE_CHUNK into float32 partials, and passes repeat
+# until one value per output is left (a tree with REDUCE_CHUNK-way nodes).
+"""
+
+# NOTE: no `from __future__ import annotations`: Taichi reads kernel annotations as objects.
+
+import functools
+import math
+import numbers
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+MAX_DIMS = 6  # dimensions a kernel indexes after merging (NOTE [ Strided views in kernels ])
+REDUCE_CHUNK = 256  # terms one thread adds per reduction pass (NOTE [ Loop limits in reductions ])
+# Register tile of matmul: each thread owns TILE x TILE outputs.
+TILE = 4
+
+OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_POW = 0, 1, 2, 3, 4
+# pow_scalar modes for a negative base: NumPy gives +|a|^e (even integer e), -|a|^e (odd), nan (else).
+POW_EVEN, POW_ODD, POW_FRACTIONAL = 0, 1, 2
+
+
+def _backend() -> ModuleType:
+    from taifuse.backends import taichi_gpu
+
+    return taichi_gpu
+
+
+def _new(be: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
+    """Allocate a result array: the one allocation path of the Taichi tensor math and backward kernels."""
+    return be.empty(tuple(int(s) for s in shape), np.dtype(dtype))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@functools.cache
+def kernels_for(dtype: Any) -> SimpleNamespace:
+    """The tensor-math kernels for storage dtype ``dtype`` (float32 or float16), built once per process."""
+    import taichi as ti
+
+    from taifuse.backends._taichi_kernels import _TI_DTYPES
+
+    T = _TI_DTYPES[np.dtype(dtype)]
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+    V = ti.types.vector(MAX_DIMS, ti.i32)
+
+    @ti.func
+    def _apply(op: ti.i32, u: ti.f32, v: ti.f32) -> ti.f32:
+        r = 0.0
+        if op == OP_ADD:
+            r = u + v
+        elif op == OP_SUB:
+            r = u - v
+        elif op == OP_MUL:
+            r = u * v
+        else:
+            r = u / v
+        return r
+
+    @ti.func
+    def _offset(i: ti.i32, shape: V, strides: V) -> ti.i32:
+        # Position of flat (C-order) index i of `shape` in an operand with `strides`.
+        off = 0
+        rem = i
+        for d in ti.static(range(MAX_DIMS - 1, -1, -1)):
+            off += (rem % shape[d]) * strides[d]
+            rem = rem // shape[d]
+        return off
+
+    @ti.kernel
+    def binary_flat(a: X, b: X, out: X, op: ti.i32, n: ti.i32):
+        for i in range(n):
+            out[i] = ti.cast(_apply(op, ti.cast(a[i], ti.f32), ti.cast(b[i], ti.f32)), T)
+
+    @ti.kernel
+    def binary(a: X, b: X, out: X, op: ti.i32, n: ti.i32, shape: V, sa: V, sb: V):
+        for i in range(n):
+            u = ti.cast(a[_offset(i, shape, sa)], ti.f32)
+            v = ti.cast(b[_offset(i, shape, sb)], ti.f32)
+            out[i] = ti.cast(_apply(op, u, v), T)
+
+    @ti.kernel
+    def binary_scalar(a: X, s: ti.f32, out: X, op: ti.i32, n: ti.i32, reverse: ti.i32):
+        for i in range(n):
+            u = ti.cast(a[i], ti.f32)
+            r = 0.0
+            if reverse != 0:
+                r = _apply(op, s, u)
+            else:
+                r = _apply(op, u, s)
+            out[i] = ti.cast(r, T)
+
+    @ti.kernel
+    def inplace(acc: X, b: X, op: ti.i32, n: ti.i32, shape: V, sb: V):
+        for i in range(n):
+            v = ti.cast(b[_offset(i, shape, sb)], ti.f32)
+            acc[i] = ti.cast(_apply(op, ti.cast(acc[i], ti.f32), v), T)
+
+    @ti.kernel
+    def inplace_scalar(acc: X, s: ti.f32, op: ti.i32, n: ti.i32):
+        for i in range(n):
+            acc[i] = ti.cast(_apply(op, ti.cast(acc[i], ti.f32), s), T)
+
+    @ti.kernel
+    def pow_scalar(a: X, e: ti.f32, out: X, n: ti.i32, negative_mode: ti.i32):
+        for i in range(n):
+            u = ti.cast(a[i], ti.f32)
+            r = ti.pow(ti.abs(u), e)  # pow of a negative base is undefined on GPUs
+            if u < 0.0:
+                if negative_mode == POW_ODD:
+                    r = -r
+                elif negative_mode == POW_FRACTIONAL:
+                    r = ti.math.nan
+            out[i] = ti.cast(r, T)
+
+    @ti.kernel
+    def gather(a: X, out: X, n: ti.i32, shape: V, sa: V):
+        for i in range(n):
+            out[i] = a[_offset(i, shape, sa)]
+
+    @ti.kernel
+    def fill(out: X, value: ti.f32, n: ti.i32):
+        for i in range(n):
+            out[i] = ti.cast(value, T)
+
+    @ti.kernel
+    def cast_from_f32(src: F32, out: X, n: ti.i32):
+        for i in range(n):
+            out[i] = ti.cast(src[i], T)
+
+    def make_reduce(IN, OUT, OUT_T):
+        @ti.kernel
+        def reduce_sum(
+            x: IN,
+            out: OUT,
+            n_out: ti.i32,
+            chunks: ti.i32,
+            r_total: ti.i32,
+            kshape: V,
+            kstride: V,
+            rshape: V,
+            rstride: V,
+            scale: ti.f32,
+        ):
+            # out[o * chunks + c] = scale * sum of terms c*REDUCE_CHUNK ... of output o's reduced set.
+            for t in range(n_out * chunks):
+                o = t // chunks
+                c = t % chunks
+                base = _offset(o, kshape, kstride)
+                s = 0.0
+                for r in range(c * REDUCE_CHUNK, ti.min(c * REDUCE_CHUNK + REDUCE_CHUNK, r_total)):
+                    s += ti.cast(x[base + _offset(r, rshape, rstride)], ti.f32)
+                out[t] = ti.cast(s * scale, OUT_T)
+
+        return reduce_sum
+
+    @ti.kernel
+    def matmul(
+        a: X,
+        b: X,
+        out: X,
+        n_rows: ti.i32,
+        m_cols: ti.i32,
+        k_dim: ti.i32,
+        batch: ti.i32,
+        bshape: V,
+        sa_batch: V,
+        sb_batch: V,
+        sa_n: ti.i32,
+        sa_k: ti.i32,
+        sb_k: ti.i32,
+        sb_m: ti.i32,
+    ):
+        # out[p, n, m] = sum_k a[p, n, k] * b[p, k, m] for out (batch, n_rows, m_cols) C-contiguous and
+        # a, b read through strides (NOTE [ Strided views in kernels ]). One TILE x TILE register tile
+        # per thread; edge tiles clamp their loads and mask their stores.
+        tiles_m = (m_cols + TILE - 1) // TILE
+        tiles = ((n_rows + TILE - 1) // TILE) * tiles_m
+        for t in range(batch * tiles):
+            p = t // tiles
+            tt = t % tiles
+            n0 = (tt // tiles_m) * TILE
+            m0 = (tt % tiles_m) * TILE
+            a0 = _offset(p, bshape, sa_batch)
+            b0 = _offset(p, bshape, sb_batch)
+            arow = ti.Vector([0] * TILE, dt=ti.i32)
+            bcol = ti.Vector([0] * TILE, dt=ti.i32)
+            for i in ti.static(range(TILE)):
+                arow[i] = a0 + ti.min(n0 + i, n_rows - 1) * sa_n
+                bcol[i] = b0 + ti.min(m0 + i, m_cols - 1) * sb_m
+            acc = ti.Matrix.zero(ti.f32, TILE, TILE)
+            for k in range(k_dim):
+                av = ti.Vector.zero(ti.f32, TILE)
+                bv = ti.Vector.zero(ti.f32, TILE)
+                for i in ti.static(range(TILE)):
+                    av[i] = ti.cast(a[arow[i] + k * sa_k], ti.f32)
+                    bv[i] = ti.cast(b[bcol[i] + k * sb_k], ti.f32)
+                for i, j in ti.static(ti.ndrange(TILE, TILE)):
+                    acc[i, j] += av[i] * bv[j]
+            for i, j in ti.static(ti.ndrange(TILE, TILE)):
+                if n0 + i < n_rows and m0 + j < m_cols:
+                    out[(p * n_rows + n0 + i) * m_cols + m0 + j] = ti.cast(acc[i, j], T)
+
+    return SimpleNamespace(
+        binary_flat=binary_flat,
+        binary=binary,
+        binary_scalar=binary_scalar,
+        inplace=inplace,
+        inplace_scalar=inplace_scalar,
+        pow_scalar=pow_scalar,
+        gather=gather,
+        fill=fill,
+        cast_from_f32=cast_from_f32,
+        reduce_to_f32=make_reduce(X, F32, ti.f32),
+        reduce_from_f32=make_reduce(F32, X, T),
+        reduce_same=make_reduce(X, X, T),
+        matmul=matmul,
+    )
+
+
+def all_kernels() -> list:
+    """Every (name, kernel) pair TaichiMath may launch, for ``metal_check``."""
+    from taifuse.backends._taichi_kernels import _TI_DTYPES
+
+    pairs = []
+    for dtype in _TI_DTYPES:
+        for name, kernel in vars(kernels_for(dtype)).items():
+            pairs.append((f"tm_{name}_{dtype.name}", kernel))
+    return pairs
+
+
+# ----------------------------------------------------------------------------- host-side geometry
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _broadcast_strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides reading an operand of ``shape`` as if broadcast to ``out_shape`` (0 on broadcast axes)."""
+    lead = len(out_shape) - len(shape)
+    own = _contiguous_strides(shape)
+    return tuple(0 if i < lead or shape[i - lead] == 1 else own[i - lead] for i in range(len(out_shape)))
+
+
+def _merge(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[Any, ...]:
+    """(shape, strides...) padded to MAX_DIMS after merging dims contiguous in every operand."""
+    dims: list = []
+    for i, n in enumerate(shape):
+        if n == 1:
+            continue
+        st = [s[i] for s in strides]
+        if dims and all(ps == s * n for ps, s in zip(dims[-1][1], st)):
+            dims[-1] = (dims[-1][0] * n, st)
+        else:
+            dims.append((n, st))
+    if len(dims) > MAX_DIMS:
+        raise NotImplementedError(
+            f"the taichi backend indexes at most {MAX_DIMS} non-contiguous dimensions, got shape {shape}"
+        )
+    dims = [(1, [0] * len(strides))] * (MAX_DIMS - len(dims)) + dims
+    import taichi as ti
+
+    out_shape = ti.Vector([n for n, _ in dims], dt=ti.i32)
+    return (out_shape,) + tuple(ti.Vector([st[j] for _, st in dims], dt=ti.i32) for j in range(len(strides)))
+
+
+def _nd(arr: Any) -> Any:
+    return arr._ndarray()
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def reduce_into(
+    x: Any,
+    out: Any,
+    kept_shape: tuple[int, ...],
+    kept_strides: tuple[int, ...],
+    red_shape: tuple[int, ...],
+    red_strides: tuple[int, ...],
+    scale: float = 1.0,
+) -> None:
+    """out[o] = scale * sum over the reduced index set of ``x``, in float32 (NOTE [ Loop limits in reductions ]).
+
+    ``x`` (float32 or the dtype of ``out``) is read at kept offset + reduced offset; ``out`` is
+    C-contiguous with ``prod(kept_shape)`` elements. Nothing may be empty.
+    """
+    be = _backend()
+    n_out = math.prod(kept_shape)
+    r_total = math.prod(red_shape)
+    kshape, kstride = _merge(tuple(kept_shape), tuple(kept_strides))
+    rshape, rstride = _merge(tuple(red_shape), tuple(red_strides))
+    src = x
+    while True:
+        chunks = -(-r_total // REDUCE_CHUNK)
+        src_k = kernels_for(src.dtype)
+        if chunks == 1:
+            if src.dtype == out.dtype:
+                kernel = src_k.reduce_same
+            else:  # float32 partials into a float16 result
+                kernel = kernels_for(out.dtype).reduce_from_f32
+            kernel(_nd(src), _nd(out), n_out, 1, r_total, kshape, kstride, rshape, rstride, float(scale))
+            return
+        partial = _new(be, (n_out, chunks), np.float32)
+        src_k.reduce_to_f32(
+            _nd(src), _nd(partial), n_out, chunks, r_total, kshape, kstride, rshape, rstride, 1.0
+        )
+        # The next pass sums each output's row of float32 partials.
+        src, r_total = partial, chunks
+        kshape, kstride = _merge((n_out,), (chunks,))
+        rshape, rstride = _merge((chunks,), (1,))
+
+
+def sum_rows_into(x: Any, out: Any, rows: int, cols: int, scale: float = 1.0) -> None:
+    """out[c] = scale * sum_r x[r, c] for ``x (rows, cols)`` C-contiguous (float32 or out's dtype)."""
+    reduce_into(x, out, (cols,), (1,), (rows,), (cols,), scale)
+
+
+# ----------------------------------------------------------------------------- TaichiMath
+
+
+class TaichiMath:
+    """Tensor arithmetic for the taichi backend: ``_tensor_math.HostMath``'s methods on DeviceArrays."""
+
+    @staticmethod
+    def asarray(data: Any, dtype: np.dtype | None) -> Any:
+        be = _backend()
+        if be.is_array(data):
+            if dtype is None or np.dtype(dtype) == data.dtype:
+                return TaichiMath.copy(data)
+            data = data.numpy()
+        return be.from_numpy(np.array(data, dtype=dtype, order="C", copy=True))
+
+    @staticmethod
+    def to_numpy(a: Any) -> np.ndarray:
+        return a.numpy()
+
+    @staticmethod
+    def _binary(a: Any, b: Any, op: int) -> Any:
+        be = _backend()
+        if _is_number(a) and _is_number(b):
+            raise TypeError("taichi tensor math needs at least one DeviceArray operand")
+        if _is_number(b) or _is_number(a):
+            arr, s, reverse = (a, b, 0) if _is_number(b) else (b, a, 1)
+            out = _new(be, arr.shape, arr.dtype)
+            if out.size:
+                kernels_for(arr.dtype).binary_scalar(_nd(arr), float(s), _nd(out), op, out.size, reverse)
+            return out
+        if a.dtype != b.dtype:
+            raise TypeError(f"operands have dtypes {a.dtype} and {b.dtype}")
+        shape = tuple(np.broadcast_shapes(a.shape, b.shape))
+        out = _new(be, shape, a.dtype)
+        if not out.size:
+            return out
+        k = kernels_for(a.dtype)
+        if a.shape == b.shape:
+            k.binary_flat(_nd(a), _nd(b), _nd(out), op, out.size)
+        else:
+            geo = _merge(shape, _broadcast_strides(a.shape, shape), _broadcast_strides(b.shape, shape))
+            k.binary(_nd(a), _nd(b), _nd(out), op, out.size, *geo)
+        return out
+
+    @staticmethod
+    def add(a: Any, b: Any) -> Any:
+        return TaichiMath._binary(a, b, OP_ADD)
+
+    @staticmethod
+    def sub(a: Any, b: Any) -> Any:
+        return TaichiMath._binary(a, b, OP_SUB)
+
+    @staticmethod
+    def mul(a: Any, b: Any) -> Any:
+        return TaichiMath._binary(a, b, OP_MUL)
+
+    @staticmethod
+    def div(a: Any, b: Any) -> Any:
+        return TaichiMath._binary(a, b, OP_DIV)
+
+    @staticmethod
+    def neg(a: Any) -> Any:
+        # 0 - x would turn -0.0 into +0.0; -1 * x keeps the sign bit as NumPy's negative does.
+        return TaichiMath._binary(a, -1.0, OP_MUL)
+
+    @staticmethod
+    def pow_scalar(a: Any, exponent: float) -> Any:
+        if exponent == 2:
+            return TaichiMath._binary(a, a, OP_MUL)
+        out = _new(_backend(), a.shape, a.dtype)
+        if out.size:
+            e = float(exponent)
+            if e.is_integer():
+                mode = POW_ODD if int(e) % 2 else POW_EVEN
+            else:
+                mode = POW_FRACTIONAL
+            kernels_for(a.dtype).pow_scalar(_nd(a), e, _nd(out), out.size, mode)
+        return out
+
+    @staticmethod
+    def matmul(a: Any, b: Any) -> Any:
+        """NumPy's matmul: 1-D operands are promoted (and the promoted axis dropped), batches broadcast."""
+        if a.dtype != b.dtype:
+            raise TypeError(f"matmul: operands have dtypes {a.dtype} and {b.dtype}")
+        a2 = a.reshape((1,) + a.shape) if a.ndim == 1 else a
+        b2 = b.reshape(b.shape + (1,)) if b.ndim == 1 else b
+        (n, k), (k_b, m) = a2.shape[-2:], b2.shape[-2:]
+        if k != k_b:
+            raise ValueError(f"matmul: shapes {a.shape} and {b.shape} are not aligned")
+        batch_shape = tuple(np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
+        out = _new(_backend(), batch_shape + (n, m), a.dtype)
+        if out.size:
+            matmul_into(
+                a2, b2, out, batch_shape,
+                _broadcast_strides(a2.shape[:-2], batch_shape) if batch_shape else (),
+                _broadcast_strides(b2.shape[:-2], batch_shape) if batch_shape else (),
+                transpose_a=False, transpose_b=False,
+            )  # fmt: skip
+        shape = batch_shape + ((n,) if a.ndim > 1 else ()) + ((m,) if b.ndim > 1 else ())
+        return out.reshape(shape)
+
+    @staticmethod
+    def sum(a: Any, axis: tuple[int, ...] | None, keepdims: bool) -> Any:
+        axes = tuple(range(a.ndim)) if axis is None else tuple(d % max(a.ndim, 1) for d in axis)
+        kept = tuple(n for d, n in enumerate(a.shape) if d not in axes)
+        shape = tuple(1 if d in axes else n for d, n in enumerate(a.shape)) if keepdims else kept
+        out = _new(_backend(), shape, a.dtype)
+        if not out.size:
+            return out
+        if not a.size:  # a sum over nothing is 0
+            kernels_for(a.dtype).fill(_nd(out), 0.0, out.size)
+            return out
+        strides = _contiguous_strides(a.shape)
+        reduce_into(
+            a,
+            out,
+            kept,
+            tuple(s for d, s in enumerate(strides) if d not in axes),
+            tuple(n for d, n in enumerate(a.shape) if d in axes),
+            tuple(s for d, s in enumerate(strides) if d in axes),
+        )
+        return out
+
+    @staticmethod
+    def reshape(a: Any, shape: tuple[int, ...]) -> Any:
+        return a.reshape(tuple(shape))  # a view: DeviceArrays are always contiguous
+
+    @staticmethod
+    def transpose(a: Any, axes: tuple[int, ...] | None = None) -> Any:
+        axes = tuple(reversed(range(a.ndim))) if axes is None else tuple(axes)
+        shape = tuple(a.shape[d] for d in axes)
+        out = _new(_backend(), shape, a.dtype)
+        if out.size:
+            strides = _contiguous_strides(a.shape)
+            geo = _merge(shape, tuple(strides[d] for d in axes))
+            kernels_for(a.dtype).gather(_nd(a), _nd(out), out.size, *geo)
+        return out
+
+    @staticmethod
+    def broadcast_to(a: Any, shape: tuple[int, ...]) -> Any:
+        shape = tuple(shape)
+        if a.shape == shape:
+            return a
+        if tuple(np.broadcast_shapes(a.shape, shape)) != shape:
+            raise ValueError(f"broadcast_to: cannot broadcast shape {a.shape} to {shape}")
+        out = _new(_backend(), shape, a.dtype)
+        if out.size:
+            geo = _merge(shape, _broadcast_strides(a.shape, shape))
+            kernels_for(a.dtype).gather(_nd(a), _nd(out), out.size, *geo)
+        return out
+
+    @staticmethod
+    def full(shape: tuple[int, ...], value: float, dtype: Any) -> Any:
+        out = _new(_backend(), shape, dtype)
+        if out.size:
+            kernels_for(out.dtype).fill(_nd(out), float(value), out.size)
+        return out
+
+    @staticmethod
+    def copy(a: Any) -> Any:
+        out = _new(_backend(), a.shape, a.dtype)
+        if out.size:
+            kernels_for(a.dtype).binary_scalar(_nd(a), 1.0, _nd(out), OP_MUL, out.size, 0)
+        return out
+
+    @staticmethod
+    def _inplace(acc: Any, a: Any, op: int) -> None:
+        if not acc.size:
+            return
+        k = kernels_for(acc.dtype)
+        if _is_number(a):
+            k.inplace_scalar(_nd(acc), float(a), op, acc.size)
+            return
+        if a.dtype != acc.dtype:
+            raise TypeError(f"in-place operand has dtype {a.dtype}, the array {acc.dtype}")
+        geo = _merge(acc.shape, _broadcast_strides(a.shape, acc.shape))
+        k.inplace(_nd(acc), _nd(a), op, acc.size, *geo)
+
+    @staticmethod
+    def add_(acc: Any, a: Any) -> None:
+        """acc += a, in place (gradient accumulation into a leaf's ``.grad``, optimizer steps)."""
+        TaichiMath._inplace(acc, a, OP_ADD)
+
+    @staticmethod
+    def sub_(acc: Any, a: Any) -> None:
+        TaichiMath._inplace(acc, a, OP_SUB)
+
+    @staticmethod
+    def mul_(acc: Any, a: Any) -> None:
+        TaichiMath._inplace(acc, a, OP_MUL)
+
+    @staticmethod
+    def item(a: Any) -> Any:
+        return a.numpy().reshape(()).item()
+
+
+def matmul_into(
+    a: Any,
+    b: Any,
+    out: Any,
+    batch_shape: tuple[int, ...] = (),
+    a_batch_strides: tuple[int, ...] = (),
+    b_batch_strides: tuple[int, ...] = (),
+    *,
+    transpose_a: bool,
+    transpose_b: bool,
+) -> None:
+    """out (batch..., N, M) = op(a) @ op(b), op = transpose of the last two axes when asked (no copy).
+
+    ``a``'s last two axes are (N, K), or (K, N) with ``transpose_a``; ``b``'s are (K, M), or (M, K)
+    with ``transpose_b``. Batch axes are read through the given strides (0 to broadcast).
+    """
+    ra, ca = a.shape[-2:]
+    rb, cb = b.shape[-2:]
+    n, k = (ca, ra) if transpose_a else (ra, ca)
+    m = rb if transpose_b else cb
+    sa_n, sa_k = (1, ca) if transpose_a else (ca, 1)
+    sb_k, sb_m = (1, cb) if transpose_b else (cb, 1)
+    batch = math.prod(batch_shape)
+    # Batch strides come in units of whole matrices; the kernel wants elements.
+    bshape, sab, sbb = _merge(
+        tuple(batch_shape),
+        tuple(s * ra * ca for s in a_batch_strides),
+        tuple(s * rb * cb for s in b_batch_strides),
+    )
+    kernels_for(out.dtype).matmul(
+        _nd(a), _nd(b), _nd(out), n, m, k, batch, bshape, sab, sbb, sa_n, sa_k, sb_k, sb_m
+    )
+
+
+TENSOR_MATH = TaichiMath()

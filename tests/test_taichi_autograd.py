@@ -1,0 +1,251 @@
+"""Tensors and autograd on the taichi backend: device tensor math, class indices, and residency.
+
+The gradients themselves are checked in test_autograd_ops.py (every op, against the float64
+reference and PyTorch, on taichi-cpu and the GPU param too). Here:
+
+* ``TaichiMath`` (backends/_taichi_tensor_math.py) against NumPy's ``HostMath`` on the same inputs;
+* integer data as int32 DeviceArrays (NOTE [ Class indices on the device ] in _taichi_backward.py);
+* a full training step of an MLP stays on the device: no host<->device copy but the loss read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from helpers import GPU_PARAM, BackendSpec, start
+
+import taifuse
+import taifuse.functional as F
+from taifuse import nn
+from taifuse._tensor_math import HOST_MATH
+
+pytest.importorskip("taichi")
+
+
+@pytest.fixture(scope="module", params=("taichi-cpu", GPU_PARAM))
+def taichi(request: pytest.FixtureRequest):
+    """The taichi backend module on one arch, active."""
+    spec = BackendSpec(request.param)
+    reason = start(spec)
+    if reason is not None:
+        pytest.skip(f"{spec.param} unavailable: {reason}")
+    spec.activate()
+    return spec.module()
+
+
+def _close(got, expected, dtype) -> None:
+    expected = np.asarray(expected, dtype=np.float64)
+    # float32: a few roundings, or a float32 sum / dot product whose error grows with its length.
+    rtol = 1e-5 if np.dtype(dtype) == np.float32 else 2e-3
+    scale = max(1.0, float(np.abs(expected).max())) if expected.size else 1.0
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), expected, rtol=rtol, atol=rtol * scale)
+
+
+# ----------------------------------------------------------------------------- tensor math
+
+
+BINARY_SHAPES = [
+    ((3, 4), (3, 4)),
+    ((3, 4), (4,)),
+    ((2, 1, 3), (4, 1)),
+    ((5, 1, 2, 1, 3), (1, 4, 1, 6, 1)),
+    ((), (3,)),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+def test_binary_ops_broadcast_like_numpy(taichi, op, dtype):
+    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+
+    rng = np.random.default_rng(0)
+    for sa, sb in BINARY_SHAPES:
+        a = rng.uniform(0.5, 2.0, sa).astype(dtype)
+        b = rng.uniform(0.5, 2.0, sb).astype(dtype)
+        da, db = taichi.from_numpy(a), taichi.from_numpy(b)
+        expected = getattr(HOST_MATH, op)(a.astype(np.float32), b.astype(np.float32))
+        got = getattr(M, op)(da, db)
+        assert got.shape == expected.shape and got.dtype == dtype
+        _close(got.numpy(), expected, dtype)
+        # A Python scalar on either side.
+        _close(getattr(M, op)(da, 1.5).numpy(), getattr(HOST_MATH, op)(a.astype(np.float32), 1.5), dtype)
+        _close(getattr(M, op)(1.5, da).numpy(), getattr(HOST_MATH, op)(1.5, a.astype(np.float32)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_in_place_ops_broadcast(taichi, dtype):
+    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+
+    rng = np.random.default_rng(1)
+    acc = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    other = rng.standard_normal((4, 1)).astype(np.float32)
+    d = taichi.from_numpy(acc.astype(dtype))
+    M.add_(d, taichi.from_numpy(other.astype(dtype)))
+    M.mul_(d, 0.5)
+    M.sub_(d, taichi.from_numpy(other.astype(dtype)))
+    a16 = acc.astype(dtype).astype(np.float32)
+    o16 = other.astype(dtype).astype(np.float32)
+    _close(d.numpy(), (a16 + o16) * 0.5 - o16, dtype)
+
+
+@pytest.mark.parametrize(
+    "shape, axis, keepdims",
+    [
+        ((3, 4, 5), None, False),
+        ((3, 4, 5), (1,), True),
+        ((3, 4, 5), (0, 2), False),
+        ((2, 3, 4, 5), (1, 3), True),
+        ((7,), (0,), False),
+        ((0, 3), (0,), False),  # a sum over nothing is 0
+    ],
+)
+def test_sum_matches_numpy(taichi, shape, axis, keepdims):
+    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+
+    a = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    got = M.sum(taichi.from_numpy(a), axis, keepdims)
+    expected = a.astype(np.float64).sum(axis=axis, keepdims=keepdims)
+    assert got.shape == expected.shape
+    _close(got.numpy(), expected, np.float32)
+
+
+def test_long_sums_take_several_passes(taichi):
+    """NOTE [ Loop limits in reductions ]: 70000 terms per output is past what one lavapipe
+    invocation may loop (about 65k), and past REDUCE_CHUNK**2 (three passes)."""
+    from taifuse.backends._taichi_tensor_math import REDUCE_CHUNK
+    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+
+    n = 70000
+    assert n > REDUCE_CHUNK**2
+    a = np.random.default_rng(3).uniform(0.0, 1.0, (3, n)).astype(np.float32)
+    d = taichi.from_numpy(a)
+    rows = M.sum(d, (1,), False).numpy()
+    np.testing.assert_allclose(rows, a.astype(np.float64).sum(axis=1), rtol=1e-6)
+    cols = M.sum(taichi.from_numpy(np.ascontiguousarray(a.T)), (0,), False).numpy()
+    np.testing.assert_allclose(cols, a.astype(np.float64).sum(axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize(
+    "sa, sb",
+    [((37, 53), (53, 29)), ((53,), (53, 29)), ((37, 53), (53,)), ((2, 1, 5, 6), (3, 6, 4)), ((6,), (6,))],
+)
+def test_matmul_matches_numpy(taichi, sa, sb, dtype):
+    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal(sa).astype(dtype), rng.standard_normal(sb).astype(dtype)
+    got = M.matmul(taichi.from_numpy(a), taichi.from_numpy(b))
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    assert got.shape == expected.shape
+    _close(got.numpy(), expected, dtype)
+
+
+def test_layout_ops_and_pow(taichi):
+    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+
+    a = np.random.default_rng(5).standard_normal((2, 3, 4)).astype(np.float32)
+    d = taichi.from_numpy(a)
+    np.testing.assert_array_equal(M.transpose(d, (2, 0, 1)).numpy(), a.transpose(2, 0, 1))
+    np.testing.assert_array_equal(M.transpose(d).numpy(), a.T)
+    b = taichi.from_numpy(a[:, :1, :].copy())
+    np.testing.assert_array_equal(
+        M.broadcast_to(b, (5, 2, 3, 4)).numpy(), np.broadcast_to(a[:, :1, :], (5, 2, 3, 4))
+    )
+    np.testing.assert_array_equal(M.full((2, 2), -0.5, np.float32).numpy(), np.full((2, 2), -0.5))
+    np.testing.assert_array_equal(M.neg(d).numpy(), -a)
+    view = M.reshape(d, (6, 4))
+    assert view._storage is d._storage, "reshape of a contiguous array is a view"
+    _close(M.pow_scalar(d, 3).numpy(), a.astype(np.float64) ** 3, np.float32)
+    # Like NumPy: a negative base gives nan for a fractional exponent.
+    half = M.pow_scalar(d, 0.5).numpy()
+    np.testing.assert_array_equal(np.isnan(half), a < 0)
+    _close(half[a >= 0], np.sqrt(a[a >= 0].astype(np.float64)), np.float32)
+    assert M.item(M.sum(d, None, False)) == pytest.approx(float(a.astype(np.float64).sum()), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- class indices
+
+
+def test_integer_data_is_int32_on_the_device(taichi):
+    t = taifuse.tensor([0, 2, 1])
+    assert t.dtype == np.int32 and t.backend == "taichi"
+    np.testing.assert_array_equal(t.numpy(), [0, 2, 1])
+    with pytest.raises(ValueError, match="int32"):
+        taichi.from_numpy(np.array([2**40]))
+
+
+def test_device_target_matches_host_target_and_flags_bad_indices(taichi):
+    x = np.random.default_rng(6).standard_normal((4, 3)).astype(np.float32)
+    logits = taifuse.tensor(x, requires_grad=True)
+    host = F.cross_entropy(logits, np.array([0, 2, 1, 2]))
+    device = F.cross_entropy(logits, taifuse.tensor([0, 2, 1, 2]))
+    assert host.item() == pytest.approx(device.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="class index 3"):
+        F.cross_entropy(logits, np.array([0, 3, 1, 2]))  # host targets are range-checked
+    # A device target is not copied back to be checked: the bad row's loss is nan instead.
+    loss = F.cross_entropy(logits, taifuse.tensor([0, 3, 1, 2]), reduction="none").numpy()
+    assert math.isnan(loss[1]) and np.isfinite(loss[[0, 2, 3]]).all()
+    with pytest.raises(TypeError, match="integer"):
+        F.cross_entropy(logits, taifuse.tensor([0.0, 1.0, 1.0, 2.0]))
+
+
+# ----------------------------------------------------------------------------- residency
+
+
+def _mlp_step(model, x, y, lr):
+    model.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with taifuse.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return loss
+
+
+def test_a_training_step_copies_nothing_but_the_loss(taichi):
+    taifuse.manual_seed(0)
+    rng = np.random.default_rng(7)
+    model = nn.Sequential(
+        nn.Linear(20, 32, activation="gelu"),
+        nn.Linear(32, 32, activation="gelu"),
+        nn.Linear(32, 4),
+    )
+    # The batch goes to the device once, as a data loader would put it there.
+    x = taifuse.tensor(rng.standard_normal((64, 20)).astype(np.float32))
+    y = taifuse.tensor(rng.integers(0, 4, 64))
+    first = _mlp_step(model, x, y, 0.2).item()  # compiles every kernel
+    taichi.reset_transfer_stats()
+    loss = _mlp_step(model, x, y, 0.2)
+    assert taichi.transfer_stats() == {
+        "host_to_device": 0,
+        "device_to_host": 0,
+        "bytes_host_to_device": 0,
+        "bytes_device_to_host": 0,
+    }
+    value = loss.item()
+    stats = taichi.transfer_stats()
+    assert stats["host_to_device"] == 0 and stats["device_to_host"] == 1
+    assert stats["bytes_device_to_host"] == 4  # one float32
+    for _ in range(10):
+        last = _mlp_step(model, x, y, 0.2).item()
+    assert math.isfinite(value) and last < first, f"loss went from {first} to {last}"
+    assert all(p.grad.backend == "taichi" for p in model.parameters())
+
+
+def test_backward_kernels_have_the_reference_signatures():
+    import inspect
+
+    from taifuse import backends
+    from taifuse.backends import reference, taichi_gpu
+
+    for name in backends.BACKWARD_KERNEL_NAMES:
+        got = list(inspect.signature(getattr(taichi_gpu, name)).parameters)
+        want = list(inspect.signature(getattr(reference, name)).parameters)
+        assert got == want, f"taichi_gpu.{name}{got} differs from the reference {want}"
+    assert taichi_gpu.TENSOR_MATH is not None
+    host_methods = {n for n in vars(type(HOST_MATH)) if not n.startswith("_")}
+    missing = [n for n in host_methods if not callable(getattr(taichi_gpu.TENSOR_MATH, n, None))]
+    assert not missing, f"TaichiMath lacks {missing}"
