@@ -75,6 +75,9 @@ BACKWARD_KERNEL_NAMES = (
     "cross_entropy",
     "cross_entropy_backward",
 )
+# Fused optimizer update kernels (taifuse.optim). Signatures in _optim_reference.py, which
+# reference.py re-exports.
+OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite")
 # Array helpers every backend exports.
 ARRAY_API = ("NAME", "init", "describe", "check_dtype", "is_array", "from_numpy", "to_numpy", "empty")
 

@@ -181,12 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from taifuse.backends._taichi_backward import all_kernels as backward_kernels
     from taifuse.backends._taichi_kernels import all_kernels
+    from taifuse.backends._taichi_optim import optim_kernels
     from taifuse.backends._taichi_tensor_math import all_kernels as tensor_math_kernels
 
     kernels = (
         all_kernels()
         + tensor_math_kernels()
         + backward_kernels()
+        + optim_kernels()
         + _selftest_kernels(args.selftest_f64, args.selftest_bindings)
     )
     out_dir = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="taifuse-metal-check-"))

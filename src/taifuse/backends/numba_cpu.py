@@ -1195,3 +1195,6 @@ from taifuse.backends._numba_backward import (  # noqa: E402, F401 (re-exported 
     softmax_backward,
     tanh_backward,
 )
+
+# The fused optimizer kernels of taifuse.optim (OPTIM_KERNEL_NAMES), Numba implementations.
+from taifuse.backends._numba_optim import adam_step, all_finite, lion_step, sgd_step  # noqa: F401

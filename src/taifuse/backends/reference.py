@@ -528,3 +528,6 @@ def cross_entropy_backward(
     p = np.exp(x - _f64(lse).reshape(-1, 1))
     p[np.arange(n), np.asarray(target, dtype=np.int64)] -= 1.0
     _store(grad_in, p * (g.reshape(-1, 1) if g.ndim else g))
+
+# The fused optimizer kernels of taifuse.optim (OPTIM_KERNEL_NAMES), specified there.
+from taifuse.backends._optim_reference import adam_step, all_finite, lion_step, sgd_step  # noqa: F401

@@ -489,4 +489,5 @@ from taifuse.backends._taichi_backward import (  # noqa: F401
     softmax_backward,
     tanh_backward,
 )
+from taifuse.backends._taichi_optim import adam_step, all_finite, lion_step, sgd_step  # noqa: F401 (optimizer kernels)
 from taifuse.backends._taichi_tensor_math import TENSOR_MATH  # noqa: F401

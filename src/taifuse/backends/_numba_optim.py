@@ -1,0 +1,389 @@
+"""The Numba backend's fused optimizer kernels (``taifuse.backends.OPTIM_KERNEL_NAMES``).
+
+Same signatures and semantics as ``_optim_reference.py``, which specifies them. One call is one
+pass over memory: every element's parameter, gradient and state are loaded once, updated in
+registers and stored once. Conventions of ``numba_cpu``: float16 arrays arrive as their uint16
+bit view and compute in float32, float64 computes in float64, inputs above the parallel threshold
+run on every thread in blocks of ``_BLOCK`` elements.
+
+No fast-math flags: without FMA contraction the float32 arithmetic rounds exactly as the NumPy
+reference's, so the two agree to the last bit on the same operation order (the tests compare
+100-step trajectories), and these loops vectorize without it.
+
+Each update is one scalar function (``_sgd_elem``, ``_adam_elem``, ``_lion_elem``); the loops
+around it differ only in which state arrays they load and store, so that no store is conditional
+inside a loop (a conditional store would keep LLVM from vectorizing it).
+
+# NOTE [ Import order ]: as in ``_numba_backward``, this module uses numba_cpu's helpers and
+# numba_cpu re-exports this module's kernels; the helpers are imported at the bottom.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit, prange
+
+from taifuse.backends._optim_reference import adam_scalars, compute_dtype, lerp_weight_is_small
+
+_HELPER = {"cache": True, "nogil": True, "error_model": "numpy"}
+_PARALLEL = {**_HELPER, "parallel": True}
+# A sum of (x - x) is NaN exactly when some x is NaN or infinite, in any order of summation, so
+# reassociating it (which lets LLVM vectorize the reduction) cannot change the answer.
+_FINITE = {**_HELPER, "fastmath": {"reassoc"}}
+_FINITE_PARALLEL = {**_FINITE, "parallel": True}
+_SPAN = {**_HELPER, "inline": "always"}
+
+_BLOCK = 16384  # elements per parallel work item
+
+__all__ = ["adam_step", "all_finite", "lion_step", "sgd_step"]
+
+
+# ----------------------------------------------------------------------------- the update math
+
+
+@njit(**_HELPER, inline="always")
+def _nan_max(a, b):
+    """max(a, b) that propagates a NaN from either side, as ``np.maximum``."""
+    return a if (a > b or math.isnan(a)) else b
+
+
+@njit(**_HELPER, inline="always")
+def _sign(c, one):
+    """-1, 0 or +1 (and NaN for NaN), as ``np.sign``; ``one`` is 1 in c's precision."""
+    return one if c > 0 else (-one if c < 0 else c)
+
+
+@njit(**_HELPER, inline="always")
+def _sgd_elem(p, g, sign, weight_decay, l2):
+    d = g * sign
+    if l2:
+        d = d + weight_decay * p
+    return d
+
+
+@njit(**_HELPER, inline="always")
+def _adam_elem(p, g, m, v, s):
+    """One element's Adam moments; ``s`` = the scalars of ``_adam_scalars`` (float in compute precision)."""
+    _neg_step, _bc2, _eps, wd, decay, w, one_minus_w, small, beta2, one_minus_beta2, sign, l2, dec = s
+    g = g * sign
+    if l2:
+        g = g + wd * p
+    if dec:
+        p = p * decay
+    if small:
+        m = m + w * (g - m)
+    else:
+        m = g - (g - m) * one_minus_w
+    v = v * beta2 + one_minus_beta2 * g * g
+    return p, m, v
+
+
+@njit(**_HELPER, inline="always")
+def _adam_apply(p, m, v_hat, s):
+    neg_step, bc2, eps = s[0], s[1], s[2]
+    denom = math.sqrt(v_hat) / bc2 + eps
+    return p + neg_step * m / denom
+
+
+@njit(**_HELPER, inline="always")
+def _lion_elem(p, g, m, s):
+    neg_lr, decay, dec, beta1, one_minus_beta1, beta2, one_minus_beta2, one = s
+    if dec:
+        p = p * decay
+    p = p + neg_lr * _sign(m * beta1 + one_minus_beta1 * g, one)
+    m = m * beta2 + one_minus_beta2 * g
+    return p, m
+
+
+# ----------------------------------------------------------------------------- spans and blocks
+# A span loops over whole 1-D slices indexed from 0 (numba_cpu's NOTE on spans: with an unknown
+# start index Numba's negative-index wraparound hides the addresses from LLVM and the loop does
+# not vectorize). A block slices [lo, hi) out of every array and runs the span on the slices.
+
+
+@njit(**_SPAN)
+def _sgd_plain_span(p, g, neg_lr, sign, weight_decay, l2):
+    for i in range(p.size):
+        pi = _widen(p[i])
+        d = _sgd_elem(pi, _widen(g[i]), sign, weight_decay, l2)
+        p[i] = _narrow(pi + neg_lr * d, p)
+
+
+@njit(**_SPAN)
+def _sgd_momentum_span(p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_minus_damp, nesterov, first):
+    for i in range(p.size):
+        pi = _widen(p[i])
+        d = _sgd_elem(pi, _widen(g[i]), sign, weight_decay, l2)
+        b = d if first else _widen(buf[i]) * momentum + one_minus_damp * d
+        buf[i] = _narrow(b, buf)
+        # NOTE: buf is re-read through the stored (rounded) value: a float16 buffer stores b
+        # rounded, and PyTorch's next op reads that stored tensor.
+        b = _widen(buf[i])
+        step = d + momentum * b if nesterov else b
+        p[i] = _narrow(pi + neg_lr * step, p)
+
+
+@njit(**_SPAN)
+def _adam_span(p, g, m, v, s):
+    for i in range(p.size):
+        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), s)
+        m[i] = _narrow(mi, m)
+        v[i] = _narrow(vi, v)
+        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(v[i]), s), p)
+
+
+@njit(**_SPAN)
+def _adam_amsgrad_span(p, g, m, v, vmax, s):
+    for i in range(p.size):
+        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), s)
+        m[i] = _narrow(mi, m)
+        v[i] = _narrow(vi, v)
+        vmax[i] = _narrow(_nan_max(_widen(vmax[i]), _widen(v[i])), vmax)
+        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(vmax[i]), s), p)
+
+
+@njit(**_SPAN)
+def _lion_span(p, g, m, s):
+    for i in range(p.size):
+        pi, mi = _lion_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), s)
+        p[i] = _narrow(pi, p)
+        m[i] = _narrow(mi, m)
+
+
+@njit(**_FINITE, inline="always")
+def _nonfinite_span(x):
+    acc = _widen(x[0]) - _widen(x[0])
+    for i in range(1, x.size):
+        v = _widen(x[i])
+        acc += v - v
+    return acc
+
+
+@njit(**_HELPER)
+def _sgd_plain_block(p, g, lo, hi, neg_lr, sign, weight_decay, l2):
+    _sgd_plain_span(p[lo:hi], g[lo:hi], neg_lr, sign, weight_decay, l2)
+
+
+@njit(**_HELPER)
+def _sgd_momentum_block(
+    p, g, buf, lo, hi, neg_lr, sign, weight_decay, l2, momentum, one_minus_damp, nesterov, first
+):
+    _sgd_momentum_span(
+        p[lo:hi],
+        g[lo:hi],
+        buf[lo:hi],
+        neg_lr,
+        sign,
+        weight_decay,
+        l2,
+        momentum,
+        one_minus_damp,
+        nesterov,
+        first,
+    )
+
+
+@njit(**_HELPER)
+def _adam_block(p, g, m, v, lo, hi, s):
+    _adam_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], s)
+
+
+@njit(**_HELPER)
+def _adam_amsgrad_block(p, g, m, v, vmax, lo, hi, s):
+    _adam_amsgrad_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], vmax[lo:hi], s)
+
+
+@njit(**_HELPER)
+def _lion_block(p, g, m, lo, hi, s):
+    _lion_span(p[lo:hi], g[lo:hi], m[lo:hi], s)
+
+
+@njit(**_FINITE)
+def _nonfinite_sum(x, lo, hi):
+    return _nonfinite_span(x[lo:hi])
+
+
+# ----------------------------------------------------------------------------- parallel drivers
+
+
+@njit(**_PARALLEL)
+def _sgd_plain_parallel(p, g, neg_lr, sign, weight_decay, l2):
+    n = p.size
+    for b in prange((n + _BLOCK - 1) // _BLOCK):
+        _sgd_plain_block(p, g, b * _BLOCK, min(n, (b + 1) * _BLOCK), neg_lr, sign, weight_decay, l2)
+
+
+@njit(**_PARALLEL)
+def _sgd_momentum_parallel(
+    p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_minus_damp, nesterov, first
+):
+    n = p.size
+    for b in prange((n + _BLOCK - 1) // _BLOCK):
+        _sgd_momentum_block(
+            p, g, buf, b * _BLOCK, min(n, (b + 1) * _BLOCK), neg_lr, sign, weight_decay, l2,
+            momentum, one_minus_damp, nesterov, first,
+        )  # fmt: skip
+
+
+@njit(**_PARALLEL)
+def _adam_parallel(p, g, m, v, s):
+    n = p.size
+    for b in prange((n + _BLOCK - 1) // _BLOCK):
+        _adam_block(p, g, m, v, b * _BLOCK, min(n, (b + 1) * _BLOCK), s)
+
+
+@njit(**_PARALLEL)
+def _adam_amsgrad_parallel(p, g, m, v, vmax, s):
+    n = p.size
+    for b in prange((n + _BLOCK - 1) // _BLOCK):
+        _adam_amsgrad_block(p, g, m, v, vmax, b * _BLOCK, min(n, (b + 1) * _BLOCK), s)
+
+
+@njit(**_PARALLEL)
+def _lion_parallel(p, g, m, s):
+    n = p.size
+    for b in prange((n + _BLOCK - 1) // _BLOCK):
+        _lion_block(p, g, m, b * _BLOCK, min(n, (b + 1) * _BLOCK), s)
+
+
+@njit(**_FINITE_PARALLEL)
+def _nonfinite_sum_parallel(x):
+    n = x.size
+    acc = 0.0
+    for b in prange((n + _BLOCK - 1) // _BLOCK):
+        acc += np.float64(_nonfinite_sum(x, b * _BLOCK, min(n, (b + 1) * _BLOCK)))
+    return acc
+
+
+# ----------------------------------------------------------------------------- kernel table
+
+
+def sgd_step(
+    param: np.ndarray,
+    grad: np.ndarray,
+    momentum_buffer: np.ndarray | None,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    first_step: bool,
+) -> None:
+    """SGD with momentum in one pass (see ``_optim_reference.sgd_step``)."""
+    ct = compute_dtype(param.dtype).type
+    p, g = _flat(param), _flat(grad)
+    common = (ct(-lr), ct(-1.0 if maximize else 1.0), ct(weight_decay), weight_decay != 0)
+    parallel = _parallel(p.size)
+    if momentum == 0:
+        if parallel:
+            _sgd_plain_parallel(p, g, *common)
+        else:
+            _sgd_plain_block(p, g, 0, p.size, *common)
+        return
+    extra = (ct(momentum), ct(1.0 - dampening), bool(nesterov), bool(first_step))
+    buf = _flat(momentum_buffer)
+    if parallel:
+        _sgd_momentum_parallel(p, g, buf, *common, *extra)
+    else:
+        _sgd_momentum_block(p, g, buf, 0, p.size, *common, *extra)
+
+
+def _adam_scalars(param_dtype, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize) -> tuple:
+    ct = compute_dtype(param_dtype).type
+    step_size, bc2 = adam_scalars(step, lr, beta1, beta2)
+    w = 1.0 - beta1
+    return (
+        ct(-step_size),
+        ct(bc2),
+        ct(eps),
+        ct(weight_decay),
+        ct(1.0 - lr * weight_decay),
+        ct(w),
+        ct(1.0 - w),
+        lerp_weight_is_small(w),
+        ct(beta2),
+        ct(1.0 - beta2),
+        ct(-1.0 if maximize else 1.0),
+        weight_decay != 0 and not decoupled,
+        weight_decay != 0 and bool(decoupled),
+    )
+
+
+def adam_step(
+    param: np.ndarray,
+    grad: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    max_exp_avg_sq: np.ndarray | None,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+) -> None:
+    """Adam / AdamW in one pass (see ``_optim_reference.adam_step``)."""
+    s = _adam_scalars(param.dtype, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize)
+    p, g, m, v = _flat(param), _flat(grad), _flat(exp_avg), _flat(exp_avg_sq)
+    parallel = _parallel(p.size, transcendental=True)
+    if amsgrad:
+        vmax = _flat(max_exp_avg_sq)
+        if parallel:
+            _adam_amsgrad_parallel(p, g, m, v, vmax, s)
+        else:
+            _adam_amsgrad_block(p, g, m, v, vmax, 0, p.size, s)
+    elif parallel:
+        _adam_parallel(p, g, m, v, s)
+    else:
+        _adam_block(p, g, m, v, 0, p.size, s)
+
+
+def lion_step(
+    param: np.ndarray,
+    grad: np.ndarray,
+    exp_avg: np.ndarray,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Lion in one pass (see ``_optim_reference.lion_step``)."""
+    ct = compute_dtype(param.dtype).type
+    s = (
+        ct(-lr),
+        ct(1.0 - lr * weight_decay),
+        weight_decay != 0,
+        ct(beta1),
+        ct(1.0 - beta1),
+        ct(beta2),
+        ct(1.0 - beta2),
+        ct(1.0),
+    )
+    p, g, m = _flat(param), _flat(grad), _flat(exp_avg)
+    if _parallel(p.size):
+        _lion_parallel(p, g, m, s)
+    else:
+        _lion_block(p, g, m, 0, p.size, s)
+
+
+def all_finite(arrays: Sequence[np.ndarray]) -> bool:
+    """Whether every element of every array is finite (one vectorized read of each)."""
+    for x in arrays:
+        if x.size == 0:
+            continue
+        xf = _flat(x)
+        total = _nonfinite_sum_parallel(xf) if _parallel(xf.size) else _nonfinite_sum(xf, 0, xf.size)
+        if math.isnan(total):
+            return False
+    return True
+
+
+# See NOTE [ Import order ] above: numba_cpu re-exports this module's kernels at its end.
+from taifuse.backends.numba_cpu import _flat, _narrow, _parallel, _widen

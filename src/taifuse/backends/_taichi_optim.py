@@ -1,0 +1,246 @@
+"""The Taichi backend's fused optimizer kernels (``taifuse.backends.OPTIM_KERNEL_NAMES``).
+
+Same signatures and semantics as ``_optim_reference.py``, on :class:`~taifuse.backends.taichi_gpu.DeviceArray`
+flat buffers: parameters, gradients and optimizer state stay on the device, and one step is one
+kernel launch over the whole run, with no host copy. The only value that comes back to the host
+is the 4-byte answer of :func:`all_finite`, one per step (counted by ``taichi_gpu.transfer_stats``).
+
+float32 and float16 storage (float16 computes in float32); float64 is refused by the backend's
+``check_dtype`` before any kernel runs. Like ``_taichi_kernels``, every kernel takes flat 1-D
+ndarrays and plain scalars, so each compiles once per arch, and none binds more than five
+buffers (Metal allows 31). ``python -m taifuse.backends.metal_check`` compiles them with Metal's
+capabilities only.
+
+Taichi is imported when a kernel is first needed (this module is imported by ``taichi_gpu``,
+which must not import Taichi at import time).
+"""
+
+# NOTE: no `from __future__ import annotations`: Taichi reads kernel annotations as objects.
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+
+from taifuse.backends._optim_reference import adam_scalars, lerp_weight_is_small
+
+__all__ = ["adam_step", "all_finite", "lion_step", "optim_kernels", "sgd_step"]
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+@functools.cache
+def _kernels(dtype: np.dtype) -> SimpleNamespace:
+    """The optimizer kernels for storage dtype ``dtype``, built once per process."""
+    import taichi as ti
+
+    T = ti.f32 if dtype == np.float32 else ti.f16
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
+
+    @ti.func
+    def load(a: ti.template(), i: ti.i32) -> ti.f32:
+        return ti.cast(a[i], ti.f32)
+
+    @ti.kernel
+    def sgd_plain(p: X, g: X, n: ti.i32, neg_lr: ti.f32, sign: ti.f32, wd: ti.f32, l2: ti.i32):
+        for i in range(n):
+            pi = load(p, i)
+            d = load(g, i) * sign
+            if l2:
+                d = d + wd * pi
+            p[i] = ti.cast(pi + neg_lr * d, T)
+
+    @ti.kernel
+    def sgd_momentum(
+        p: X, g: X, buf: X, n: ti.i32, neg_lr: ti.f32, sign: ti.f32, wd: ti.f32, l2: ti.i32,
+        momentum: ti.f32, one_minus_damp: ti.f32, nesterov: ti.i32, first: ti.i32,
+    ):  # fmt: skip
+        for i in range(n):
+            pi = load(p, i)
+            d = load(g, i) * sign
+            if l2:
+                d = d + wd * pi
+            b = d
+            if not first:
+                b = load(buf, i) * momentum + one_minus_damp * d
+            buf[i] = ti.cast(b, T)
+            b = load(buf, i)  # the stored (for float16, rounded) value, as the reference
+            step = b
+            if nesterov:
+                step = d + momentum * b
+            p[i] = ti.cast(pi + neg_lr * step, T)
+
+    @ti.kernel
+    def adam(
+        p: X, g: X, m: X, v: X, vmax: X, n: ti.i32, neg_step: ti.f32, bc2: ti.f32, eps: ti.f32,
+        wd: ti.f32, decay: ti.f32, w: ti.f32, one_minus_w: ti.f32, small: ti.i32, beta2: ti.f32,
+        one_minus_beta2: ti.f32, sign: ti.f32, l2: ti.i32, dec: ti.i32, amsgrad: ti.i32,
+    ):  # fmt: skip
+        for i in range(n):
+            pi = load(p, i)
+            gi = load(g, i) * sign
+            if l2:
+                gi = gi + wd * pi
+            if dec:
+                pi = pi * decay
+            mi = load(m, i)
+            if small:
+                mi = mi + w * (gi - mi)
+            else:
+                mi = gi - (gi - mi) * one_minus_w
+            vi = load(v, i) * beta2 + one_minus_beta2 * gi * gi
+            m[i] = ti.cast(mi, T)
+            v[i] = ti.cast(vi, T)
+            mi = load(m, i)
+            vi = load(v, i)
+            if amsgrad:
+                vm = load(vmax, i)
+                # NaN-propagating max, as np.maximum
+                vi = ti.select((vm > vi) or (vm != vm), vm, vi)  # noqa: PLR0124 (a NaN test)
+                vmax[i] = ti.cast(vi, T)
+                vi = load(vmax, i)
+            denom = ti.sqrt(vi) / bc2 + eps
+            p[i] = ti.cast(pi + neg_step * mi / denom, T)
+
+    @ti.kernel
+    def lion(
+        p: X, g: X, m: X, n: ti.i32, neg_lr: ti.f32, decay: ti.f32, dec: ti.i32, beta1: ti.f32,
+        one_minus_beta1: ti.f32, beta2: ti.f32, one_minus_beta2: ti.f32,
+    ):  # fmt: skip
+        for i in range(n):
+            pi = load(p, i)
+            gi = load(g, i)
+            mi = load(m, i)
+            if dec:
+                pi = pi * decay
+            c = mi * beta1 + one_minus_beta1 * gi
+            sgn = ti.select(c > 0.0, 1.0, ti.select(c < 0.0, -1.0, c))
+            p[i] = ti.cast(pi + neg_lr * sgn, T)
+            m[i] = ti.cast(mi * beta2 + one_minus_beta2 * gi, T)
+
+    @ti.kernel
+    def mark_nonfinite(x: X, n: ti.i32, flag: I32):
+        for i in range(n):
+            # Exponent bits all ones = inf or NaN; a bit test, because fast math may fold v - v to 0.
+            bits = ti.bit_cast(ti.cast(x[i], ti.f32), ti.i32)
+            if (bits & 0x7F800000) == 0x7F800000:
+                ti.atomic_or(flag[0], 1)
+
+    @ti.kernel
+    def take_flag(flag: I32) -> ti.i32:
+        value = flag[0]
+        flag[0] = 0
+        return value
+
+    return SimpleNamespace(
+        sgd_plain=sgd_plain,
+        sgd_momentum=sgd_momentum,
+        adam=adam,
+        lion=lion,
+        mark_nonfinite=mark_nonfinite,
+        take_flag=take_flag,
+    )
+
+
+def optim_kernels() -> list:
+    """Every (name, kernel) pair this module may launch, per storage dtype (for ``metal_check``)."""
+    pairs = []
+    for dtype in _DTYPES:
+        for name, kernel in vars(_kernels(dtype)).items():
+            pairs.append((f"optim_{name}_{dtype.name}", kernel))
+    return pairs
+
+
+def _tg():
+    from taifuse.backends import taichi_gpu
+
+    return taichi_gpu
+
+
+def sgd_step(
+    param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step
+):
+    """SGD with momentum in one kernel launch (see ``_optim_reference.sgd_step``)."""
+    tg = _tg()
+    n = param.size
+    if n == 0:
+        return
+    k = _kernels(param.dtype)
+    common = (n, float(-lr), -1.0 if maximize else 1.0, float(weight_decay), int(weight_decay != 0))
+    if momentum == 0:
+        k.sgd_plain(tg._nd(param), tg._nd(grad), *common)
+        return
+    k.sgd_momentum(
+        tg._nd(param), tg._nd(grad), tg._nd(momentum_buffer), *common,
+        float(momentum), float(1.0 - dampening), int(bool(nesterov)), int(bool(first_step)),
+    )  # fmt: skip
+
+
+def adam_step(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    max_exp_avg_sq,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled,
+    amsgrad,
+    maximize,
+):
+    """Adam / AdamW in one kernel launch (see ``_optim_reference.adam_step``)."""
+    tg = _tg()
+    n = param.size
+    if n == 0:
+        return
+    step_size, bc2 = adam_scalars(step, lr, beta1, beta2)
+    w = 1.0 - beta1
+    vmax = tg._nd(max_exp_avg_sq) if amsgrad else tg._optional(None, param.dtype)
+    _kernels(param.dtype).adam(
+        tg._nd(param), tg._nd(grad), tg._nd(exp_avg), tg._nd(exp_avg_sq), vmax, n,
+        float(-step_size), float(bc2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
+        float(w), float(1.0 - w), int(lerp_weight_is_small(w)), float(beta2), float(1.0 - beta2),
+        -1.0 if maximize else 1.0, int(weight_decay != 0 and not decoupled),
+        int(weight_decay != 0 and bool(decoupled)), int(bool(amsgrad)),
+    )  # fmt: skip
+
+
+def lion_step(param, grad, exp_avg, lr, beta1, beta2, weight_decay):
+    """Lion in one kernel launch (see ``_optim_reference.lion_step``)."""
+    tg = _tg()
+    n = param.size
+    if n == 0:
+        return
+    _kernels(param.dtype).lion(
+        tg._nd(param), tg._nd(grad), tg._nd(exp_avg), n, float(-lr), float(1.0 - lr * weight_decay),
+        int(weight_decay != 0), float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
+    )  # fmt: skip
+
+
+_flags: dict = {}  # runtime generation -> the 1-element int32 ndarray mark_nonfinite ORs into
+
+
+def all_finite(arrays) -> bool:
+    """Whether every element of every array is finite: one marking kernel per array, one 4-byte read-back."""
+    tg = _tg()
+    arrays = [a for a in arrays if a.size]
+    if not arrays:
+        return True
+    generation = tg._state["generation"]
+    if generation not in _flags:
+        # Through taichi_gpu's storage class: see its NOTE [ Re-initialising Taichi ]. Taichi
+        # zero-fills it; take_flag leaves it zeroed again.
+        _flags.clear()
+        _flags[generation] = tg._make_storage(tg._state["ti"].i32, 1)
+    flag = _flags[generation]
+    for x in arrays:
+        _kernels(x.dtype).mark_nonfinite(tg._nd(x), x.size, flag)
+    bad = _kernels(arrays[0].dtype).take_flag(flag)
+    tg._transfers["device_to_host"] += 1
+    tg._transfers["bytes_device_to_host"] += 4
+    return bad == 0

@@ -1,0 +1,515 @@
+"""The optimizer base class: parameter groups, flat buffers, one fused kernel launch per step.
+
+# NOTE [ Flat buffers ]
+# On the host backends (numpy, numba) the optimizer gathers each parameter group's parameters of
+# one dtype into a *bucket*: one contiguous 1-D array for the parameters, one for the gradients
+# and one per state array (momentum, moments). Every Parameter's data becomes a C-contiguous view
+# into the parameter buffer (``p._data`` is rebound once, values unchanged), and its gradient slot
+# ``p._grad_slot`` a view into the gradient buffer: autograd copies a leaf's first gradient into
+# that slot instead of allocating (``tensor._accumulate_leaf``), so after ``backward()`` the
+# gradients already lie side by side and a step is one kernel launch over the whole bucket, one
+# pass over memory, however many parameters it holds.
+#
+# Anything that bypasses that path still works, at the cost of a copy: a ``.grad`` assigned by hand
+# (or made by ``zero_grad(set_to_none=False)`` of a module) is copied into its slot, and a
+# parameter whose ``_data`` was replaced (``Module.load_state_dict``) is copied back into the
+# buffer and re-viewed, before the step.
+#
+# Parameters without a gradient are skipped, as PyTorch skips them (state untouched, no step
+# counted). Each bucket runs one launch per maximal run of consecutive parameters that have a
+# gradient and the same step count: one launch in the common case.
+#
+# The taichi backend's DeviceArray has no offset views yet, so there each parameter is a bucket of
+# its own (its data and gradient used in place, no copy): one launch per parameter.
+
+# NOTE [ Non-finite gradients ]
+# ``step()`` checks every gradient it is about to use before it writes anything (one read of the
+# gradient buffers, one ``all_finite`` call per backend, so one device read-back per step); a NaN
+# or infinity raises ``ValueError`` naming the parameter,
+# and no parameter, state or step count changes. PyTorch instead applies the update and lets the
+# NaN spread. ``check_finite=False`` skips the check (and its extra read of the gradients) and
+# behaves like PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from taifuse.tensor import Tensor, enable_grad
+
+_NEEDED = object()  # what the zeros factory returns when we only ask which state arrays exist
+
+
+# ----------------------------------------------------------------------------- validation helpers
+
+
+def check_number(
+    opt: str, name: str, value: Any, low: float, high: float | None = None, *, high_open: bool = False
+) -> float:
+    """``value`` as a float, or ``ValueError`` naming it when it is not a finite number in range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{opt} {name} should be a finite number, got {value!r}")
+    value = float(value)
+    if value < low or (high is not None and (value >= high if high_open else value > high)):
+        bracket = ")" if high_open else "]"
+        where = f"[{low}, {high}{bracket}" if high is not None else f">= {low}"
+        raise ValueError(f"{opt} {name} should be {'in ' if high is not None else ''}{where}, got {value}")
+    return value
+
+
+def check_betas(opt: str, betas: Any) -> tuple[float, float]:
+    """A pair of betas, each in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{opt} betas should be a pair (beta1, beta2), got {betas!r}")
+    return (
+        check_number(opt, "beta1", betas[0], 0.0, 1.0, high_open=True),
+        check_number(opt, "beta2", betas[1], 0.0, 1.0, high_open=True),
+    )
+
+
+def _is_host(arr: Any) -> bool:
+    return isinstance(arr, np.ndarray)
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+class _Run(NamedTuple):
+    lo: int  # element range in the bucket's flat buffers
+    hi: int
+    first: int  # segment range
+    last: int
+    step: int
+
+
+class _Bucket:
+    """One group's parameters of one dtype and backend, in flat buffers (NOTE [ Flat buffers ])."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self.be: ModuleType = params[0]._be
+        self.dtype = params[0].dtype
+        self.flat = _is_host(params[0]._data)
+        sizes = [p.size for p in params]
+        self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.size = self.bounds[-1]
+        self.steps = [0] * len(params)
+        self.arrays: dict[str, Any] = {}  # state name -> flat array (host) or array (single)
+        if self.flat:
+            self.param_buf = np.empty(self.size, self.dtype)
+            self.grad_buf = np.zeros(self.size, self.dtype)
+            self.param_views, self.grad_views = [], []
+            for p, lo, hi in zip(params, self.bounds, self.bounds[1:]):
+                view = self.param_buf[lo:hi].reshape(p.shape)
+                np.copyto(view, p._data)
+                p._data = view
+                slot = self.grad_buf[lo:hi].reshape(p.shape)
+                p._grad_slot = slot
+                self.param_views.append(view)
+                self.grad_views.append(slot)
+
+    # -- arrays
+
+    def zeros(self) -> Any:
+        if self.flat:
+            return np.zeros(self.size, self.dtype)
+        return self.be.empty((self.size,), self.dtype)  # device arrays start zeroed
+
+    def param_flat(self) -> Any:
+        return self.param_buf if self.flat else self.params[0]._data.reshape(-1)
+
+    def grad_flat(self) -> Any:
+        return self.grad_buf if self.flat else self.params[0].grad._data.reshape(-1)
+
+    def part(self, arr: Any, run: _Run) -> Any:
+        if not self.flat or (run.lo == 0 and run.hi == self.size):
+            return arr
+        return arr[run.lo : run.hi]
+
+    # -- before a step
+
+    def runs(self) -> list[_Run]:
+        """Sync views and gradient slots; the launches this step needs (see NOTE [ Flat buffers ])."""
+        has_grad = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is not None:
+                if tuple(g.shape) != p.shape or g.dtype != p.dtype:
+                    raise ValueError(
+                        f"parameter of shape {p.shape} and dtype {p.dtype} has a gradient of shape "
+                        f"{tuple(g.shape)} and dtype {g.dtype}"
+                    )
+                if g._be is not self.be:
+                    raise ValueError(
+                        f"gradient lives on backend {g._be.NAME!r}, its parameter on {self.be.NAME!r}"
+                    )
+            if self.flat:
+                view = self.param_views[i]
+                if p._data is not view:  # replaced from outside: take its values back into the buffer
+                    np.copyto(view, p._data)
+                    p._data = view
+                if g is not None and g._data is not self.grad_views[i]:
+                    np.copyto(self.grad_views[i], g._data)
+            has_grad.append(g is not None)
+        runs: list[_Run] = []
+        i, n = 0, len(self.params)
+        while i < n:
+            if not has_grad[i]:
+                i += 1
+                continue
+            j = i + 1
+            while j < n and has_grad[j] and self.steps[j] == self.steps[i]:
+                j += 1
+            runs.append(_Run(self.bounds[i], self.bounds[j], i, j, self.steps[i]))
+            i = j
+        return runs
+
+    def ensure_arrays(self, init: Callable, hyper: NamedTuple) -> None:
+        """Allocate (zeroed) every state array the hyperparameters call for that is not there yet."""
+        template = init(hyper, lambda: _NEEDED)
+        for name, value in template._asdict().items():
+            if value is _NEEDED and name not in self.arrays:
+                self.arrays[name] = self.zeros()
+
+    def state_for(self, init: Callable, hyper: NamedTuple, run: _Run) -> NamedTuple:
+        template = init(hyper, lambda: _NEEDED)
+        fields = {
+            name: (self.part(self.arrays[name], run) if value is _NEEDED else None)
+            for name, value in template._asdict().items()
+            if name != "step"
+        }
+        return template._replace(step=run.step, **fields)
+
+    # -- per-parameter state (state_dict layout)
+
+    def segment_array(self, name: str, i: int) -> np.ndarray:
+        """A host copy of state array ``name`` for parameter ``i``, in its shape."""
+        arr = self.arrays[name]
+        lo, hi = self.bounds[i], self.bounds[i + 1]
+        host = arr[lo:hi] if self.flat else self.be.to_numpy(arr)
+        return np.array(host, copy=True).reshape(self.params[i].shape)
+
+    def write_segment(self, name: str, i: int, value: np.ndarray) -> None:
+        if name not in self.arrays:
+            self.arrays[name] = self.zeros()
+        if self.flat:
+            lo, hi = self.bounds[i], self.bounds[i + 1]
+            np.copyto(self.arrays[name][lo:hi], value.reshape(-1))
+        else:
+            self.arrays[name] = self.be.from_numpy(np.ascontiguousarray(value.reshape(-1), dtype=self.dtype))
+
+    def view(self, name: str, i: int) -> Any:
+        arr = self.arrays[name]
+        if self.flat:
+            return arr[self.bounds[i] : self.bounds[i + 1]].reshape(self.params[i].shape)
+        return arr.reshape(self.params[i].shape)
+
+
+# ----------------------------------------------------------------------------- Optimizer
+
+
+class Optimizer:
+    """Base class: parameter groups with per-group hyperparameters, flat buffers, fused steps.
+
+    Subclasses set ``_init`` / ``_update`` (pure functions of ``taifuse.optim._functional``),
+    ``_hyper(group)`` (the group's hyperparameters as the update's NamedTuple, validated), and
+    ``_STEP_IN_STATE`` (whether ``state_dict`` records a per-parameter ``'step'``, as PyTorch's
+    Adam does and its SGD does not).
+    """
+
+    _init: Callable
+    _update: Callable
+    _STEP_IN_STATE = False
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *, check_finite: bool = True) -> None:
+        self.defaults = dict(defaults)
+        self.check_finite = bool(check_finite)
+        self.param_groups: list[dict[str, Any]] = []
+        self._buckets: list[list[_Bucket]] = []
+        if isinstance(params, Tensor):
+            raise TypeError("params should be an iterable of Tensors or of dicts, got a single Tensor")
+        groups = list(params)
+        if not groups:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for group in groups:
+            self.add_param_group(group)
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    def _hyper(self, group: dict[str, Any]) -> NamedTuple:
+        raise NotImplementedError
+
+    # -- groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of parameters with its own hyperparameters (defaults fill the rest).
+
+        Raises ``ValueError`` before changing anything when a parameter is already optimized
+        here, appears twice, or a hyperparameter is out of range.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group should be a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        if params is None:
+            raise ValueError("param_group should have a 'params' entry")
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{self._name} can only optimize Tensors, got {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError(f"{self._name} can't optimize a non-leaf Tensor (shape {p.shape})")
+            if p.dtype.kind != "f":
+                raise TypeError(f"{self._name} can only optimize floating-point Tensors, got dtype {p.dtype}")
+        ids = [id(p) for p in params]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{self._name}: a parameter group contains the same parameter twice")
+        existing = {id(p) for g in self.param_groups for p in g["params"]}
+        if existing & set(ids):
+            raise ValueError(f"{self._name}: some parameters appear in more than one parameter group")
+        group = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}, "params": params}
+        self._hyper(group)  # validates, names the bad value
+        # Buckets by (backend, dtype), in first-appearance order (NOTE [ Flat buffers ]).
+        by_key: dict[tuple, list[Tensor]] = {}
+        for p in params:
+            by_key.setdefault((id(p._be), p.dtype), []).append(p)
+        buckets = []
+        for members in by_key.values():
+            if _is_host(members[0]._data):
+                buckets.append(_Bucket(members))
+            else:
+                buckets.extend(_Bucket([p]) for p in members)
+        self.param_groups.append(group)
+        self._buckets.append(buckets)
+
+    # -- gradients
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset every parameter's gradient: to ``None`` (the default), or to zeros in place."""
+        for buckets in self._buckets:
+            for bucket in buckets:
+                for i, p in enumerate(bucket.params):
+                    if set_to_none:
+                        p.grad = None
+                    elif bucket.flat:
+                        bucket.grad_views[i].fill(0)
+                        p.grad = Tensor._wrap(bucket.grad_views[i], bucket.be)
+                    elif p.grad is not None:
+                        p.grad = Tensor._wrap(bucket.be.empty(p.shape, p.dtype), bucket.be)
+
+    # -- the step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every parameter that has a gradient; returns ``closure()`` if given.
+
+        Checks everything first (hyperparameters, gradient shapes, finiteness: NOTE [ Non-finite
+        gradients ]) and then runs one fused kernel launch per group and dtype.
+        """
+        loss = None
+        if closure is not None:
+            with enable_grad():
+                loss = closure()
+        plan = []
+        for group, buckets in zip(self.param_groups, self._buckets):
+            hyper = self._hyper(group)
+            for bucket in buckets:
+                runs = bucket.runs()
+                if runs:
+                    plan.append((hyper, bucket, runs))
+        if self.check_finite:
+            self._check_finite(plan)
+        for hyper, bucket, runs in plan:
+            bucket.ensure_arrays(type(self)._init, hyper)
+            param, grad = bucket.param_flat(), bucket.grad_flat()
+            for run in runs:
+                state = bucket.state_for(type(self)._init, hyper, run)
+                new = type(self)._update(
+                    bucket.be, bucket.part(param, run), bucket.part(grad, run), state, hyper
+                )
+                for i in range(run.first, run.last):
+                    bucket.steps[i] = new.step
+        return loss
+
+    def _check_finite(self, plan: list) -> None:
+        """One ``all_finite`` call per backend over every gradient the step will use; on failure,
+        find and name the first offending parameter."""
+        by_backend: dict[int, tuple[ModuleType, list]] = {}
+        for _, bucket, runs in plan:
+            grad = bucket.grad_flat()
+            parts = by_backend.setdefault(id(bucket.be), (bucket.be, []))[1]
+            parts.extend(bucket.part(grad, run) for run in runs)
+        if all(be.all_finite(parts) for be, parts in by_backend.values()):
+            return
+        for _, bucket, runs in plan:
+            for run in runs:
+                for i in range(run.first, run.last):
+                    g = bucket.grad_views[i] if bucket.flat else bucket.params[i].grad._data
+                    if not bucket.be.all_finite([g]):
+                        raise ValueError(
+                            f"{self._name}.step: the gradient of parameter {self._index_of(bucket.params[i])} "
+                            f"(shape {bucket.params[i].shape}) has NaN or infinite values; nothing was updated "
+                            "(pass check_finite=False to update anyway, as torch.optim does)"
+                        )
+
+    def _index_of(self, param: Tensor) -> int:
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p is param:
+                    return index
+                index += 1
+        raise KeyError("parameter not in this optimizer")
+
+    # -- state
+
+    def _array_names(self, hyper: NamedTuple) -> list[str]:
+        template = type(self)._init(hyper, lambda: _NEEDED)
+        return [name for name, value in template._asdict().items() if value is _NEEDED]
+
+    def _has_state(self, hyper: NamedTuple, bucket: _Bucket, i: int) -> bool:
+        # PyTorch keeps no state for a parameter that never stepped, nor for SGD without momentum.
+        return bucket.steps[i] > 0 and (self._STEP_IN_STATE or bool(self._array_names(hyper)))
+
+    @property
+    def state(self) -> dict[Tensor, dict[str, Any]]:
+        """Per-parameter state, as ``torch.optim``: ``{param: {'step': ..., 'exp_avg': Tensor, ...}}``.
+
+        The Tensors are views into the optimizer's buffers (changing them changes the state).
+        """
+        out: dict[Tensor, dict[str, Any]] = {}
+        for group, buckets in zip(self.param_groups, self._buckets):
+            hyper = self._hyper(group)
+            names = self._array_names(hyper)
+            for bucket in buckets:
+                for i, p in enumerate(bucket.params):
+                    if not self._has_state(hyper, bucket, i):
+                        continue
+                    entry: dict[str, Any] = {"step": float(bucket.steps[i])} if self._STEP_IN_STATE else {}
+                    for name in names:
+                        entry[name] = (
+                            Tensor._wrap(bucket.view(name, i), bucket.be) if name in bucket.arrays else None
+                        )
+                    out[p] = entry
+        return out
+
+    def _segments(self) -> list[list[tuple[_Bucket, int]]]:
+        """(bucket, index) of every parameter, per group, in the group's parameter order."""
+        out = []
+        for group, buckets in zip(self.param_groups, self._buckets):
+            where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+            out.append([where[id(p)] for p in group["params"]])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state in ``torch.optim``'s layout: ``{'state': {index: {...}}, 'param_groups': [...]}``.
+
+        Parameters are numbered in group order; arrays are NumPy copies; ``'step'`` is a float.
+        """
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for group, segments in zip(self.param_groups, self._segments()):
+            hyper = self._hyper(group)
+            names = self._array_names(hyper)
+            ids = []
+            for bucket, i in segments:
+                if self._has_state(hyper, bucket, i):
+                    entry: dict[str, Any] = {"step": float(bucket.steps[i])} if self._STEP_IN_STATE else {}
+                    for name in names:
+                        entry[name] = bucket.segment_array(name, i) if name in bucket.arrays else None
+                    state[index] = entry
+                ids.append(index)
+                index += 1
+            saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items() if k != "params"}
+            groups.append({**saved, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyperparameters and state saved by :meth:`state_dict` (or by the same ``torch.optim`` class).
+
+        Everything is checked first (group and parameter counts, hyperparameter names and
+        ranges, state entries and shapes); on any mismatch ``ValueError`` is raised and nothing
+        changes. State arrays are cast to their parameter's dtype, as PyTorch does.
+        """
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("state_dict should be a dict with exactly the keys 'state' and 'param_groups'")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter group(s), this optimizer {len(self.param_groups)}"
+            )
+        new_groups, writes = [], []
+        for g, (saved, group, segments) in enumerate(zip(saved_groups, self.param_groups, self._segments())):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"loaded state dict's group {g} has {len(saved['params'])} parameters, this optimizer's "
+                    f"{len(group['params'])}"
+                )
+            missing = set(self.defaults) - set(saved)
+            if missing:
+                raise ValueError(
+                    f"loaded state dict is not from a {self._name} (its group {g} lacks {sorted(missing)})"
+                )
+            merged = {**group, **{k: saved[k] for k in saved if k != "params"}, "params": group["params"]}
+            if isinstance(merged.get("betas"), tuple):
+                merged["betas"] = tuple(merged["betas"])
+            hyper = self._hyper(merged)
+            names = set(self._array_names(hyper))
+            for key, (bucket, i) in zip(saved["params"], segments):
+                entry = saved_state.get(key)
+                p = bucket.params[i]
+                if entry is None:
+                    writes.append((bucket, i, 0, {}))
+                    continue
+                expected = names | ({"step"} if self._STEP_IN_STATE else set())
+                if set(entry) != expected:
+                    raise ValueError(
+                        f"loaded state dict is not from a {self._name} with these settings: parameter {key} "
+                        f"has state {sorted(entry)}, expected {sorted(expected)}"
+                    )
+                arrays = {}
+                for name in names:
+                    value = entry[name]
+                    arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+                    if arr.shape != p.shape:
+                        raise ValueError(
+                            f"loaded state dict's {name!r} of parameter {key} has shape {arr.shape}, the "
+                            f"parameter {p.shape}"
+                        )
+                    arrays[name] = arr.astype(p.dtype)
+                step = float(entry["step"]) if self._STEP_IN_STATE else 1.0
+                if step != int(step) or step < 1:
+                    raise ValueError(
+                        f"loaded state dict's step of parameter {key} should be a positive integer, got {step}"
+                    )
+                writes.append((bucket, i, int(step), arrays))
+            new_groups.append(merged)
+        # Everything checked: now write.
+        for group, merged in zip(self.param_groups, new_groups):
+            group.clear()
+            group.update(merged)
+        for bucket, i, step, arrays in writes:
+            bucket.steps[i] = step
+            if not arrays:  # no saved state: the parameter starts afresh
+                for name in list(bucket.arrays):
+                    bucket.write_segment(name, i, np.zeros(bucket.params[i].shape, bucket.dtype))
+            for name, arr in arrays.items():
+                bucket.write_segment(name, i, arr)
+
+    def __repr__(self) -> str:
+        lines = [f"{self._name} ("]
+        for g, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {g}")
+            for key in sorted(k for k in group if k != "params"):
+                lines.append(f"    {key}: {group[key]}")
+        lines.append(")")
+        return "\n".join(lines)
