@@ -12,6 +12,7 @@ Example::
     (3, 2)
 """
 
+from taifuse.nn.checkpoint import Checkpoint
 from taifuse.nn.layers import (
     GELU,
     CrossEntropyLoss,
@@ -30,6 +31,7 @@ from taifuse.nn.module import Module, Parameter
 
 __all__ = [
     "GELU",
+    "Checkpoint",
     "CrossEntropyLoss",
     "Dropout",
     "LayerNorm",
