@@ -98,13 +98,33 @@ def measure(
         job = {"kind": "roofline", "copy_bytes": copy_bytes, "samples": plan.roofline_samples, "seed": p}
         raw["roofline"].append(spawn(job, env, plan.worker_timeout_s))
         on_step("roofline")
-    for index, case in enumerate(cases):
+    control = _control_case(cases)
+    for case in cases:
+        if is_custom(case):
+            runs = []
+            for extra in case.jobs(plan.processes):
+                job = {
+                    "kind": "custom",
+                    "case": case.id,
+                    "quick": quick,
+                    "compare_torch": compare_torch,
+                    **extra,
+                }
+                try:
+                    runs.append(spawn(job, env, plan.worker_timeout_s))
+                except WorkerError as exc:
+                    raw["errors"][case.id] = str(exc)
+                    on_step(case.id)
+                    break
+                on_step(case.id)
+            raw["cases"][case.id] = runs
+            continue
         job = {
             "kind": "case",
             "case": case.id,
             "quick": quick,
             "compare_torch": compare_torch,
-            "comparisons": comparisons(case, control=index == 0),
+            "comparisons": comparisons(case, control=case is control),
             "blocks": plan.blocks,
             "min_sample_ns": plan.min_sample_ns,
         }
@@ -349,29 +369,45 @@ def case_rows(
     return rows
 
 
+def is_custom(case: Any) -> bool:
+    """A case that measures something other than time (memory rows, say) declares its own worker
+    jobs (``jobs(processes) -> [dict]``), runs them (``run_job(job) -> dict``, in the worker) and
+    builds its rows (``rows(results, error) -> [dict]``); the harness only spawns the processes."""
+    return hasattr(case, "jobs") and hasattr(case, "rows")
+
+
+def _control_case(cases: list[Case]) -> Case | None:
+    """The case that carries the run's A/A control: the first timed one."""
+    return next((c for c in cases if not is_custom(c)), None)
+
+
 def build_rows(cases: list[Case], raw: dict[str, Any]) -> tuple[list[dict], dict]:
     """All rows of a run (roofline first, then each case) and the threshold the verdicts used."""
     caches = cpu_caches()
     rows = roofline_rows(raw["roofline"])
     ceilings = _ceilings(rows)
     control_est = None
-    if cases and raw["cases"].get(cases[0].id):
-        runs = raw["cases"][cases[0].id]
-        cand = cases[0].candidate.label
+    control = _control_case(cases)
+    if control is not None and raw["cases"].get(control.id):
+        runs = raw["cases"][control.id]
+        cand = control.candidate.label
         key = f"{cand}|{cand}"
         if all(key in r["samples"] for r in runs):
             control_est = stats.speedup(
                 [r["samples"][key]["a"] for r in runs], [r["samples"][key]["b"] for r in runs]
             )
     limit = stats.threshold(control_est)
-    for index, case in enumerate(cases):
+    for case in cases:
+        if is_custom(case):
+            rows.extend(case.rows(raw["cases"].get(case.id, []), raw["errors"].get(case.id)))
+            continue
         rows.extend(
             case_rows(
                 case,
                 raw["cases"].get(case.id, []),
                 ceilings,
                 limit,
-                control=index == 0,
+                control=case is control,
                 error=raw["errors"].get(case.id),
                 caches=caches,
             )

@@ -248,6 +248,8 @@ def _row_details(num: int, r: dict) -> list[str]:
     out.append("")
     if r.get("baseline") and r["kind"] == "compare":
         out += [f"Baseline ({r['baseline']['label']}):", "", _code_block(r["baseline"]["code"]), ""]
+    elif r["kind"] == "memory":  # one row per measured variant (suites/memory.py): show its code
+        out += [f"Code ({r['candidate']['label']}):", "", _code_block(r["candidate"]["code"]), ""]
     return out
 
 

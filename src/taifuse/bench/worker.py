@@ -91,6 +91,11 @@ def run_job(job: dict) -> dict:
         case = find_case(job["case"], quick=job["quick"], compare_torch=job["compare_torch"])
         pairs = [tuple(pair) for pair in job["comparisons"]]
         return measure_case(case, pairs, job["blocks"], job.get("min_sample_ns", timing.MIN_SAMPLE_NS))
+    if job["kind"] == "custom":  # see harness.is_custom
+        from taifuse.bench.suites import find_case
+
+        case = find_case(job["case"], quick=job["quick"], compare_torch=job["compare_torch"])
+        return {**case.run_job(job), "threads": thread_settings(), **_backend()}
     raise ValueError(f"unknown job kind {job['kind']!r}")
 
 

@@ -13,6 +13,10 @@ from taifuse.bench.case import Case
 SUITES = {
     "elementwise": "taifuse.bench.suites.elementwise",
     "linear": "taifuse.bench.suites.linear",
+    "optim": "taifuse.bench.suites.optim",
+    "memory": "taifuse.bench.suites.memory",
+    "training": "taifuse.bench.suites.training",
+    "pool": "taifuse.bench.suites.pool",
 }
 
 

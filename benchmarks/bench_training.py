@@ -1,0 +1,90 @@
+"""Issue 3's training-step goal, measured with the ``taifuse.bench`` harness (no timing code of its own).
+
+One step (forward, cross-entropy loss, backward) of a 784-1024-1024-10 GELU MLP at batch 256 in
+float32: taifuse on the Numba backend against PyTorch CPU eager, with the same weights, data and
+thread counts, in the same processes (ABBA pairs). The loss and every gradient are checked
+``allclose`` against PyTorch's before anything is timed.
+
+Goal: taifuse no slower than PyTorch, judged on the 95% interval of the speedup (PyTorch's time
+over taifuse's): "met" when the whole interval is at or above ``1 / (1 + threshold)``, the bound
+below which the harness calls a row "slower" (threshold = ``max(5%, A/A spread)`` of the run),
+"not met" when all of it is below, "undecided" otherwise. Nothing here forces a pass.
+
+Run: ``python benchmarks/bench_training.py [--quick] [--out DIR] [--backend numba]`` (needs torch:
+the ``compare`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import taifuse
+import taifuse.bench
+from taifuse.bench import report
+from taifuse.bench.suites import load_cases
+
+STEP_CASE = "training/mlp_step(784-1024-1024-10, gelu, batch=256)"
+
+
+def goal(result: dict) -> dict:
+    """The "no slower than PyTorch" goal, judged from the torch row of a run."""
+    rows = {r["id"]: r for r in result["rows"]}
+    row = rows[f"{STEP_CASE}/torch"]
+    name = "training step: taifuse no slower than torch"
+    if row["value"] is None:
+        return {
+            "goal": name,
+            "status": "not met",
+            "value": None,
+            "low": None,
+            "high": None,
+            "detail": row["verdict"],
+        }
+    # The verdicts' own bound for "slower" (taifuse.bench.stats.verdict): 1 / (1 + threshold).
+    floor = 1.0 / (1.0 + result["method"]["threshold"])
+    status = "met" if row["low"] >= floor else "not met" if row["high"] < floor else "undecided"
+    times = ""
+    if row.get("candidate_ms") and row.get("baseline_ms"):
+        times = f"; taifuse {row['candidate_ms']['median']:.1f} ms, torch {row['baseline_ms']['median']:.1f} ms per step"
+    return {
+        "goal": name,
+        "status": status,
+        "value": row["value"],
+        "low": row["low"],
+        "high": row["high"],
+        "detail": f"speedup over torch, floor {floor:.2f}; verdict: {row['verdict']}{times}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer processes and samples")
+    parser.add_argument("--out", help="also write BENCHMARKS.md and results.json here")
+    parser.add_argument("--backend", default="numba", help="taifuse backend to measure (default: numba)")
+    args = parser.parse_args(argv)
+
+    taifuse.set_backend(args.backend)
+    cases = [c for c in load_cases(["training"], quick=args.quick, compare_torch=True) if c.id == STEP_CASE]
+    plan = (
+        taifuse.bench.QUICK if args.quick else taifuse.bench.Plan(processes=5, blocks=12, roofline_samples=10)
+    )
+    command = "python benchmarks/bench_training.py" + (" --quick" if args.quick else "")
+    if args.backend != "numba":
+        command += f" --backend {args.backend}"
+    result = taifuse.bench.run(cases=cases, plan=plan, compare_torch=True, out=args.out, command=command)
+    print(report.summary(result))
+    env = result["environment"]
+    print(
+        f"\nbackend {env['backend']}, threads {env['threads']}, load average before/after "
+        f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}\n"
+    )
+    g = goal(result)
+    interval = "" if g["low"] is None else f" [{g['low']:.3g}, {g['high']:.3g}]"
+    value = "—" if g["value"] is None else f"{g['value']:.3g}"
+    print(f"{g['status']:>9}  {g['goal']}: {value}{interval}  ({g['detail']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

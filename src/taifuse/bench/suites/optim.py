@@ -1,0 +1,136 @@
+"""Optimizer suite: one ``step()`` of taifuse's fused optimizers against PyTorch CPU's fastest
+variant (``fused=True``) on the same parameters and gradients.
+
+Two models: 10 parameters of 1000x512 float32 (5.12M values, past the last-level cache) and 200
+parameters of 64x64 (per-parameter overhead). Gradients are set once before timing (on taifuse in
+the optimizer's gradient slots, where ``backward()`` puts them), so every timed call is one step.
+``bytes_moved`` is what one step must read and write at least (parameters, gradients, state):
+the fraction of the copy bandwidth comes from it. taifuse's default step also checks that the
+gradients are finite (one more read of them, NOTE [ Non-finite gradients ] in optim/optimizer.py);
+the "taifuse, no finite check" row shows the step without it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from taifuse.bench.case import Case, Variant
+
+SUITE = "optim"
+_TAIFUSE = ("numpy as np", "taifuse.optim as optim", "taifuse.nn as nn")
+_TORCH = ("numpy as np", "torch")
+
+# name -> (taifuse constructor, torch class and arguments or None, state arrays per parameter)
+OPTIMIZERS = {
+    "SGD": (
+        "optim.SGD(ps, lr=1e-3, momentum=0.9{extra})",
+        "torch.optim.SGD(tps, lr=1e-3, momentum=0.9, {variant}=True)",
+        1,
+    ),
+    "Adam": ("optim.Adam(ps, lr=1e-3{extra})", "torch.optim.Adam(tps, lr=1e-3, {variant}=True)", 2),
+    "AdamW": ("optim.AdamW(ps, lr=1e-3{extra})", "torch.optim.AdamW(tps, lr=1e-3, {variant}=True)", 2),
+    "Lion": ("optim.Lion(ps, lr=1e-4{extra})", None, 1),
+}
+MODELS = {"10x(1000, 512)": (10, (1000, 512)), "200x(64, 64)": (200, (64, 64))}
+
+
+def _inputs(seed: int, count: int, shape: tuple[int, int]) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "params": [rng.standard_normal(shape, dtype=np.float32) for _ in range(count)],
+        "grads": [rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-2) for _ in range(count)],
+    }
+
+
+def _taifuse(label: str, constructor: str, check_finite: bool, note: str = "") -> Variant:
+    extra = "" if check_finite else ", check_finite=False"
+    prepare = f"""
+ps = [nn.Parameter(p) for p in params]
+opt = {constructor.format(extra=extra)}
+opt.zero_grad(set_to_none=False)  # gradient slots in the flat buffer, as backward() fills them
+for p, g in zip(ps, grads):
+    np.copyto(p.grad.numpy(), g)
+"""
+    return Variant(label, "opt.step()", result="ps[0].numpy()", prepare=prepare, imports=_TAIFUSE, note=note)
+
+
+def _torch(label: str, constructor: str, same_result: bool, note: str) -> Variant:
+    prepare = f"""
+tps = [torch.tensor(p, requires_grad=True) for p in params]
+for tp, g in zip(tps, grads):
+    tp.grad = torch.tensor(g)
+topt = {constructor}
+"""
+    return Variant(
+        label,
+        "topt.step()",
+        result="tps[0].detach()",
+        prepare=prepare,
+        imports=_TORCH,
+        same_result=same_result,
+        note=note,
+    )
+
+
+def _case(name: str, model: str, compare_torch: bool) -> Case:
+    constructor, torch_constructor, n_state = OPTIMIZERS[name]
+    count, shape = MODELS[model]
+    elements = count * shape[0] * shape[1]
+    baselines = [
+        _taifuse(
+            "taifuse, no finite check",
+            constructor,
+            check_finite=False,
+            note="the same step with check_finite=False: no read of the gradients before the update",
+        )
+    ]
+    if compare_torch:
+        if torch_constructor is not None:
+            # fused=True is PyTorch CPU's fastest variant for these three (foreach=True measured
+            # several times slower on the development machine, so it would only add time).
+            baselines.append(
+                _torch(
+                    "torch fused",
+                    torch_constructor.format(variant="fused"),
+                    True,
+                    f"PyTorch CPU {name}(fused=True) on copies of the same parameters and gradients",
+                )
+            )
+        else:
+            baselines.append(
+                _torch(
+                    "torch fused AdamW",
+                    "torch.optim.AdamW(tps, lr=1e-3, fused=True)",
+                    False,
+                    "not the same function: PyTorch has no Lion; its fused AdamW is the issue's yardstick",
+                )
+            )
+    # Read parameter, gradient and state; write parameter and state.
+    bytes_moved = 4 * elements * (2 + 2 * n_state + 1)
+    return Case(
+        suite=SUITE,
+        name=f"{name} step, {model}",
+        setup=functools.partial(_inputs, count=count, shape=shape),
+        setup_code=(
+            f"rng = np.random.default_rng(seed); params = [rng.standard_normal({shape}, dtype=np.float32) "
+            f"for _ in range({count})]; grads = [rng.standard_normal({shape}, dtype=np.float32) * 1e-2 "
+            f"for _ in range({count})]"
+        ),
+        candidate=_taifuse("taifuse", constructor, check_finite=True),
+        baselines=tuple(baselines),
+        dtype="float32",
+        shape=f"{count} parameters of {shape}",
+        bytes_moved=bytes_moved,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
+    """Every optimizer on the large model; AdamW and Lion (all four in the full run) on the small one."""
+    out = [_case(name, "10x(1000, 512)", compare_torch) for name in OPTIMIZERS]
+    small = ("AdamW", "Lion") if quick else tuple(OPTIMIZERS)
+    out += [_case(name, "200x(64, 64)", compare_torch) for name in small]
+    return out

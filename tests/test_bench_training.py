@@ -1,0 +1,67 @@
+"""The training-step benchmark suite: its variants compute the same loss and gradients, and the
+gradients a leaf keeps without a copy (Function.owns_grads) accumulate like copied ones."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import taifuse
+import taifuse.functional as F
+from taifuse import nn
+from taifuse.bench.case import check_outputs
+from taifuse.bench.suites import load_cases, training
+
+CASE_ID = "training/mlp_step(784-1024-1024-10, gelu, batch=256)"
+
+
+@pytest.fixture
+def numba_backend():
+    previous = taifuse.get_backend()
+    taifuse.set_backend("numba")
+    yield
+    taifuse.set_backend(previous)
+
+
+def test_registered_with_one_case_per_mode():
+    for quick in (False, True):
+        (case,) = load_cases(["training"], quick=quick, compare_torch=False)
+        assert case.id == CASE_ID
+        assert case.baselines == ()
+
+
+def test_step_flops_counts_the_products():
+    b = training.BATCH
+    forward = 2 * b * (784 * 1024 + 1024 * 1024 + 1024 * 10)
+    # weight gradients of all three layers, input gradients of the last two
+    assert training.step_flops() == forward + forward + 2 * b * (1024 * 1024 + 1024 * 10)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_taifuse_step_matches_torch(numba_backend):
+    (case,) = load_cases(["training"], compare_torch=True)
+    inputs = case.setup(0)
+    ours = case.candidate.build(inputs)()
+    theirs = case.variant("torch").build(inputs)()
+    check = check_outputs(theirs, ours, case.rtol, case.atol)
+    assert check["ok"], check
+    # loss, then 784*1024 + 1024 + 1024*1024 + 1024 + 1024*10 + 10 gradient entries
+    assert ours.numpy().shape == (1 + 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10,)
+
+
+def test_owned_linear_gradients_accumulate(numba_backend):
+    taifuse.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5, activation="gelu"), nn.Linear(5, 3))
+    x = taifuse.tensor(np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32))
+    y = np.array([0, 2, 1, 2])
+    F.cross_entropy(model(x), y).backward()
+    once = [p.grad.numpy().copy() for p in model.parameters()]
+    F.cross_entropy(model(x), y).backward()
+    twice = [p.grad.numpy() for p in model.parameters()]
+    for a, b in zip(once, twice):
+        np.testing.assert_allclose(b, 2 * a, rtol=1e-6, atol=1e-7)
+    arrays = [p.grad._data for p in model.parameters()]
+    assert len({id(a) for a in arrays}) == len(arrays)
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1 :])
