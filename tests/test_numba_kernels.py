@@ -245,6 +245,8 @@ def test_dropout_bit_identical_serial_and_parallel(dtype, p):
 def force_path(monkeypatch):
     def force(parallel: bool) -> None:
         monkeypatch.setattr(nb, "_parallel", lambda size, transcendental=False: parallel)
+        # Linear's epilogues also wait for a size threshold (NOTE [ Serial epilogue between BLAS calls ]).
+        monkeypatch.setattr(nb, "_EPILOGUE_PARALLEL_MIN", 0)
 
     return force
 
@@ -325,6 +327,34 @@ def test_linear_act_both_paths(dtype, parallel, activation, force_path, monkeypa
         nb.linear_act(x, w, b, activation, got)
         ref.linear_act(x, w, b, activation, want)
         assert_close(got, want, dtype, scale=10.0)
+        # With `pre` (autograd's path): pre = x @ w.T + b, and out = the activation of pre as
+        # stored (so in float16 against the reference's activation of our pre, not of its own).
+        got_pre, want_pre = np.empty_like(got), np.empty_like(want)
+        nb.linear_act(x, w, b, activation, got, pre=got_pre)
+        ref.linear_act(x, w, b, None, want_pre)
+        assert_close(got_pre, want_pre, dtype, scale=10.0)
+        _activation(ref, activation, got_pre, want)
+        assert_close(got, want, dtype, scale=10.0)
+        # Bitwise what the unfused pair computes: linear without activation, then the activation.
+        split_pre, split = np.empty_like(got), np.empty_like(got)
+        nb.linear_act(x, w, b, None, split_pre)
+        _activation(nb, activation, split_pre, split)
+        np.testing.assert_array_equal(got_pre, split_pre)
+        np.testing.assert_array_equal(got, split)
+
+
+def _activation(kernels, activation, x, out):
+    """``out = activation(x)`` through a backend's elementwise kernel (None: a copy)."""
+    if activation is None:
+        out[...] = x
+        return
+    name, args = {
+        "relu": ("relu", ()),
+        "gelu": ("gelu", ("none",)),
+        "gelu_tanh": ("gelu", ("tanh",)),
+        "silu": ("silu", ()),
+    }[activation]
+    getattr(kernels, name)(x, out, *args)
 
 
 def test_parallel_threshold_and_describe():

@@ -287,6 +287,30 @@ def test_shared_memory_linear_matches_reference_on_vulkan(dtype):
         tg.init("cpu")
 
 
+@pytest.mark.parametrize("arch", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_linear_with_pre_keeps_the_pre_activation(arch):
+    # autograd's path (NOTE [ Linear saves the pre-activation ]): pre = x @ w.T + b and out = the
+    # activation of pre as stored, for every activation.
+    if arch == "vulkan":
+        _vulkan_or_skip()
+    else:
+        tg.init("cpu")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((67, 33)).astype(np.float32)
+    w = rng.standard_normal((130, 33)).astype(np.float32)
+    b = rng.standard_normal(130).astype(np.float32)
+    try:
+        for act in (None, "relu", "gelu", "gelu_tanh", "silu"):
+            out, pre = tg.empty((67, 130), np.float32), tg.empty((67, 130), np.float32)
+            tg.linear_act(tg.from_numpy(x), tg.from_numpy(w), tg.from_numpy(b), act, out, pre=pre)
+            want, want_pre = np.empty((67, 130), np.float32), np.empty((67, 130), np.float32)
+            reference.linear_act(x, w, b, act, want, pre=want_pre)
+            np.testing.assert_allclose(pre.numpy(), want_pre, rtol=2e-5, atol=1e-5, err_msg=f"pre, act={act}")
+            np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=1e-5, err_msg=f"out, act={act}")
+    finally:
+        tg.init("cpu")
+
+
 @pytest.mark.vulkan
 def test_long_rows_reduce_correctly_on_vulkan():
     # GPU archs reduce a row with a block of threads. One thread per row would also be slow on a

@@ -192,7 +192,7 @@ class _Affine(_Op):
 
 # ----------------------------------------------------------------------------- linear
 
-_SPLIT_ACTIVATION = {"gelu": ("gelu", ("none",)), "gelu_tanh": ("gelu", ("tanh",)), "silu": ("silu", ())}
+_SPLIT_ACTIVATION = frozenset(("gelu", "gelu_tanh", "silu"))
 
 
 class _Linear(_Op):
@@ -201,10 +201,11 @@ class _Linear(_Op):
     NOTE [ Linear saves the pre-activation ]
     The fused backward needs activation'(pre). For None nothing is needed and for 'relu' the
     output serves (relu(pre) > 0 exactly where pre > 0), so those keep the one fused forward
-    kernel. For 'gelu', 'gelu_tanh' and 'silu', when a gradient will be needed, the forward runs
-    the product with the bias epilogue, keeps ``pre`` and applies the activation kernel: one more
-    elementwise pass, the memory PyTorch keeps for its activation's input, and no recomputed
-    matrix product in the backward.
+    kernel. For 'gelu', 'gelu_tanh' and 'silu', when a gradient will be needed, the forward's one
+    epilogue pass writes both ``pre`` (x @ w.T + b) and the activation of it (``linear_act`` with
+    ``pre``), and ``pre`` is kept: the memory PyTorch keeps for its activation's input, and no
+    recomputed matrix product in the backward. The values are bitwise those of a linear without
+    activation followed by the activation op.
     """
 
     owns_grads = True  # gx, gw and gb are new arrays, one per input
@@ -212,9 +213,8 @@ class _Linear(_Op):
     def forward(self, x: Any, w: Any, b: Any, activation: str | None) -> Any:
         self.x, self.w, self.activation, self.has_bias = x, w, activation, b is not None
         if activation in _SPLIT_ACTIVATION and self.needs_any():
-            self.pre = F.linear(x, w, b, None)
-            op, params = _SPLIT_ACTIVATION[activation]
-            return getattr(F, op)(self.pre, *params)
+            out, self.pre = F._linear_keep_pre(x, w, b, activation)
+            return out
         out = F.linear(x, w, b, activation)
         self.pre = out if activation == "relu" else None
         return out

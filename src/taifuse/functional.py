@@ -320,6 +320,30 @@ def linear(
     """
     if _has_tensor(x, weight, bias):
         return _tensor_op("linear", out, x, weight, bias, activation)
+    call, xa, wa, ba = _linear_args(x, weight, bias, activation)
+    o = call.out(out, _linear_shape(xa, wa), xa.dtype)
+    if isinstance(out, np.ndarray) and isinstance(x, np.ndarray) and np.shares_memory(out, x):
+        raise ValueError("linear: out must not overlap x")
+    _linear_kernel(call.be, xa, wa, ba, activation, o)
+    return call.result(o, out)
+
+
+def _linear_keep_pre(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[Any, Any]:
+    """``(activation(pre), pre)`` with ``pre = x @ weight.T + bias``, on backend arrays or NumPy.
+
+    The forward of autograd's linear, which keeps ``pre`` for the backward (NOTE [ Linear saves
+    the pre-activation ] in ``_autograd_ops``): one product and one fused pass that writes both,
+    with the values of ``linear(x, weight, bias)`` followed by the activation op.
+    """
+    call, xa, wa, ba = _linear_args(x, weight, bias, activation)
+    shape = _linear_shape(xa, wa)
+    o, pre = pool.empty(call.be, shape, xa.dtype), pool.empty(call.be, shape, xa.dtype)
+    _linear_kernel(call.be, xa, wa, ba, activation, o, pre)
+    return call.result(o), call.result(pre)
+
+
+def _linear_args(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[_Call, Any, Any, Any]:
+    """Validate linear's arguments; the call and x, weight, bias as backend arrays."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation should be one of {ACTIVATIONS}, got {activation!r}")
     call = _Call("linear")
@@ -340,16 +364,25 @@ def linear(
         ba = call.array(bias, "bias", dtype=xa.dtype)
         if tuple(ba.shape) != (out_features,):
             raise ValueError(f"linear: bias should have shape ({out_features},), got {tuple(ba.shape)}")
-    out_shape = tuple(xa.shape[:-1]) + (out_features,)
-    o = call.out(out, out_shape, xa.dtype)
-    if isinstance(out, np.ndarray) and isinstance(x, np.ndarray) and np.shares_memory(out, x):
-        raise ValueError("linear: out must not overlap x")
+    return call, xa, wa, ba
+
+
+def _linear_shape(xa: Any, wa: Any) -> tuple[int, ...]:
+    return tuple(xa.shape[:-1]) + (wa.shape[0],)
+
+
+def _linear_kernel(be: ModuleType, xa: Any, wa: Any, ba: Any, activation: str | None, o: Any, pre: Any = None) -> None:
+    out_features, in_features = wa.shape
     rows = math.prod(xa.shape[:-1])
     if rows and out_features:
-        call.be.linear_act(
-            _reshape(xa, (rows, in_features)), wa, ba, activation, _reshape(o, (rows, out_features))
+        be.linear_act(
+            _reshape(xa, (rows, in_features)),
+            wa,
+            ba,
+            activation,
+            _reshape(o, (rows, out_features)),
+            **({} if pre is None else {"pre": _reshape(pre, (rows, out_features))}),
         )
-    return call.result(o, out)
 
 
 # ----------------------------------------------------------------------------- row reductions

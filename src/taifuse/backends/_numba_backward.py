@@ -33,18 +33,6 @@ _BLOCK = 16384  # elements per parallel work item of elementwise kernels
 _GELU_CHUNK = 1024  # elements per scratch pass of the two-loop exact GELU derivative
 _COL_TILE = 256  # columns per work item of column sums (bias / weight gradients)
 
-# NOTE [ Serial epilogue between BLAS calls ]
-# The linear backward's epilogue runs between the forward's and its own matrix products, which
-# OpenBLAS runs on its own threads. After a Numba parallel region the OpenMP workers keep
-# spinning, and after a product OpenBLAS's workers do (measured here: ~5 ms and ~25-45 ms of CPU
-# burnt in the 200 ms after one call). On a machine with as many cores as threads, a parallel
-# epilogue therefore takes a core from the next product. Measured on 2 cores (under load from
-# other work): the 784-1024-1024-10 training step had a median of 477-692 ms with its Numba
-# kernels parallel and 284-393 ms with all of them serial; with only this epilogue parallel it was
-# slower than serial in 2 of 3 runs. So the epilogue goes parallel only when halving its own time
-# saves more than a spinning core could cost, a bound estimated, not measured, from ~3 ns per
-# element for a serial exact-GELU epilogue: 4M elements.
-_EPILOGUE_PARALLEL_MIN = 1 << 22
 
 __all__ = [
     "add_relu_backward",
@@ -459,8 +447,7 @@ def linear_act_backward(
         gp = grad_out.astype(np.float32) if half else grad_out
     elif half:
         gp = np.empty(grad_out.shape, np.float32)
-    # NOTE [ Serial epilogue between BLAS calls ]
-    par = grad_out.size >= _EPILOGUE_PARALLEL_MIN and _parallel(grad_out.size)
+    par = _epilogue_parallel(grad_out.size)  # NOTE [ Serial epilogue between BLAS calls ] in numba_cpu
     if op >= 0:
         epilogue = _linear_epilogue_parallel if par else _linear_epilogue_serial
         epilogue(_bits(pre), _bits(grad_out), op, gp, None if grad_b is None else _bits(grad_b))
@@ -839,6 +826,7 @@ def cross_entropy_backward(
 from taifuse.backends.numba_cpu import (
     _bits,
     _by_precision,
+    _epilogue_parallel,
     _exp_neg,
     _exp_neg_f32,
     _flat,

@@ -66,6 +66,24 @@ _STRIDED_TILE = 256  # inner (B) positions per work item of softmax over a non-l
 _PARALLEL_MIN_ELEMENTS = {"omp": 65536, "tbb": 65536, "workqueue": 1 << 20}
 _TRANSCENDENTAL_DISCOUNT = 2
 
+# NOTE [ Serial epilogue between BLAS calls ]
+# Linear's epilogues (the forward's bias + activation, which with autograd also stores the
+# pre-activation, and the backward's activation derivative and bias gradient) run between matrix
+# products that OpenBLAS runs on threads of its own. After a Numba parallel region the OpenMP
+# worker keeps spinning for milliseconds (libgomp's default spin count), so on a machine with as
+# many cores as threads the next product runs with a core taken from it; OpenBLAS's workers spin
+# likewise after a product. The thresholds above were measured with nothing else running and
+# miss this. Measured on 2 cores, the 784-1024-1024-10 GELU training step at batch 256 (60 steps,
+# median): 21.6-23.9 ms with these kernels parallel, 11.3-11.4 ms with all of them serial, and
+# 21.6-23.3 ms with either the forward epilogue or the forward activation alone left parallel:
+# every parallel launch between two products cost ~2 ms. With OMP_WAIT_POLICY=PASSIVE the
+# parallel step took 11.6 ms too, but that environment variable would also govern PyTorch's
+# OpenMP runtime in the same process (it made PyTorch's own step ~25% slower), so taifuse leaves
+# the environment alone. An epilogue therefore goes parallel only when halving its own time could
+# outweigh that cost: from 4M elements (a serial exact-GELU epilogue takes ~0.6 ns per element
+# alone, ~2 ns right after a product).
+_EPILOGUE_PARALLEL_MIN = 1 << 22
+
 
 def init() -> None:
     """Nothing heavy: Numba is imported with this module and kernels compile on first use."""
@@ -762,10 +780,16 @@ def _bias_act_span(y, b, op, out):
 
 
 @njit(**_HELPER)
-def _bias_act_rows(y, b, op, out, r0, r1, lo, hi):
+def _bias_act_rows(y, b, op, pre, out, r0, r1, lo, hi):
+    # pre may be None (pruned per signature); else pre = y + b and out = act(pre as stored), two
+    # loops over one row segment while it is in L1: one pass over memory.
     bs = None if b is None else b[lo:hi]
     for r in range(r0, r1):
-        _bias_act_span(y[r, lo:hi], bs, op, out[r, lo:hi])
+        if pre is None:
+            _bias_act_span(y[r, lo:hi], bs, op, out[r, lo:hi])
+        else:
+            _bias_act_span(y[r, lo:hi], bs, _IDENTITY, pre[r, lo:hi])
+            _bias_act_span(pre[r, lo:hi], None, op, out[r, lo:hi])
 
 
 @njit(**_HELPER)
@@ -777,18 +801,18 @@ def _bias_act_inplace_rows(y, b, op, r0, r1, lo, hi):
 
 
 @njit(**_SERIAL)
-def _bias_act_serial(y, b, op, out):
-    _bias_act_rows(y, b, op, out, 0, y.shape[0], 0, y.shape[1])
+def _bias_act_serial(y, b, op, pre, out):
+    _bias_act_rows(y, b, op, pre, out, 0, y.shape[0], 0, y.shape[1])
 
 
 @njit(**_PARALLEL)
-def _bias_act_parallel(y, b, op, out):
+def _bias_act_parallel(y, b, op, pre, out):
     rows, cols = y.shape
     tiles = (cols + _TILE - 1) // _TILE
     for t in prange(rows * tiles):
         r = t // tiles
         lo = (t % tiles) * _TILE
-        _bias_act_rows(y, b, op, out, r, r + 1, lo, min(lo + _TILE, cols))
+        _bias_act_rows(y, b, op, pre, out, r, r + 1, lo, min(lo + _TILE, cols))
 
 
 @njit(**_SERIAL)
@@ -997,6 +1021,11 @@ def _parallel(size: int, transcendental: bool = False) -> bool:
 # ----------------------------------------------------------------------------- host side
 
 
+def _epilogue_parallel(size: int, transcendental: bool = False) -> bool:
+    """Whether a linear epilogue of ``size`` elements runs parallel (NOTE [ Serial epilogue between BLAS calls ])."""
+    return size >= _EPILOGUE_PARALLEL_MIN and _parallel(size, transcendental)
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     """The array as the kernels take it: float16 as its uint16 bit view (NOTE [ float16 storage ])."""
     return a.view(np.uint16) if a.dtype == np.float16 else a
@@ -1090,22 +1119,35 @@ _F16_LINEAR_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 def linear_act(
-    x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activation: str | None, out: np.ndarray
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    activation: str | None,
+    out: np.ndarray,
+    pre: np.ndarray | None = None,
 ) -> None:
     """out = activation(x @ w.T + b) for ``x (N, K)``, ``w (M, K)``, ``b (M,)`` or ``None``.
 
     The product runs in BLAS through NumPy (``w.T`` is a transposed view, not a copy); bias and
-    activation are then applied in one parallel pass over ``out``, in place. float16 inputs are
-    multiplied in float32: ``w`` is converted once and ``x`` in row chunks through a fixed
-    float32 scratch, and each chunk's epilogue stores straight into the float16 ``out``.
+    activation are then applied in one pass over ``out``, in place (serial unless it is large:
+    NOTE [ Serial epilogue between BLAS calls ]). With ``pre`` the product goes into ``pre``, and
+    the same pass adds the bias there and writes the activation of it into ``out``. float16
+    inputs are multiplied in float32: ``w`` is converted once and ``x`` in row chunks through a
+    fixed float32 scratch, and each chunk's epilogue stores straight into the float16 outputs.
     """
     op = _ACTIVATION_CODES[activation]
     bb = None if b is None else _bits(b)
+    transcendental = op in _TRANSCENDENTAL_OPS
     if x.dtype != np.float16:
-        np.matmul(x, w.T, out=out)
-        if b is not None or op != _IDENTITY:
-            par = _parallel(out.size, transcendental=op in _TRANSCENDENTAL_OPS)
-            (_bias_act_inplace_parallel if par else _bias_act_inplace_serial)(out, bb, op)
+        if pre is None:
+            np.matmul(x, w.T, out=out)
+            if b is not None or op != _IDENTITY:
+                par = _epilogue_parallel(out.size, transcendental)
+                (_bias_act_inplace_parallel if par else _bias_act_inplace_serial)(out, bb, op)
+        else:
+            np.matmul(x, w.T, out=pre)
+            par = _epilogue_parallel(out.size, transcendental)
+            (_bias_act_parallel if par else _bias_act_serial)(pre, bb, op, pre, out)
         return
     rows, k = x.shape
     m = w.shape[0]
@@ -1114,13 +1156,15 @@ def linear_act(
     x32 = np.empty((chunk, k), np.float32)
     y32 = np.empty((chunk, m), np.float32)
     out_bits = _bits(out)
+    pre_bits = None if pre is None else _bits(pre)
     for lo in range(0, rows, chunk):
         hi = min(lo + chunk, rows)
         n = hi - lo
         np.copyto(x32[:n], x[lo:hi])
         np.matmul(x32[:n], w32.T, out=y32[:n])
-        par = _parallel(n * m, transcendental=op in _TRANSCENDENTAL_OPS)
-        (_bias_act_parallel if par else _bias_act_serial)(y32[:n], bb, op, out_bits[lo:hi])
+        par = _epilogue_parallel(n * m, transcendental)
+        chunk_pre = None if pre_bits is None else pre_bits[lo:hi]
+        (_bias_act_parallel if par else _bias_act_serial)(y32[:n], bb, op, chunk_pre, out_bits[lo:hi])
 
 
 def softmax(x: np.ndarray, out: np.ndarray) -> None:

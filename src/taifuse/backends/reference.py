@@ -129,12 +129,25 @@ def affine(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, out: np.ndarray) 
 
 
 def linear_act(
-    x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activation: str | None, out: np.ndarray
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    activation: str | None,
+    out: np.ndarray,
+    pre: np.ndarray | None = None,
 ) -> None:
-    """out = activation(x @ w.T + b), with ``w`` of shape ``(out_features, in_features)``."""
+    """out = activation(x @ w.T + b), with ``w`` of shape ``(out_features, in_features)``.
+
+    With ``pre`` (the autograd path, which keeps the pre-activation for the backward), ``pre``
+    receives ``x @ w.T + b`` and ``out`` the activation of ``pre`` as stored (rounded to its dtype),
+    exactly as a linear without activation followed by the activation op would compute them.
+    """
     y = _f64(x) @ _f64(w).T
     if b is not None:
         y = y + _f64(b)
+    if pre is not None:
+        _store(pre, y)
+        y = _f64(pre)
     _store(out, _activation(y, activation))
 
 

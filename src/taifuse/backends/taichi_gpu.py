@@ -391,12 +391,27 @@ def affine(x: DeviceArray, scale: DeviceArray, bias: DeviceArray, out: DeviceArr
 
 
 def linear_act(
-    x: DeviceArray, w: DeviceArray, b: DeviceArray | None, activation: str | None, out: DeviceArray
+    x: DeviceArray,
+    w: DeviceArray,
+    b: DeviceArray | None,
+    activation: str | None,
+    out: DeviceArray,
+    pre: DeviceArray | None = None,
 ) -> None:
     from taifuse.backends._taichi_kernels import ACT_CODES
 
     if activation not in ACT_CODES:
         raise ValueError(f"activation should be one of {tuple(ACT_CODES)}, got {activation!r}")
+    if pre is not None:
+        # Two launches: the tiled product with the bias into pre, then the activation kernel.
+        linear_act(x, w, b, None, pre)
+        if activation is None:
+            linear_act(x, w, b, None, out)
+        elif activation in ("gelu", "gelu_tanh"):
+            gelu(pre, out, "tanh" if activation == "gelu_tanh" else "none")
+        else:
+            {"relu": relu, "silu": silu}[activation](pre, out)
+        return
     n_rows, k_dim = x.shape
     m_cols = w.shape[0]
     kernels = _k(x)
