@@ -164,3 +164,86 @@ def test_check_outputs_catches_shape_and_dtype():
     assert "dtype" in check_outputs(x, x.astype(np.float64), 1e-6, 1e-6)["reason"]
     assert "shape" in check_outputs(x, x[:3], 1e-6, 1e-6)["reason"]
     assert not check_outputs(x, x + 1e-3, 1e-6, 1e-6)["ok"]
+
+
+# ----------------------------------------------------------------------------- isolated baselines
+
+
+def _isolated_case(wrong: bool = False) -> Case:
+    code = "np.multiply(x, 2.001, out=out)" if wrong else "np.add(x, x, out=out)"
+    return Case(
+        suite="test",
+        name="double",
+        setup=lambda seed: {"x": np.random.default_rng(seed).random(4096)},
+        setup_code="x = rng.random(4096)",
+        candidate=Variant("candidate", "np.multiply(x, 2.0, out=out)", prepare="out = np.empty_like(x)"),
+        baselines=(
+            Variant("near", "np.add(x, x, out=out)", prepare="out = np.empty_like(x)"),
+            Variant("apart", code, prepare="out = np.empty_like(x)", isolated=True),
+        ),
+        dtype="float64",
+        shape="(4096,)",
+        bytes_moved=2 * 8 * 4096,
+    )
+
+
+def _solo(case: Case, ratio: float, seed: int = 0) -> list[dict]:
+    """Synthetic solo processes: per index, the candidate twice and the isolated baseline at ``ratio``."""
+    cand, base = synthetic_times(ratio, seed=seed)
+    again, _ = synthetic_times(1.0, seed=seed + 1)
+    return [
+        {
+            "candidate": {"samples": list(c), "loops": 1},
+            harness.CANDIDATE_AGAIN: {"samples": list(a), "loops": 1},
+            "apart": {"samples": list(b), "loops": 1},
+        }
+        for c, b, a in zip(cand, base, again)
+    ]
+
+
+def test_isolated_baselines_are_checked_in_process_but_never_timed_there():
+    case = _isolated_case()
+    pairs = harness.comparisons(case, control=True)
+    assert ("candidate", "apart") not in pairs and ("candidate", "near") in pairs
+    run = measure_case(case, pairs, blocks=2, min_sample_ns=100_000, check_only=harness.isolated_labels(case))
+    assert run["checks"]["apart"]["ok"]
+    assert all("apart" not in key for key in run["samples"]) and "apart" not in run["loops"]
+
+
+def test_solo_processes_alternate_and_are_counted():
+    case = _isolated_case()
+    assert harness._solo_order(case, 0) == ["candidate", "apart", harness.CANDIDATE_AGAIN]
+    assert harness._solo_order(case, 1) == [harness.CANDIDATE_AGAIN, "apart", "candidate"]
+    # per index: one main process, then the candidate twice and the isolated baseline alone
+    assert harness.worker_count(case, 5) == 5 * (1 + 3)
+    assert harness.worker_count(_tiny_case("np.add(x, x, out=out)"), 5) == 5
+
+
+@pytest.mark.parametrize(
+    ("ratio", "verdict"), [(2.0, stats.FASTER), (1.0, stats.NO_DIFFERENCE), (0.5, stats.SLOWER)]
+)
+def test_isolated_rows_pair_processes_of_one_index(ratio, verdict):
+    case = _isolated_case()
+    run = measure_case(case, harness.comparisons(case, False), 2, 100_000, check_only=["apart"])
+    rows = harness.case_rows(
+        case, [run], {"copy_gbps": 10.0, "gemm_gflops": 100.0}, 0.05, control=False, solo=_solo(case, ratio)
+    )
+    by_id = {r["id"]: r for r in rows}
+    row = by_id["test/double/apart"]
+    assert "isolated" in row["label"] and row["check"]["ok"]
+    assert row["low"] <= ratio <= row["high"] and row["verdict"] == verdict
+    assert row["n_processes"] == PROCESSES
+    control = by_id["test/double/control-isolated"]
+    assert control["kind"] == "control" and control["low"] <= 1.0 <= control["high"]
+    assert by_id["test/double/near"]["kind"] == "compare"  # the in-process baseline keeps its row
+
+
+def test_an_isolated_baseline_with_wrong_output_fails_and_is_not_timed():
+    case = _isolated_case(wrong=True)
+    run = measure_case(case, harness.comparisons(case, False), 2, 100_000, check_only=["apart"])
+    assert run["failed"] == ["apart"]
+    rows = harness.case_rows(
+        case, [run], {"copy_gbps": 10.0, "gemm_gflops": 100.0}, 0.05, control=False, solo=_solo(case, 2.0)
+    )
+    row = {r["id"]: r for r in rows}["test/double/apart"]
+    assert row["verdict"] == stats.FAILED and row["value"] is None

@@ -299,9 +299,7 @@ def affine(x: Any, scale: Any, bias: Any, *, out: Any = None) -> Any:
 # ----------------------------------------------------------------------------- linear
 
 
-def linear(
-    x: Any, weight: Any, bias: Any = None, activation: str | None = None, *, out: Any = None
-) -> Any:
+def linear(x: Any, weight: Any, bias: Any = None, activation: str | None = None, *, out: Any = None) -> Any:
     """activation(x @ weight.T + bias) with the bias and activation fused into one pass.
 
     Args:
@@ -350,7 +348,9 @@ def _linear_args(x: Any, weight: Any, bias: Any, activation: str | None) -> tupl
     xa = call.array(x, "x")
     wa = call.array(weight, "weight", dtype=xa.dtype)
     if wa.ndim != 2:
-        raise ValueError(f"linear: weight should be 2-D (out_features, in_features), got shape {tuple(wa.shape)}")
+        raise ValueError(
+            f"linear: weight should be 2-D (out_features, in_features), got shape {tuple(wa.shape)}"
+        )
     if xa.ndim == 0:
         raise ValueError("linear: x should have at least 1 dimension, got a 0-d array")
     out_features, in_features = wa.shape
@@ -371,7 +371,9 @@ def _linear_shape(xa: Any, wa: Any) -> tuple[int, ...]:
     return tuple(xa.shape[:-1]) + (wa.shape[0],)
 
 
-def _linear_kernel(be: ModuleType, xa: Any, wa: Any, ba: Any, activation: str | None, o: Any, pre: Any = None) -> None:
+def _linear_kernel(
+    be: ModuleType, xa: Any, wa: Any, ba: Any, activation: str | None, o: Any, pre: Any = None
+) -> None:
     out_features, in_features = wa.shape
     rows = math.prod(xa.shape[:-1])
     if rows and out_features:

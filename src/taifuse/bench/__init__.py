@@ -96,7 +96,7 @@ def run(
     worker_env = dict(os.environ, TAIFUSE_BACKEND=backend)
     if backend == "taichi" and backend_info.get("arch"):
         worker_env["TAIFUSE_TAICHI_ARCH"] = str(backend_info["arch"])
-    workers = sum(len(c.jobs(plan.processes)) if harness.is_custom(c) else plan.processes for c in cases)
+    workers = sum(harness.worker_count(c, plan.processes) for c in cases)
     bar = _progress(plan.processes + workers, progress)
 
     def step(label: str) -> None:

@@ -34,6 +34,8 @@ class Variant:
         same_result: False for a bound that computes something else (a bare matrix product, a
             copy): it is timed but not checked, and its row says so.
         note: one line for the report (why this baseline, what a bound means).
+        isolated: time this baseline in fresh processes of its own, never back to back with the
+            candidate in one process (NOTE [ Isolated baselines ] in ``taifuse.bench.harness``).
     """
 
     label: str
@@ -43,6 +45,7 @@ class Variant:
     imports: tuple[str, ...] = DEFAULT_IMPORTS
     same_result: bool = True
     note: str = ""
+    isolated: bool = False
 
     @property
     def modules(self) -> tuple[str, ...]:

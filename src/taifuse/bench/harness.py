@@ -5,6 +5,20 @@ two workers would time each other). Each worker checks outputs, times the first 
 calibrates and records ABBA pairs (:func:`taifuse.bench.worker.measure_case`); the roofline
 (copy bandwidth, GEMM rate) is measured by workers of its own in the same run. Rows are built here
 with :mod:`taifuse.bench.stats`; see NOTE [ How a comparison is judged ] there.
+
+NOTE [ Isolated baselines ]
+Interleaving A and B in one process cancels drift, but it assumes that calling one does not slow
+the other. That fails when the two keep different thread pools that spin after their work:
+measured on 2 cores, the MLP training step ran at ~11.9 ms (taifuse) and ~11.6 ms (PyTorch) each
+alone, but in one ABBA process PyTorch's step took ~23 ms, because NumPy's OpenBLAS workers,
+still spinning after taifuse's products, took a core from PyTorch's OpenMP pool. The ratio (1.6x)
+was real for that process and false for any user. A baseline marked ``isolated`` is therefore
+checked in the case's main processes but timed in fresh processes of its own: for each process
+index, one process times the candidate alone, one each isolated baseline, and one the candidate
+again, in an order that reverses from one index to the next. The pairs of a ratio then come from
+two processes of the same index, and the candidate's two processes give an A/A control of that
+method, whose spread (cross-process noise, larger than within one process) sets the threshold of
+those rows' verdicts.
 """
 
 from __future__ import annotations
@@ -73,10 +87,36 @@ def spawn(job: dict, env: dict[str, str] | None = None, timeout_s: float = 300.0
 
 
 def comparisons(case: Case, control: bool) -> list[tuple[str, str]]:
-    """The (candidate, baseline) pairs timed for a case; the control case adds (candidate, candidate)."""
+    """The (candidate, baseline) pairs timed in one process; the control case adds (candidate, candidate).
+
+    Isolated baselines are not among them (NOTE [ Isolated baselines ]).
+    """
     cand = case.candidate.label
-    pairs = [(cand, b.label) for b in case.baselines]
+    pairs = [(cand, b.label) for b in case.baselines if not b.isolated]
     return ([(cand, cand)] if control else []) + pairs
+
+
+def isolated_labels(case: Case) -> list[str]:
+    """The baselines timed in processes of their own."""
+    return [b.label for b in case.baselines if b.isolated]
+
+
+# The second candidate process of an index, in a case with isolated baselines.
+CANDIDATE_AGAIN = "candidate again"
+
+
+def _solo_order(case: Case, index: int) -> list[str]:
+    """The processes of one index: candidate, isolated baselines, candidate again; reversed on odd indices."""
+    order = [case.candidate.label, *isolated_labels(case), CANDIDATE_AGAIN]
+    return order if index % 2 == 0 else order[::-1]
+
+
+def worker_count(case: Any, processes: int) -> int:
+    """How many worker processes a case takes (for progress bars)."""
+    if is_custom(case):
+        return len(case.jobs(processes))
+    isolated = isolated_labels(case)
+    return processes * (1 + (len(isolated) + 2 if isolated else 0))
 
 
 def measure(
@@ -125,6 +165,7 @@ def measure(
             "quick": quick,
             "compare_torch": compare_torch,
             "comparisons": comparisons(case, control=case is control),
+            "check_only": isolated_labels(case),
             "blocks": plan.blocks,
             "min_sample_ns": plan.min_sample_ns,
         }
@@ -138,7 +179,40 @@ def measure(
                 break
             on_step(case.id)
         raw["cases"][case.id] = runs
+        if isolated_labels(case) and case.id not in raw["errors"]:
+            raw.setdefault("solo", {})[case.id] = _measure_solo(
+                case, plan, quick, compare_torch, env, on_step
+            )
     return raw
+
+
+def _measure_solo(
+    case: Case, plan: Plan, quick: bool, compare_torch: bool, env: dict[str, str] | None, on_step: Callable
+) -> list[dict[str, dict]]:
+    """Per process index, ``{label: result}`` of the solo processes (NOTE [ Isolated baselines ])."""
+    indices = []
+    for index in range(plan.processes):
+        results = {}
+        for label in _solo_order(case, index):
+            job = {
+                "kind": "solo",
+                "case": case.id,
+                "quick": quick,
+                "compare_torch": compare_torch,
+                "label": case.candidate.label if label == CANDIDATE_AGAIN else label,
+                "blocks": plan.blocks,
+                "min_sample_ns": plan.min_sample_ns,
+            }
+            try:
+                results[label] = spawn(job, env, plan.worker_timeout_s)
+            except WorkerError:
+                results = None  # an incomplete index is dropped; the rows say how many remain
+                break
+            finally:
+                on_step(case.id)
+        if results is not None:
+            indices.append(results)
+    return indices
 
 
 # ----------------------------------------------------------------------------- rows
@@ -265,8 +339,13 @@ def case_rows(
     control: bool,
     error: str | None = None,
     caches: list[dict] | None = None,
+    solo: list[dict[str, dict]] | None = None,
 ) -> list[dict]:
-    """Rows of one case: first call of the candidate, the A/A control (if carried), one per baseline."""
+    """Rows of one case: first call of the candidate, the A/A control (if carried), one per baseline.
+
+    ``solo``: the isolated baselines' processes (NOTE [ Isolated baselines ]), which add their
+    own A/A control row and one row per isolated baseline.
+    """
     caches = cpu_caches() if caches is None else caches
     common = _common(case, runs, caches)
     cand = case.candidate
@@ -334,38 +413,134 @@ def case_rows(
         key = f"{a}|{b}"
         ta = [r["samples"][key]["a"] for r in runs]
         tb = [r["samples"][key]["b"] for r in runs]
-        est = stats.speedup(ta, tb)
-        cand_t, base_t = stats.estimate(ta), stats.estimate(tb)
+        loops = {a: [r["loops"][a] for r in runs], b: [r["loops"][b] for r in runs]}
         row.update(
-            {
-                "value": est.median,
-                "low": est.low,
-                "high": est.high,
-                "n_processes": est.n_processes,
-                "n_samples": est.n_samples,
-                "dispersion": est.dispersion,
-                "candidate_ms": {
-                    "median": cand_t.median / 1e6,
-                    "low": cand_t.low / 1e6,
-                    "high": cand_t.high / 1e6,
-                },
-                "baseline_ms": {
-                    "median": base_t.median / 1e6,
-                    "low": base_t.low / 1e6,
-                    "high": base_t.high / 1e6,
-                },
-                "roofline": _roofline_of(case, cand_t.median, ceilings),
-                "baseline_roofline": _roofline_of(case, base_t.median, ceilings)
-                if base.same_result
-                else None,
-                "loops": {a: [r["loops"][a] for r in runs], b: [r["loops"][b] for r in runs]},
-                "samples": {"ratios": [list(np.asarray(y) / np.asarray(x)) for x, y in zip(ta, tb)]},
-                "verdict": stats.verdict(est, stats.MIN_EFFECT if is_control else limit),
-            }
+            _timed(case, ta, tb, base.same_result, ceilings, stats.MIN_EFFECT if is_control else limit, loops)
         )
         if error is not None:
             row["note"] = f"only {len(runs)} process(es) finished: {error}"
         rows.append(row)
+    if solo:
+        rows.extend(_isolated_rows(case, runs, solo, ceilings, limit, common))
+    return rows
+
+
+def _timed(
+    case: Case,
+    ta: list[list[float]],
+    tb: list[list[float]],
+    same_result: bool,
+    ceilings: dict[str, float],
+    limit: float,
+    loops: dict[str, list[int]],
+) -> dict:
+    """The measured fields of a comparison row from per-process samples of A and B."""
+    est = stats.speedup(ta, tb)
+    cand_t, base_t = stats.estimate(ta), stats.estimate(tb)
+    return {
+        "value": est.median,
+        "low": est.low,
+        "high": est.high,
+        "n_processes": est.n_processes,
+        "n_samples": est.n_samples,
+        "dispersion": est.dispersion,
+        "candidate_ms": {"median": cand_t.median / 1e6, "low": cand_t.low / 1e6, "high": cand_t.high / 1e6},
+        "baseline_ms": {"median": base_t.median / 1e6, "low": base_t.low / 1e6, "high": base_t.high / 1e6},
+        "roofline": _roofline_of(case, cand_t.median, ceilings),
+        "baseline_roofline": _roofline_of(case, base_t.median, ceilings) if same_result else None,
+        "loops": loops,
+        "samples": {"ratios": [list(np.asarray(y) / np.asarray(x)) for x, y in zip(ta, tb)]},
+        "threshold": limit,  # the smallest difference this row's verdict would call one
+        "verdict": stats.verdict(est, limit),
+    }
+
+
+def _isolated_rows(
+    case: Case,
+    runs: list[dict],
+    solo: list[dict[str, dict]],
+    ceilings: dict[str, float],
+    limit: float,
+    common: dict,
+) -> list[dict]:
+    """The isolated A/A control and one row per isolated baseline (NOTE [ Isolated baselines ])."""
+    cand = case.candidate
+    method = "isolated processes: each side timed alone in fresh processes, alternating (NOTE [ Isolated baselines ])"
+
+    def samples(label: str) -> list[list[float]]:
+        return [index[label]["samples"] for index in solo]
+
+    def loops(label: str) -> list[int]:
+        return [index[label]["loops"] for index in solo]
+
+    control = _timed(
+        case,
+        samples(cand.label),
+        samples(CANDIDATE_AGAIN),
+        True,
+        ceilings,
+        stats.MIN_EFFECT,
+        {cand.label: loops(cand.label)},
+    )
+    rows = [
+        {
+            **common,
+            "id": f"{case.id}/control-isolated",
+            "kind": "control",
+            "label": f"{case.name}: {cand.label} vs {cand.label} (A/A control, isolated processes)",
+            "unit": "x speedup",
+            "candidate": {"label": cand.label, "code": cand.full_code()},
+            "baseline": {"label": cand.label, "code": cand.full_code(), "same_result": True, "note": method},
+            "check": None,
+            "note": method,
+            **control,
+        }
+    ]
+    # Cross-process noise is larger than within one process: these rows' own control sets their bar.
+    isolated_limit = max(limit, stats.threshold(stats.speedup(samples(cand.label), samples(CANDIDATE_AGAIN))))
+    for label in isolated_labels(case):
+        base = case.variant(label)
+        row = {
+            **common,
+            "id": f"{case.id}/{label}",
+            "kind": "compare",
+            "label": f"{case.name}: {cand.label} vs {label} (isolated processes)",
+            "unit": "x speedup",
+            "candidate": {"label": cand.label, "code": cand.full_code()},
+            "baseline": {
+                "label": label,
+                "code": base.full_code(),
+                "same_result": base.same_result,
+                "note": base.note,
+            },
+            "check": next((r["checks"][label] for r in runs if label in r.get("checks", {})), None),
+            "note": method,
+        }
+        if any(label in r["failed"] for r in runs):
+            rows.append(
+                {
+                    **row,
+                    "value": None,
+                    "low": None,
+                    "high": None,
+                    "n_processes": 0,
+                    "n_samples": 0,
+                    "dispersion": None,
+                    "roofline": None,
+                    "verdict": stats.FAILED,
+                }
+            )
+            continue
+        timed = _timed(
+            case,
+            samples(cand.label),
+            samples(label),
+            base.same_result,
+            ceilings,
+            isolated_limit,
+            {cand.label: loops(cand.label), label: loops(label)},
+        )
+        rows.append({**row, **timed})
     return rows
 
 
@@ -410,6 +585,7 @@ def build_rows(cases: list[Case], raw: dict[str, Any]) -> tuple[list[dict], dict
                 control=case is control,
                 error=raw["errors"].get(case.id),
                 caches=caches,
+                solo=raw.get("solo", {}).get(case.id),
             )
         )
     method = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from taifuse.bench import roofline, timing
@@ -25,7 +26,11 @@ def _backend() -> dict:
 
 
 def measure_case(
-    case: Case, comparisons: list[tuple[str, str]], blocks: int, min_sample_ns: int = timing.MIN_SAMPLE_NS
+    case: Case,
+    comparisons: list[tuple[str, str]],
+    blocks: int,
+    min_sample_ns: int = timing.MIN_SAMPLE_NS,
+    check_only: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Correctness check, first call, warm-up, calibration and ABBA pairs for one case, in this process.
 
@@ -34,12 +39,14 @@ def measure_case(
         comparisons: ``(a_label, b_label)`` pairs to time; ``(c, c)`` is an A/A control.
         blocks: ABBA blocks per comparison (one sample pair each).
         min_sample_ns: each timed sample runs at least this long (loops calibrated per variant).
+        check_only: variants that are checked here but timed in processes of their own
+            (isolated baselines, see :func:`measure_solo`).
 
     A variant whose output fails ``allclose`` against the candidate is never timed: its
     comparisons come back with ``"failed"`` and the check that failed.
     """
     inputs = case.setup(case.seed)
-    labels = list(dict.fromkeys(label for pair in comparisons for label in pair))
+    labels = list(dict.fromkeys([label for pair in comparisons for label in pair] + list(check_only)))
     candidate = case.candidate.label
     if candidate not in labels:
         labels.insert(0, candidate)
@@ -56,7 +63,7 @@ def measure_case(
     del outputs
     failed = {label for label, check in checks.items() if not check["ok"]}
 
-    timed = [label for label in labels if label not in failed]
+    timed = [label for label in labels if label not in failed and label not in check_only]
     warmup_calls = {label: timing.warm_up(calls[label]) for label in timed}
     loops = {label: timing.calibrate(calls[label], min_sample_ns) for label in timed}
     live = [(a, b) for a, b in comparisons if a not in failed and b not in failed]
@@ -79,6 +86,30 @@ def measure_case(
     }
 
 
+def measure_solo(
+    case: Case, label: str, blocks: int, min_sample_ns: int = timing.MIN_SAMPLE_NS
+) -> dict[str, Any]:
+    """First call, warm-up, calibration and ``blocks`` samples of one variant, alone in this process.
+
+    Each sample is the mean of two calibrated loops, as one side of an ABBA block is. The
+    outputs are checked in the case's main processes (``measure_case(check_only=...)``).
+    """
+    call = case.variant(label).build(case.setup(case.seed))
+    first_ns, _ = timing.first_call(call)
+    warmup_calls = timing.warm_up(call)
+    loops = timing.calibrate(call, min_sample_ns)
+    samples = [(timing.time_loops(call, loops) + timing.time_loops(call, loops)) / 2.0 for _ in range(blocks)]
+    return {
+        "label": label,
+        "first_call_ns": first_ns,
+        "warmup_calls": warmup_calls,
+        "loops": loops,
+        "samples": samples,
+        "threads": thread_settings(),
+        **_backend(),
+    }
+
+
 def run_job(job: dict) -> dict:
     """Run one job description (``kind`` = ``"case"`` or ``"roofline"``) and return its result."""
     if job["kind"] == "roofline":
@@ -90,7 +121,18 @@ def run_job(job: dict) -> dict:
 
         case = find_case(job["case"], quick=job["quick"], compare_torch=job["compare_torch"])
         pairs = [tuple(pair) for pair in job["comparisons"]]
-        return measure_case(case, pairs, job["blocks"], job.get("min_sample_ns", timing.MIN_SAMPLE_NS))
+        return measure_case(
+            case,
+            pairs,
+            job["blocks"],
+            job.get("min_sample_ns", timing.MIN_SAMPLE_NS),
+            check_only=job.get("check_only", ()),
+        )
+    if job["kind"] == "solo":  # an isolated variant: harness NOTE [ Isolated baselines ]
+        from taifuse.bench.suites import find_case
+
+        case = find_case(job["case"], quick=job["quick"], compare_torch=job["compare_torch"])
+        return measure_solo(case, job["label"], job["blocks"], job.get("min_sample_ns", timing.MIN_SAMPLE_NS))
     if job["kind"] == "custom":  # see harness.is_custom
         from taifuse.bench.suites import find_case
 

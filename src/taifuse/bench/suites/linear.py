@@ -79,6 +79,9 @@ def _case(activation: str, compare_torch: bool) -> Case:
                 prepare="xt, wt, bt = (torch.from_numpy(v) for v in (x, w, b))",
                 imports=_TORCH,
                 note="PyTorch CPU gelu(linear(x)) on zero-copy views of the same inputs",
+                # PyTorch's OpenMP pool and NumPy's OpenBLAS threads slow each other when called
+                # back to back: NOTE [ Isolated baselines ] in taifuse.bench.harness.
+                isolated=True,
             )
         )
     flops = 2 * BATCH * IN_FEATURES * OUT_FEATURES

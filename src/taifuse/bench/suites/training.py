@@ -129,6 +129,8 @@ def _case(compare_torch: bool) -> Case:
                 imports=("numpy as np", "torch", "torch.nn.functional as TF", _SUITE_IMPORT),
                 note="PyTorch CPU eager: torch.nn.Linear, F.gelu, F.cross_entropy, loss.backward(); "
                 "the same weights and data (zero-copy views), its default thread count",
+                # Timed in processes of its own: NOTE [ Isolated baselines ] in taifuse.bench.harness.
+                isolated=True,
             )
         )
     shape = "-".join(str(n) for n in SIZES)
