@@ -385,3 +385,23 @@ def test_out_overlapping_the_input(name):
             getattr(ref, name)(x.copy(), want, *args)
             getattr(nb, name)(x, out, *args)
         assert_close(out, want, np.float32, scale=10.0)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
+def test_linear_backward_flushes_subnormal_grad_pre(activation):
+    # NOTE [ Subnormal gradients ]: g * act'(pre) below float32's smallest normal becomes a zero
+    # of the same sign; normal results, NaN and infinities are untouched.
+    tiny = np.finfo(np.float32).tiny
+    # act'(1) is near 1 for every activation, so a subnormal g gives a subnormal product.
+    pre = np.array([[1.0, 1.0, 0.5, 1.0, 2.0, -3.0]], np.float32)
+    g = np.array([[tiny / 4, -tiny / 4, 0.25, np.nan, np.inf, 0.5]], np.float32)
+    x = np.ones((1, 3), np.float32)
+    w = np.ones((6, 3), np.float32)
+    got, want = np.empty_like(g), np.empty_like(g)
+    nb.linear_act_backward(x, w, pre, g, activation, got, None, None, None)
+    ref.linear_act_backward(x, w, pre, g, activation, want, None, None, None)
+    assert 0 < abs(want[0, 0]) < tiny and 0 < abs(want[0, 1]) < tiny, "the setup should make subnormals"
+    assert got[0, 0] == 0 and got[0, 1] == 0
+    assert np.signbit(got[0, :2]).tolist() == np.signbit(want[0, :2]).tolist()
+    assert np.isnan(got[0, 3]) and np.isnan(want[0, 3])
+    np.testing.assert_allclose(got[0, [2, 4, 5]], want[0, [2, 4, 5]], rtol=1e-6, atol=0)

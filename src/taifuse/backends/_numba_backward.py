@@ -350,25 +350,51 @@ def affine_backward(
 # ----------------------------------------------------------------------------- fused linear backward
 
 
+# NOTE [ Subnormal gradients ]
+# g * act'(pre) underflows into subnormal numbers where the activation is flat (gelu' for pre
+# below about -10, times a small g), and x86 multiplies subnormal operands in microcode: the
+# two matrix products that read grad_pre then crawl. Measured on 2 cores, the 32-layer
+# width-1024 GELU MLP at batch 512 with weights of std 1.6/sqrt(1024) (the checkpoint
+# benchmark's model): ~0.5% of grad_pre subnormal in the later layers, the backward's products
+# 0.99 s per step against 0.25 s with PyTorch's default initialisation. The epilogue therefore
+# flushes results below the smallest normal number to a zero of the same sign, as the CPU's
+# flush-to-zero mode would: a change below 1.2e-38 (float32) in a gradient. NaN and infinities
+# pass unchanged.
+@njit(**_HELPER, inline="always")
+def _flush_f32(v):
+    return v if (v >= _F32_TINY or v <= -_F32_TINY) else v * _F32_ZERO
+
+
+@njit(**_HELPER, inline="always")
+def _flush_f64(v):
+    return v if (v >= _F64_TINY or v <= -_F64_TINY) else v * 0.0
+
+
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
+_F32_ZERO = np.float32(0.0)
+_F64_TINY = float(np.finfo(np.float64).tiny)
+
+
 @njit(**_HELPER)
 def _grad_pre_row(pre, g, op, gp, r, lo, hi):
-    # gp[r, lo:hi] = g * act'(pre), one loop per activation so that each vectorizes.
+    # gp[r, lo:hi] = g * act'(pre), one loop per activation so that each vectorizes; subnormal
+    # results are flushed to zero (NOTE [ Subnormal gradients ]).
     if op == _RELU:
         for c in range(lo, hi):
             gv = _widen(g[r, c])
-            gp[r, c] = gv if _widen(pre[r, c]) > 0 else _like(0.0, gv)
+            gp[r, c] = _flush(gv) if _widen(pre[r, c]) > 0 else _like(0.0, gv)
     elif op == _GELU:
         # NOTE [ Exact GELU derivative in two loops ]; gp is float32 or float64, never float16.
         for c in range(lo, hi):
             gp[r, c] = _gelu_cdf(_widen(pre[r, c]))
         for c in range(lo, hi):
-            gp[r, c] = _widen(g[r, c]) * (gp[r, c] + _gelu_pdf_term(_widen(pre[r, c])))
+            gp[r, c] = _flush(_widen(g[r, c]) * (gp[r, c] + _gelu_pdf_term(_widen(pre[r, c]))))
     elif op == _GELU_TANH:
         for c in range(lo, hi):
-            gp[r, c] = _widen(g[r, c]) * _gelu_tanh_grad(_widen(pre[r, c]))
+            gp[r, c] = _flush(_widen(g[r, c]) * _gelu_tanh_grad(_widen(pre[r, c])))
     else:  # _SILU
         for c in range(lo, hi):
-            gp[r, c] = _widen(g[r, c]) * _silu_grad(_widen(pre[r, c]))
+            gp[r, c] = _flush(_widen(g[r, c]) * _silu_grad(_widen(pre[r, c])))
 
 
 @njit(**_REDUCE_HELPER)
@@ -842,5 +868,6 @@ from taifuse.backends.numba_cpu import (
 from taifuse.backends.numba_cpu import dropout as _dropout_forward
 
 _gelu_cdf = _by_precision(_gelu_cdf_f32, _gelu_cdf_f64)
+_flush = _by_precision(_flush_f32, _flush_f64)
 _gelu_pdf_term = _by_precision(_gelu_pdf_term_f32, _gelu_pdf_term_f64)
 _gelu_tanh_grad = _by_precision(_gelu_tanh_grad_f32, _gelu_tanh_grad_f64)

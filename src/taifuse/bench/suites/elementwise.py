@@ -140,6 +140,7 @@ def _torch(code: str, prepare: str = "xt = torch.from_numpy(x)", result: str = "
         prepare=prepare,
         imports=_TORCH,
         note="PyTorch CPU on zero-copy views of the same NumPy inputs",
+        isolated=True,  # its OpenMP runtime is not Numba's: NOTE [ Isolated baselines ] in bench.harness
     )
 
 

@@ -9,7 +9,7 @@ Two kinds of case:
   worker processes of its own (see :func:`measure_memory`); its rows give the peak memory of one
   step above what the process held before it, and the plain/checkpointed ratios.
 * ``memory/...: step time`` (a regular :class:`~taifuse.bench.case.Case`): the checkpointed
-  step against the plain one (and PyTorch's), timed in ABBA pairs like every other comparison.
+  step against the plain one in ABBA pairs, and against PyTorch's in processes of their own.
   One step is a ~100 GFLOP forward + backward, so the quick run leaves it out.
 
 NOTE [ Measuring peak memory ]
@@ -86,6 +86,7 @@ def _torch(label: str, forward: str, note: str) -> Variant:
         prepare=_TORCH_PREPARE,
         imports=_TORCH_IMPORTS,
         note=note,
+        isolated=True,  # timed apart from taifuse: NOTE [ Isolated baselines ] in bench.harness
     )
 
 
@@ -131,7 +132,7 @@ _RTOL, _ATOL = 2e-3, 1e-6
 
 
 def time_case(compare_torch: bool) -> Case:
-    """The checkpointed step timed against the plain step (and PyTorch's) in ABBA pairs."""
+    """The checkpointed step timed against the plain step in ABBA pairs (and PyTorch's, isolated)."""
     baselines = [PLAIN]
     if compare_torch:
         baselines += [TORCH_CHECKPOINTED, TORCH_PLAIN]

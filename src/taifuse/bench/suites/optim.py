@@ -71,6 +71,7 @@ topt = {constructor}
         imports=_TORCH,
         same_result=same_result,
         note=note,
+        isolated=True,  # its OpenMP runtime is not Numba's: NOTE [ Isolated baselines ] in bench.harness
     )
 
 
