@@ -24,6 +24,12 @@ The first case also times its candidate against itself (the A/A control row, sam
 1/(1 + t), "no measurable difference" when the whole interval lies between those, "inconclusive"
 otherwise, and "unstable" when the ratios' dispersion (1.4826 x MAD of log ratios within each
 process) exceeds {unstable:.0%}; t = max({min_effect:.0%}, A/A spread) = {threshold:.1%} in this run.
+Rows marked "(isolated processes)" compare with a peer whose thread pools and ours slow each other
+when called back to back in one process (PyTorch's OpenMP runtime beside Numba's and OpenBLAS's
+threads): the peer is still checked against the candidate in the case's processes, but each side is
+timed alone in fresh processes, alternating, and a ratio pairs samples of two processes of the same
+index. The case's "A/A control, isolated processes" row, the candidate against itself timed the same
+way, sets those rows' t (cross-process noise is larger than within one process).
 Cache level is where the bytes one call moves (inputs + output) fit by nominal cache size.
 The roofline column divides the candidate's achieved rate by the copy bandwidth (`np.copyto` on arrays
 well past the last-level cache, bytes = read + write) or by the GEMM rate (float32 `np.matmul`),
