@@ -390,15 +390,27 @@ def test_out_overlapping_the_input(name):
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
 def test_linear_backward_flushes_subnormal_grad_pre(activation):
     # NOTE [ Subnormal gradients ]: g * act'(pre) below float32's smallest normal becomes a zero
-    # of the same sign; normal results, NaN and infinities are untouched.
-    tiny = np.finfo(np.float32).tiny
-    # act'(1) is near 1 for every activation, so a subnormal g gives a subnormal product.
-    pre = np.array([[1.0, 1.0, 0.5, 1.0, 2.0, -3.0]], np.float32)
-    g = np.array([[tiny / 4, -tiny / 4, 0.25, np.nan, np.inf, 0.5]], np.float32)
-    x = np.ones((1, 3), np.float32)
-    w = np.ones((6, 3), np.float32)
-    got, want = np.empty_like(g), np.empty_like(g)
-    nb.linear_act_backward(x, w, pre, g, activation, got, None, None, None)
+    # of the same sign; normal results, NaN and infinities are untouched. The truth is computed
+    # in float64, where these values are normal: float32 subnormals depend on the thread's
+    # flush mode, which Taichi's ti.init turns on for the whole process.
+    tiny = float(np.finfo(np.float32).tiny)
+    # act'(1) is near 1 for every activation, so g = +-tiny/4 gives a product below tiny.
+    pre = np.array([[1.0, 1.0, 0.5, 1.0, 2.0, -3.0]])
+    g = np.array([[tiny / 4, -tiny / 4, 0.25, np.nan, np.inf, 0.5]])
+    x, w = np.ones((1, 3)), np.ones((6, 3))
+    got = np.empty(g.shape, np.float32)
+    nb.linear_act_backward(
+        x.astype(np.float32),
+        w.astype(np.float32),
+        pre.astype(np.float32),
+        g.astype(np.float32),
+        activation,
+        got,
+        None,
+        None,
+        None,
+    )
+    want = np.empty(g.shape)
     ref.linear_act_backward(x, w, pre, g, activation, want, None, None, None)
     assert 0 < abs(want[0, 0]) < tiny and 0 < abs(want[0, 1]) < tiny, "the setup should make subnormals"
     assert got[0, 0] == 0 and got[0, 1] == 0
