@@ -95,19 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         command="python benchmarks/bench_checkpoint.py " + " ".join(sys.argv[1:] if argv is None else argv),
     )
     print(report.summary(result))
-    env = result["environment"]
-    print(
-        f"\nbackend {env['backend']}, threads {env['threads']}, load average before/after "
-        f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}\n"
-    )
+    print(f"\n{report.run_line(result)}\n")
     for r in result["rows"]:
         if r["kind"] == "memory" and r.get("note"):
             print(f"{r['label']}: {r['note']}")
     print()
     for g in goals(result):
-        print(
-            f"{g['status']:>9}  {g['goal']}: {g['value']:.3g} [{g['low']:.3g}, {g['high']:.3g}]  ({g['detail']})"
-        )
+        print(report.goal_line(g))
     if not compare_torch:
         print("PyTorch is not installed: no torch rows (pip install 'taifuse[compare]')")
     return 0

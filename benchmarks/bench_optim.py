@@ -124,15 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         command="python benchmarks/bench_optim.py" + (" --quick" if args.quick else ""),
     )
     print(report.summary(result))
-    env = result["environment"]
-    print(
-        f"\nbackend {env['backend']}, threads {env['threads']}, load average before/after "
-        f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}\n"
-    )
+    print(f"\n{report.run_line(result)}\n")
     for g in goals(result):
-        interval = "" if g["low"] is None else f" [{g['low']:.3g}, {g['high']:.3g}]"
-        value = "—" if g["value"] is None else f"{g['value']:.3g}"
-        print(f"{g['status']:>9}  {g['goal']}: {value}{interval}  ({g['detail']})")
+        print(report.goal_line(g))
     return 0
 
 

@@ -112,15 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         command="python benchmarks/bench_pool.py" + (" --quick" if args.quick else ""),
     )
     print(report.summary(result))
-    env = result["environment"]
-    print(
-        f"\nbackend {env['backend']}, threads {env['threads']}, load average before/after "
-        f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}\n"
-    )
+    print(f"\n{report.run_line(result)}\n")
     print(f"steady state ({steady['backend']}): {json.dumps(steady['per_step'])}")
     for g in goals(result, steady):
-        interval = "" if g["low"] is None else f" [{g['low']:.3g}, {g['high']:.3g}]"
-        print(f"{g['status']:>9}  {g['goal']}: {g['value']:.4g}{interval}  ({g['detail']})")
+        print(report.goal_line(g))
     if args.out:
         Path(args.out, "pool_steady_state.json").write_text(json.dumps(steady, indent=2))
     return 0

@@ -77,15 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         command += f" --backend {args.backend}"
     result = taifuse.bench.run(cases=cases, plan=plan, compare_torch=True, out=args.out, command=command)
     print(report.summary(result))
-    env = result["environment"]
-    print(
-        f"\nbackend {env['backend']}, threads {env['threads']}, load average before/after "
-        f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}\n"
-    )
-    g = goal(result)
-    interval = "" if g["low"] is None else f" [{g['low']:.3g}, {g['high']:.3g}]"
-    value = "—" if g["value"] is None else f"{g['value']:.3g}"
-    print(f"{g['status']:>9}  {g['goal']}: {value}{interval}  ({g['detail']})")
+    print(f"\n{report.run_line(result)}\n")
+    print(report.goal_line(goal(result)))
     return 0
 
 

@@ -125,7 +125,10 @@ def test_pair_ratios_rejects_bad_input():
         stats.estimate([[]])
 
 
-def _tiny_case(baseline_code: str) -> Case:
+def _tiny_case(
+    baseline_code: str, *, names: tuple[str, str] = ("good", "wrong"), isolated: bool = False
+) -> Case:
+    """x * 2 against x + x and against ``baseline_code`` (the second baseline, isolated if asked)."""
     return Case(
         suite="test",
         name="double",
@@ -133,8 +136,8 @@ def _tiny_case(baseline_code: str) -> Case:
         setup_code="x = rng.random(4096)",
         candidate=Variant("candidate", "np.multiply(x, 2.0, out=out)", prepare="out = np.empty_like(x)"),
         baselines=(
-            Variant("good", "np.add(x, x, out=out)", prepare="out = np.empty_like(x)"),
-            Variant("wrong", baseline_code, prepare="out = np.empty_like(x)"),
+            Variant(names[0], "np.add(x, x, out=out)", prepare="out = np.empty_like(x)"),
+            Variant(names[1], baseline_code, prepare="out = np.empty_like(x)", isolated=isolated),
         ),
         dtype="float64",
         shape="(4096,)",
@@ -171,20 +174,7 @@ def test_check_outputs_catches_shape_and_dtype():
 
 def _isolated_case(wrong: bool = False) -> Case:
     code = "np.multiply(x, 2.001, out=out)" if wrong else "np.add(x, x, out=out)"
-    return Case(
-        suite="test",
-        name="double",
-        setup=lambda seed: {"x": np.random.default_rng(seed).random(4096)},
-        setup_code="x = rng.random(4096)",
-        candidate=Variant("candidate", "np.multiply(x, 2.0, out=out)", prepare="out = np.empty_like(x)"),
-        baselines=(
-            Variant("near", "np.add(x, x, out=out)", prepare="out = np.empty_like(x)"),
-            Variant("apart", code, prepare="out = np.empty_like(x)", isolated=True),
-        ),
-        dtype="float64",
-        shape="(4096,)",
-        bytes_moved=2 * 8 * 4096,
-    )
+    return _tiny_case(code, names=("near", "apart"), isolated=True)
 
 
 def _solo(case: Case, ratio: float, seed: int = 0) -> list[dict]:

@@ -140,50 +140,41 @@ def measure(
         on_step("roofline")
     control = _control_case(cases)
     for case in cases:
+        common = {"case": case.id, "quick": quick, "compare_torch": compare_torch}
         if is_custom(case):
-            runs = []
-            for extra in case.jobs(plan.processes):
-                job = {
-                    "kind": "custom",
-                    "case": case.id,
-                    "quick": quick,
-                    "compare_torch": compare_torch,
-                    **extra,
-                }
-                try:
-                    runs.append(spawn(job, env, plan.worker_timeout_s))
-                except WorkerError as exc:
-                    raw["errors"][case.id] = str(exc)
-                    on_step(case.id)
-                    break
-                on_step(case.id)
-            raw["cases"][case.id] = runs
+            jobs = [{"kind": "custom", **common, **extra} for extra in case.jobs(plan.processes)]
+            raw["cases"][case.id] = _run_jobs(case.id, jobs, raw, env, plan, on_step)
             continue
         job = {
             "kind": "case",
-            "case": case.id,
-            "quick": quick,
-            "compare_torch": compare_torch,
+            **common,
             "comparisons": comparisons(case, control=case is control),
             "check_only": isolated_labels(case),
             "blocks": plan.blocks,
             "min_sample_ns": plan.min_sample_ns,
         }
-        runs = []
-        for _ in range(plan.processes):
-            try:
-                runs.append(spawn(job, env, plan.worker_timeout_s))
-            except WorkerError as exc:
-                raw["errors"][case.id] = str(exc)
-                on_step(case.id)
-                break
-            on_step(case.id)
-        raw["cases"][case.id] = runs
+        raw["cases"][case.id] = _run_jobs(case.id, [job] * plan.processes, raw, env, plan, on_step)
         if isolated_labels(case) and case.id not in raw["errors"]:
             raw.setdefault("solo", {})[case.id] = _measure_solo(
                 case, plan, quick, compare_torch, env, on_step
             )
     return raw
+
+
+def _run_jobs(
+    case_id: str, jobs: list[dict], raw: dict, env: dict[str, str] | None, plan: Plan, on_step: Callable
+) -> list[dict]:
+    """Each job in a fresh worker, one after another; a failure is recorded and ends the case's runs."""
+    runs = []
+    for job in jobs:
+        try:
+            runs.append(spawn(job, env, plan.worker_timeout_s))
+        except WorkerError as exc:
+            raw["errors"][case_id] = str(exc)
+            on_step(case_id)
+            break
+        on_step(case_id)
+    return runs
 
 
 def _measure_solo(

@@ -407,3 +407,20 @@ def summary(result: dict) -> str:
     if result.get("errors"):
         text += "\n" + "\n".join(f"error in {case}: {msg}" for case, msg in result["errors"].items())
     return text
+
+
+def run_line(result: dict) -> str:
+    """Backend, threads, load average before/after and date of a run, in one line."""
+    env = result["environment"]
+    return (
+        f"backend {env['backend']}, threads {env['threads']}, load average before/after "
+        f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}"
+    )
+
+
+def goal_line(goal: dict) -> str:
+    """``status  goal: value [low, high]  (detail)`` for a goal judged from a run's rows
+    (the benchmark scripts in ``benchmarks/``); ``value``, ``low`` and ``high`` may be None."""
+    value = "—" if goal["value"] is None else f"{goal['value']:.3g}"
+    interval = "" if goal.get("low") is None else f" [{goal['low']:.3g}, {goal['high']:.3g}]"
+    return f"{goal['status']:>9}  {goal['goal']}: {value}{interval}  ({goal['detail']})"
