@@ -779,6 +779,79 @@ def _bias_act_span(y, b, op, out):
                 out[c] = _narrow(_widen(y[c]) + _widen(b[c]), out)
 
 
+@njit(**_SPAN)
+def _bias_act_keep_span(row, b, op, out):
+    # row[c] += b[c] (b may be None) and out[c] = act(row[c] as stored), in one loop: row is read
+    # and written through one pointer (NOTE [ Spans, blocks and in-place kernels ]). One loop
+    # instead of a bias span and an activation span: ~0.65 against ~0.95 ns per element (exact
+    # GELU, 256 x 1024 float32, one thread).
+    _prefer_wide_vectors()
+    if b is None:
+        if op == _RELU:
+            for c in range(row.size):
+                out[c] = _narrow(_relu(_widen(row[c])), out)
+        elif op == _GELU:
+            for c in range(row.size):
+                out[c] = _narrow(_gelu(_widen(row[c])), out)
+        elif op == _GELU_TANH:
+            for c in range(row.size):
+                out[c] = _narrow(_gelu_tanh(_widen(row[c])), out)
+        elif op == _SILU:
+            for c in range(row.size):
+                out[c] = _narrow(_silu(_widen(row[c])), out)
+        else:
+            for c in range(row.size):
+                out[c] = row[c]
+    else:
+        if op == _RELU:
+            for c in range(row.size):
+                v = _narrow(_widen(row[c]) + _widen(b[c]), row)
+                row[c] = v
+                out[c] = _narrow(_relu(_widen(v)), out)
+        elif op == _GELU:
+            for c in range(row.size):
+                v = _narrow(_widen(row[c]) + _widen(b[c]), row)
+                row[c] = v
+                out[c] = _narrow(_gelu(_widen(v)), out)
+        elif op == _GELU_TANH:
+            for c in range(row.size):
+                v = _narrow(_widen(row[c]) + _widen(b[c]), row)
+                row[c] = v
+                out[c] = _narrow(_gelu_tanh(_widen(v)), out)
+        elif op == _SILU:
+            for c in range(row.size):
+                v = _narrow(_widen(row[c]) + _widen(b[c]), row)
+                row[c] = v
+                out[c] = _narrow(_silu(_widen(v)), out)
+        else:
+            for c in range(row.size):
+                v = _narrow(_widen(row[c]) + _widen(b[c]), row)
+                row[c] = v
+                out[c] = v
+
+
+@njit(**_HELPER)
+def _bias_act_keep_rows(pre, b, op, out, r0, r1, lo, hi):
+    bs = None if b is None else b[lo:hi]
+    for r in range(r0, r1):
+        _bias_act_keep_span(pre[r, lo:hi], bs, op, out[r, lo:hi])
+
+
+@njit(**_SERIAL)
+def _bias_act_keep_serial(pre, b, op, out):
+    _bias_act_keep_rows(pre, b, op, out, 0, pre.shape[0], 0, pre.shape[1])
+
+
+@njit(**_PARALLEL)
+def _bias_act_keep_parallel(pre, b, op, out):
+    rows, cols = pre.shape
+    tiles = (cols + _TILE - 1) // _TILE
+    for t in prange(rows * tiles):
+        r = t // tiles
+        lo = (t % tiles) * _TILE
+        _bias_act_keep_rows(pre, b, op, out, r, r + 1, lo, min(lo + _TILE, cols))
+
+
 @njit(**_HELPER)
 def _bias_act_rows(y, b, op, pre, out, r0, r1, lo, hi):
     # pre may be None (pruned per signature); else pre = y + b and out = act(pre as stored), two
@@ -1147,7 +1220,7 @@ def linear_act(
         else:
             np.matmul(x, w.T, out=pre)
             par = _epilogue_parallel(out.size, transcendental)
-            (_bias_act_parallel if par else _bias_act_serial)(pre, bb, op, pre, out)
+            (_bias_act_keep_parallel if par else _bias_act_keep_serial)(pre, bb, op, out)
         return
     rows, k = x.shape
     m = w.shape[0]
