@@ -417,3 +417,32 @@ def test_linear_backward_flushes_subnormal_grad_pre(activation):
     assert np.signbit(got[0, :2]).tolist() == np.signbit(want[0, :2]).tolist()
     assert np.isnan(got[0, 3]) and np.isnan(want[0, 3])
     np.testing.assert_allclose(got[0, [2, 4, 5]], want[0, [2, 4, 5]], rtol=1e-6, atol=0)
+
+
+# The elementwise backwards that flush: each with an input where its derivative is near 1 (gelu,
+# gelu_tanh, silu at x = 1) or 0.25 (sigmoid from its output y = 0.5).
+_UNARY_BACKWARD = {
+    "gelu": (lambda m, x, g, o: m.gelu_backward(x, g, o, "none"), 1.0),
+    "gelu_tanh": (lambda m, x, g, o: m.gelu_backward(x, g, o, "tanh"), 1.0),
+    "silu": (lambda m, x, g, o: m.silu_backward(x, g, o), 1.0),
+    "sigmoid": (lambda m, y, g, o: m.sigmoid_backward(y, g, o), 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_UNARY_BACKWARD))
+def test_elementwise_backward_flushes_subnormal_gradients(name):
+    # NOTE [ Subnormal gradients ]: the same flush as the linear epilogue, checked the same way
+    # (float64 truth, where these values are normal). g = +-tiny/8 times a derivative <= ~1.1.
+    run, at = _UNARY_BACKWARD[name]
+    tiny = float(np.finfo(np.float32).tiny)
+    x = np.full(6, at)
+    g = np.array([tiny / 8, -tiny / 8, 0.25, np.nan, np.inf, 0.5])
+    got = np.empty(6, np.float32)
+    run(nb, x.astype(np.float32), g.astype(np.float32), got)
+    want = np.empty(6)
+    run(ref, x, g, want)
+    assert 0 < abs(want[0]) < tiny and 0 < abs(want[1]) < tiny, "the setup should make subnormals"
+    assert got[0] == 0 and got[1] == 0
+    assert np.signbit(got[:2]).tolist() == np.signbit(want[:2]).tolist()
+    assert np.isnan(got[3]) and np.isnan(want[3])
+    np.testing.assert_allclose(got[[2, 4, 5]], want[[2, 4, 5]], rtol=1e-6, atol=0)
