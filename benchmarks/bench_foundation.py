@@ -10,6 +10,10 @@ f32, 4M elements and a 4096x1024 by 1024x768 linear, each row a ratio measured s
 Each goal is judged on the 95% interval: "met" when the whole interval satisfies it, "not met" when
 none of it does, "undecided" otherwise. Nothing here forces a pass.
 
+Beside the goals, the linear suite's row that is not the same function: PyTorch's bare product
+``torch.mm(x, w.T)`` (MKL), timed in processes of its own like PyTorch's ``gelu(linear(x))``.
+With the bare NumPy product's row it separates the two products from the epilogues.
+
 Run: ``python benchmarks/bench_foundation.py [--quick] [--out DIR]`` (needs torch: the ``compare`` extra).
 """
 
@@ -39,6 +43,20 @@ def _pick(cases, case_id: str, labels: set[str]):
     return dataclasses.replace(case, baselines=tuple(b for b in case.baselines if b.label in labels))
 
 
+def _linear_times(lin_mm: dict, lin_torch: dict, lin_torch_mm: dict | None) -> str:
+    """Medians of the linear case's rows: ours, the two bare products and PyTorch's gelu(linear)."""
+    if not lin_torch.get("candidate_ms"):
+        return ""
+    parts = [f"taifuse {lin_torch['candidate_ms']['median']:.1f} ms"]
+    if lin_mm.get("baseline_ms"):
+        parts.append(f"np.matmul {lin_mm['baseline_ms']['median']:.1f} ms")
+    if lin_torch_mm and lin_torch_mm.get("baseline_ms"):
+        parts.append(f"torch.mm {lin_torch_mm['baseline_ms']['median']:.1f} ms")
+    if lin_torch.get("baseline_ms"):
+        parts.append(f"torch gelu(linear) {lin_torch['baseline_ms']['median']:.1f} ms")
+    return "; " + ", ".join(parts)
+
+
 def goals(result: dict) -> list[dict]:
     """Issue 2's four goals, judged from the rows of a run over the two cases."""
     rows = {r["id"]: r for r in result["rows"]}
@@ -47,6 +65,7 @@ def goals(result: dict) -> list[dict]:
     gelu_copy = rows[f"{GELU_CASE}/copy bound"]
     lin_mm = rows[f"{LINEAR_CASE}/bare matmul"]
     lin_torch = rows[f"{LINEAR_CASE}/torch"]
+    lin_torch_mm = rows.get(f"{LINEAR_CASE}/torch bare matmul")
     out = []
 
     def add(name, value, low, high, verdict, detail):
@@ -101,7 +120,7 @@ def goals(result: dict) -> list[dict]:
             else "not met"
             if lin_torch["verdict"] in ("slower", "no measurable difference")
             else "undecided",
-            f"verdict: {lin_torch['verdict']}",
+            f"verdict: {lin_torch['verdict']}" + _linear_times(lin_mm, lin_torch, lin_torch_mm),
         )
     else:
         add(
@@ -124,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = load_cases(["elementwise", "linear"], quick=True, compare_torch=True)
     chosen = [
         _pick(cases, GELU_CASE, {"torch", "copy bound"}),
-        _pick(cases, LINEAR_CASE, {"bare matmul", "torch"}),
+        _pick(cases, LINEAR_CASE, {"bare matmul", "torch", "torch bare matmul"}),
     ]
     plan = (
         taifuse.bench.QUICK if args.quick else taifuse.bench.Plan(processes=5, blocks=12, roofline_samples=10)

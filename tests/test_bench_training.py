@@ -29,7 +29,30 @@ def test_registered_with_one_case_per_mode():
     for quick in (False, True):
         (case,) = load_cases(["training"], quick=quick, compare_torch=False)
         assert case.id == CASE_ID
-        assert case.baselines == ()
+        # Without torch, only the bound: the step's products alone (not the same function).
+        (products,) = case.baselines
+        assert products.label == "products alone" and not products.same_result and products.isolated
+
+
+def test_products_alone_are_the_steps_products():
+    # The bound runs exactly the products step_flops counts, on the case's own inputs.
+    (case,) = load_cases(["training"], quick=True, compare_torch=False)
+    inputs = case.setup(0)
+    calls = []
+
+    class NumpyCountingProducts:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def matmul(self, a, b, out):
+            calls.append(2 * a.shape[0] * a.shape[1] * b.shape[1])
+            return np.matmul(a, b, out=out)
+
+    run = case.variant("products alone").build(inputs)
+    run.__globals__["np"] = NumpyCountingProducts()  # the variant's namespace, after its prepare
+    gw1 = run()
+    assert sum(calls) == training.step_flops() and len(calls) == 8
+    assert gw1.shape == inputs["w1"].shape
 
 
 def test_step_flops_counts_the_products():

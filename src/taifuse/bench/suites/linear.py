@@ -84,6 +84,19 @@ def _case(activation: str, compare_torch: bool) -> Case:
                 isolated=True,
             )
         )
+        baselines.append(
+            Variant(
+                "torch bare matmul",
+                "y = torch.mm(xt, wt.T)",
+                result="y",
+                prepare="xt, wt = (torch.from_numpy(v) for v in (x, w))",
+                imports=_TORCH,
+                same_result=False,
+                note="not the same function: PyTorch's product alone (MKL), against NumPy's in the bare "
+                "matmul row; timed in processes of its own",
+                isolated=True,
+            )
+        )
     flops = 2 * BATCH * IN_FEATURES * OUT_FEATURES
     return Case(
         suite=SUITE,

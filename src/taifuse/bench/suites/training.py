@@ -105,6 +105,27 @@ loss.backward()
 
 _SUITE_IMPORT = "taifuse.bench.suites.training as suite"
 
+# The step's matrix products alone, in its order (forward 1-3; then per layer from the top, the
+# input gradient and the weight gradient; the data needs no gradient), on gradients of the
+# right shapes: how much of a step is BLAS, and what PyTorch's step is against our products.
+_PRODUCTS_PREPARE = """
+h1, h2, g1, g2 = (np.empty((x.shape[0], w1.shape[0]), np.float32) for _ in range(4))
+z = np.empty((x.shape[0], w3.shape[0]), np.float32)
+g3 = np.random.default_rng(1).standard_normal(z.shape, dtype=np.float32) / z.size
+gw1, gw2, gw3 = (np.empty_like(w) for w in (w1, w2, w3))
+"""
+
+_PRODUCTS = """
+np.matmul(x, w1.T, out=h1)
+np.matmul(h1, w2.T, out=h2)
+np.matmul(h2, w3.T, out=z)
+np.matmul(g3, w3, out=g2)
+np.matmul(g3.T, h2, out=gw3)
+np.matmul(g2, w2, out=g1)
+np.matmul(g2.T, h1, out=gw2)
+np.matmul(g1.T, x, out=gw1)
+"""
+
 
 def step_flops() -> int:
     """Floating-point operations of the step's matrix products (the elementwise work is not counted).
@@ -118,7 +139,18 @@ def step_flops() -> int:
 
 def _case(compare_torch: bool) -> Case:
     n_params = sum(n_in * n_out + n_out for n_in, n_out in _LAYERS)
-    baselines = []
+    baselines = [
+        Variant(
+            "products alone",
+            _PRODUCTS,
+            result="gw1",
+            prepare=_PRODUCTS_PREPARE,
+            same_result=False,
+            note="not the same function: the step's 8 matrix products alone in NumPy (OpenBLAS), "
+            "no epilogues, no autograd; timed in processes of its own, as PyTorch is",
+            isolated=True,
+        )
+    ]
     if compare_torch:
         baselines.append(
             Variant(
