@@ -237,3 +237,35 @@ def test_an_isolated_baseline_with_wrong_output_fails_and_is_not_timed():
     )
     row = {r["id"]: r for r in rows}["test/double/apart"]
     assert row["verdict"] == stats.FAILED and row["value"] is None
+
+
+def test_memory_rows_from_synthetic_processes():
+    # The peak-memory suite's rows: per-variant medians of the measured peaks, the paired ratio,
+    # and the same header fields as a timing row (thread counts and backend from the runs).
+    from taifuse.bench.suites import memory
+
+    (case,) = memory.cases(quick=True)
+    plain, checkpointed = (v.label for v in case.variants[:2])
+    runs = []
+    for p in range(3):
+        for label, mib in ((plain, 150 + p), (checkpointed, 50 + p)):
+            runs.append(
+                {
+                    "variant": label,
+                    "process": p,
+                    "rss_peak_bytes": mib * memory.MIB,
+                    "traced_peak_bytes": (mib - 1) * memory.MIB,
+                    "step_ns": 1e8,
+                    "threads": {"numba": 2},
+                    "backend": "numba",
+                }
+            )
+    rows = {r["id"]: r for r in case.rows(runs)}
+    for row in rows.values():
+        assert row["suite"] == case.suite and row["seed"] == case.seed and row["cache_level"] == "DRAM"
+        assert row["threads"] == {"numba": 2} and row["backend"] == "numba"
+        assert row["roofline"] is None and row["tolerance"] is None and row["bytes_moved"] is None
+    assert rows[f"{case.id}/{plain}"]["value"] == pytest.approx(151.0)
+    assert rows[f"{case.id}/{checkpointed}"]["value"] == pytest.approx(51.0)
+    pair = rows[f"{case.id}/{checkpointed} vs {plain}"]
+    assert pair["low"] <= 151.0 / 51.0 <= pair["high"] and pair["verdict"] == "less memory"

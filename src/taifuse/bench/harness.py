@@ -301,7 +301,15 @@ def _roofline_of(case: Case, time_ns: float, ceilings: dict[str, float]) -> dict
     }
 
 
-def _common(case: Case, runs: list[dict], caches: list[dict]) -> dict:
+def row_header(
+    case: Any, runs: list[dict], *, bytes_moved: int | None, cache: str, tolerance: dict | None
+) -> dict:
+    """The fields every row of a case starts with: what was run, on what, where.
+
+    ``case``: anything with a case's ``suite``, ``name``, ``dtype``, ``shape``, ``seed`` and
+    ``setup_code`` (a :class:`Case`, or the memory suite's cases); ``runs``: its processes'
+    results, whose thread counts and backend the row reports.
+    """
     threads: dict = {}
     for run in runs:
         threads.update(run.get("threads", {}))
@@ -313,11 +321,11 @@ def _common(case: Case, runs: list[dict], caches: list[dict]) -> dict:
         "seed": case.seed,
         "setup_code": case.setup_code,
         "size": case.shape,
-        "bytes_moved": case.bytes_moved,
-        "cache_level": cache_level(case.bytes_moved, caches),
+        "bytes_moved": bytes_moved,
+        "cache_level": cache,
         "threads": threads,
         "backend": runs[0].get("backend") if runs else None,
-        "tolerance": {"rtol": case.rtol, "atol": case.atol},
+        "tolerance": tolerance,
     }
 
 
@@ -338,7 +346,13 @@ def case_rows(
     own A/A control row and one row per isolated baseline.
     """
     caches = cpu_caches() if caches is None else caches
-    common = _common(case, runs, caches)
+    common = row_header(
+        case,
+        runs,
+        bytes_moved=case.bytes_moved,
+        cache=cache_level(case.bytes_moved, caches),
+        tolerance={"rtol": case.rtol, "atol": case.atol},
+    )
     cand = case.candidate
     rows: list[dict] = []
     if runs:

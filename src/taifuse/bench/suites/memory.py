@@ -38,7 +38,7 @@ import numpy as np
 
 from taifuse.bench import stats
 from taifuse.bench.case import Case, Variant
-from taifuse.bench.harness import NOT_A_COMPARISON
+from taifuse.bench.harness import NOT_A_COMPARISON, row_header
 
 SUITE = "memory"
 LAYERS, WIDTH, BATCH = 32, 1024, 512
@@ -290,24 +290,8 @@ class MemoryCase:
         return rows
 
     def _common(self, runs: list[dict]) -> dict:
-        threads: dict = {}
-        for r in runs:
-            threads.update(r.get("threads", {}))
-        return {
-            "suite": self.suite,
-            "case": self.name,
-            "dtype": self.dtype,
-            "shape": self.shape,
-            "seed": self.seed,
-            "setup_code": self.setup_code,
-            "size": self.shape,
-            "bytes_moved": None,
-            "cache_level": "DRAM",
-            "threads": threads,
-            "backend": runs[0].get("backend") if runs else None,
-            "roofline": None,
-            "tolerance": None,
-        }
+        # Peak memory has no byte count, roofline or tolerance; the model's arrays live in DRAM.
+        return {**row_header(self, runs, bytes_moved=None, cache="DRAM", tolerance=None), "roofline": None}
 
     def _variant_row(self, v: Variant, runs: list[dict], error: str | None) -> dict:
         values = [r["rss_peak_bytes"] / MIB for r in runs if r.get("rss_peak_bytes") is not None]
