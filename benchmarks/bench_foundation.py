@@ -145,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         _pick(cases, GELU_CASE, {"torch", "copy bound"}),
         _pick(cases, LINEAR_CASE, {"bare matmul", "torch", "torch bare matmul"}),
     ]
-    plan = (
-        taifuse.bench.QUICK if args.quick else taifuse.bench.Plan(processes=5, blocks=12, roofline_samples=10)
-    )
+    plan = taifuse.bench.QUICK if args.quick else taifuse.bench.GOALS
     result = taifuse.bench.run(
         cases=chosen,
         plan=plan,

@@ -112,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     cases = load_cases(["optim"], quick=args.quick, compare_torch=True)
-    plan = (
-        taifuse.bench.QUICK if args.quick else taifuse.bench.Plan(processes=5, blocks=12, roofline_samples=10)
-    )
+    plan = taifuse.bench.QUICK if args.quick else taifuse.bench.GOALS
     result = taifuse.bench.run(
         cases=cases,
         plan=plan,

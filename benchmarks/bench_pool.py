@@ -102,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     steady = pool_suite.steady_state(args.steps)
     cases = load_cases(["pool"], quick=args.quick)
-    plan = (
-        taifuse.bench.QUICK if args.quick else taifuse.bench.Plan(processes=5, blocks=12, roofline_samples=10)
-    )
+    plan = taifuse.bench.QUICK if args.quick else taifuse.bench.GOALS
     result = taifuse.bench.run(
         cases=cases,
         plan=plan,

@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     taifuse.set_backend(args.backend)
     cases = [c for c in load_cases(["training"], quick=args.quick, compare_torch=True) if c.id == STEP_CASE]
-    plan = (
-        taifuse.bench.QUICK if args.quick else taifuse.bench.Plan(processes=5, blocks=12, roofline_samples=10)
-    )
+    plan = taifuse.bench.QUICK if args.quick else taifuse.bench.GOALS
     command = "python benchmarks/bench_training.py" + (" --quick" if args.quick else "")
     if args.backend != "numba":
         command += f" --backend {args.backend}"

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from taifuse.bench.case import Case, Variant
-from taifuse.bench.harness import FULL, QUICK, Plan
+from taifuse.bench.harness import FULL, GOALS, QUICK, Plan
 
-__all__ = ["FULL", "QUICK", "Case", "Plan", "Variant", "run"]
+__all__ = ["FULL", "GOALS", "QUICK", "Case", "Plan", "Variant", "run"]
 
 
 def _active_backend() -> tuple[str, dict]:

@@ -54,6 +54,8 @@ class Plan:
 
 QUICK = Plan(processes=3, blocks=8, roofline_samples=6)
 FULL = Plan(processes=5, blocks=25, roofline_samples=20)
+# The goal scripts in benchmarks/: fewer blocks than FULL, as they run a few cases only.
+GOALS = Plan(processes=5, blocks=12, roofline_samples=10)
 
 
 class WorkerError(RuntimeError):
