@@ -8,10 +8,12 @@ PyTorch's OpenMP pool and NumPy's OpenBLAS threads slow each other and PyTorch's
 ``allclose`` against PyTorch's before anything is timed.
 
 Goal: taifuse no slower than PyTorch, judged on the 95% interval of the speedup (PyTorch's time
-over taifuse's): "met" when the whole interval is at or above ``1 / (1 + threshold)``, the bound
-below which the harness calls the row "slower" (the row's threshold: ``max(5%, A/A spread)``,
-the spread of the isolated A/A control), "not met" when all of it is below, "undecided"
-otherwise. Nothing here forces a pass.
+over taifuse's): "met" when the whole interval is at or above ``1 / (1 + 5%)``, the harness's
+smallest difference it ever calls a slowdown (``taifuse.bench.stats.MIN_EFFECT``), "not met"
+when all of it is below, "undecided" otherwise. The row's own verdict may use a wider threshold
+(the spread of the isolated A/A control, when that is larger); the goal does not: a noisy
+control makes the verdict say "no measurable difference", but it must not turn a step that is
+10% slower into a met goal. Nothing here forces a pass.
 
 Beside the goal, the suite's row that is not the same function: the step's eight matrix products
 alone, on the same shapes and data in NumPy (OpenBLAS), timed like PyTorch in processes of their
@@ -29,7 +31,7 @@ import sys
 
 import taifuse
 import taifuse.bench
-from taifuse.bench import report
+from taifuse.bench import report, stats
 from taifuse.bench.suites import load_cases
 
 STEP_CASE = "training/mlp_step(784-1024-1024-10, gelu, batch=256)"
@@ -49,8 +51,8 @@ def goal(result: dict) -> dict:
             "high": None,
             "detail": "no torch row in this run" if row is None else row["verdict"],
         }
-    # The verdicts' own bound for "slower" (taifuse.bench.stats.verdict): 1 / (1 + threshold).
-    floor = 1.0 / (1.0 + row.get("threshold", result["method"]["threshold"]))
+    # The smallest slowdown the harness ever calls one, whatever the row's (possibly wider) threshold.
+    floor = 1.0 / (1.0 + stats.MIN_EFFECT)
     status = "met" if row["low"] >= floor else "not met" if row["high"] < floor else "undecided"
     times = ""
     if row.get("candidate_ms") and row.get("baseline_ms"):
