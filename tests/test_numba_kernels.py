@@ -17,6 +17,7 @@ numba = pytest.importorskip("numba")
 
 from taifuse.backends import numba_cpu as nb
 from taifuse.backends import reference as ref
+from taifuse.backends._numba_backward import _COL_TILE
 
 DTYPES = (np.float16, np.float32, np.float64)
 # |got - want| <= atol + rtol * |want| against the float64 reference, per storage dtype.
@@ -385,6 +386,31 @@ def test_out_overlapping_the_input(name):
             getattr(ref, name)(x.copy(), want, *args)
             getattr(nb, name)(x, out, *args)
         assert_close(out, want, np.float32, scale=10.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+def test_linear_act_backward_both_paths(dtype, activation, force_path):
+    # The parallel epilogue works in column tiles (NOTE [ Column tiles as spans from 0 ]): two
+    # whole tiles and a partial one. Each gradient matches the reference, and the parallel
+    # result is bitwise the serial one (the same operations, the column sums in the same order).
+    rows, in_features, out_features = 67, 23, 2 * _COL_TILE + 37
+    x = _inputs((rows, in_features), dtype, scale=1.0)
+    w = _inputs((out_features, in_features), dtype, seed=1, scale=0.2)
+    pre = _inputs((rows, out_features), dtype, seed=2, scale=2.0)
+    g = _inputs((rows, out_features), dtype, seed=3, scale=1.0)
+    results = {}
+    for parallel in (False, True):
+        force_path(parallel)
+        grads = (np.empty((rows, in_features), dtype), np.empty_like(w), np.empty(out_features, dtype))
+        nb.linear_act_backward(x, w, pre, g, activation, np.empty(g.shape, dtype), *grads)
+        results[parallel] = grads
+    wide = [a.astype(np.float64) for a in (x, w, pre, g)]
+    want = (np.empty((rows, in_features)), np.empty(w.shape), np.empty(out_features))
+    ref.linear_act_backward(*wide[:3], wide[3], activation, np.empty(g.shape), *want)
+    for serial, par, expected in zip(results[False], results[True], want):
+        np.testing.assert_array_equal(par, serial)
+        assert_close(serial, expected, dtype, scale=100.0)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])
