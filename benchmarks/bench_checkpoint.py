@@ -32,13 +32,6 @@ MEMORY_GOAL = 0.70  # at least this fraction lower
 TIME_GOAL = 1.4  # at most this many times the plain step
 
 
-def _judge(low: float, high: float, *, at_least: float | None = None, at_most: float | None = None) -> str:
-    if at_least is not None:
-        return "met" if low >= at_least else "not met" if high < at_least else "undecided"
-    assert at_most is not None
-    return "met" if high <= at_most else "not met" if low > at_most else "undecided"
-
-
 def goals(result: dict) -> list[dict]:
     """The memory and time goals, judged from the rows of a run of the memory suite."""
     rows = {r["id"]: r for r in result["rows"]}
@@ -53,7 +46,7 @@ def goals(result: dict) -> list[dict]:
                 "value": red["median"],
                 "low": red["low"],
                 "high": red["high"],
-                "status": _judge(red["low"], red["high"], at_least=MEMORY_GOAL),
+                "status": report.judge(red["low"], red["high"], at_least=MEMORY_GOAL),
                 "detail": f"plain / checkpointed peak = {mem['value']:.3g} [{mem['low']:.3g}, {mem['high']:.3g}]",
             }
         )
@@ -67,7 +60,7 @@ def goals(result: dict) -> list[dict]:
                 "value": ratio,
                 "low": low,
                 "high": high,
-                "status": _judge(low, high, at_most=TIME_GOAL),
+                "status": report.judge(low, high, at_most=TIME_GOAL),
                 "detail": f"checkpointed time / plain time; verdict of the row: {step['verdict']}",
             }
         )

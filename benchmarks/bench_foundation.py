@@ -31,13 +31,6 @@ GELU_CASE = "elementwise/gelu(approximate='tanh')"
 LINEAR_CASE = "linear/linear(activation='gelu')"
 
 
-def _judge(low: float, high: float, *, at_least: float | None = None, at_most: float | None = None) -> str:
-    if at_least is not None:
-        return "met" if low >= at_least else "not met" if high < at_least else "undecided"
-    assert at_most is not None
-    return "met" if high <= at_most else "not met" if low > at_most else "undecided"
-
-
 def _pick(cases, case_id: str, labels: set[str]):
     case = next(c for c in cases if c.id == case_id)
     return dataclasses.replace(case, baselines=tuple(b for b in case.baselines if b.label in labels))
@@ -79,7 +72,7 @@ def goals(result: dict) -> list[dict]:
             gelu_torch["value"],
             gelu_torch["low"],
             gelu_torch["high"],
-            _judge(gelu_torch["low"], gelu_torch["high"], at_least=5.0),
+            report.judge(gelu_torch["low"], gelu_torch["high"], at_least=5.0),
             f"verdict: {gelu_torch['verdict']}",
         )
     else:
@@ -94,7 +87,7 @@ def goals(result: dict) -> list[dict]:
             frac,
             low,
             high,
-            _judge(low, high, at_least=0.60),
+            report.judge(low, high, at_least=0.60),
             f"{moved / t['median']:.3g} GB/s against {copy['value']:.3g} GB/s copy ({copy['size']}, "
             f"{copy['cache_level']}); against a same-size np.copyto on every CPU: {gelu_copy['value']:.2f} "
             f"[{gelu_copy['low']:.2f}, {gelu_copy['high']:.2f}] of its rate",
@@ -106,7 +99,7 @@ def goals(result: dict) -> list[dict]:
             ratio,
             low,
             high,
-            _judge(low, high, at_most=1.10),
+            report.judge(low, high, at_most=1.10),
             "time ratio = 1 / speedup",
         )
     if lin_torch["value"] is not None:

@@ -29,10 +29,6 @@ LARGE = "10x(1000, 512)"
 SMALL = "200x(64, 64)"
 
 
-def _judge(low: float, high: float, at_least: float) -> str:
-    return "met" if low >= at_least else "not met" if high < at_least else "undecided"
-
-
 def goals(result: dict) -> list[dict]:
     """The speed and bandwidth goals of AdamW and Lion, judged from a run's rows."""
     rows = {r["id"]: r for r in result["rows"]}
@@ -59,7 +55,7 @@ def goals(result: dict) -> list[dict]:
                 "value": row["value"],
                 "low": row["low"],
                 "high": row["high"],
-                "status": _judge(row["low"], row["high"], 1.0),
+                "status": report.judge(row["low"], row["high"], at_least=1.0),
                 "detail": f"speedup, verdict: {row['verdict']}",
             }
         )
@@ -81,7 +77,7 @@ def goals(result: dict) -> list[dict]:
                     "value": frac,
                     "low": low,
                     "high": high,
-                    "status": _judge(low, high, 0.75),
+                    "status": report.judge(low, high, at_least=0.75),
                     "detail": f"{moved / t['median']:.3g} GB/s against {copy['value']:.3g} GB/s copy "
                     f"({copy['size']}, {copy['cache_level']})",
                 }

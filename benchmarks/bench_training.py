@@ -53,7 +53,7 @@ def goal(result: dict) -> dict:
         }
     # The smallest slowdown the harness ever calls one, whatever the row's (possibly wider) threshold.
     floor = 1.0 / (1.0 + stats.MIN_EFFECT)
-    status = "met" if row["low"] >= floor else "not met" if row["high"] < floor else "undecided"
+    status = report.judge(row["low"], row["high"], at_least=floor)
     times = ""
     if row.get("candidate_ms") and row.get("baseline_ms"):
         times = f"; taifuse {row['candidate_ms']['median']:.1f} ms, torch {row['baseline_ms']['median']:.1f} ms per step"

@@ -269,3 +269,19 @@ def test_memory_rows_from_synthetic_processes():
     assert rows[f"{case.id}/{checkpointed}"]["value"] == pytest.approx(51.0)
     pair = rows[f"{case.id}/{checkpointed} vs {plain}"]
     assert pair["low"] <= 151.0 / 51.0 <= pair["high"] and pair["verdict"] == "less memory"
+
+
+def test_goal_judgement_on_an_interval():
+    # The goal scripts' one rule: met when the whole interval satisfies the bound, not met when
+    # none of it does, undecided when it straddles; the bound itself counts as satisfied.
+    from taifuse.bench.report import judge
+
+    assert judge(1.0, 1.2, at_least=1.0) == "met"
+    assert judge(0.8, 0.99, at_least=1.0) == "not met"
+    assert judge(0.9, 1.1, at_least=1.0) == "undecided"
+    assert judge(1.0, 1.1, at_most=1.1) == "met"
+    assert judge(1.11, 1.3, at_most=1.1) == "not met"
+    assert judge(1.05, 1.15, at_most=1.1) == "undecided"
+    for bounds in ({}, {"at_least": 1.0, "at_most": 2.0}):
+        with pytest.raises(ValueError, match="exactly one"):
+            judge(0.9, 1.1, **bounds)

@@ -418,6 +418,16 @@ def run_line(result: dict) -> str:
     )
 
 
+def judge(low: float, high: float, *, at_least: float | None = None, at_most: float | None = None) -> str:
+    """A goal's status from a 95% interval: "met" when all of ``[low, high]`` satisfies the bound
+    (``at_least`` or ``at_most``, exactly one), "not met" when none of it does, else "undecided"."""
+    if (at_least is None) == (at_most is None):
+        raise ValueError("judge: pass exactly one of at_least and at_most")
+    if at_least is not None:
+        return "met" if low >= at_least else "not met" if high < at_least else "undecided"
+    return "met" if high <= at_most else "not met" if low > at_most else "undecided"
+
+
 def goal_line(goal: dict) -> str:
     """``status  goal: value [low, high]  (detail)`` for a goal judged from a run's rows
     (the benchmark scripts in ``benchmarks/``); ``value``, ``low`` and ``high`` may be None."""
