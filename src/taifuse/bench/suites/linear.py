@@ -120,7 +120,81 @@ def _case(activation: str, compare_torch: bool) -> Case:
     )
 
 
+# The backward case: (N, K) -> (N, M) with N x M = 4M, where the epilogue runs parallel
+# (NOTE [ Serial epilogue between BLAS calls ] in numba_cpu).
+BWD_BATCH, BWD_IN, BWD_OUT = 4096, 768, 1024
+
+
+def _backward_inputs(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    scale = np.float32(1.0 / math.sqrt(BWD_IN))
+    return {
+        "x": rng.standard_normal((BWD_BATCH, BWD_IN), dtype=np.float32),
+        "w": rng.standard_normal((BWD_OUT, BWD_IN), dtype=np.float32) * scale,
+        "pre": rng.standard_normal((BWD_BATCH, BWD_OUT), dtype=np.float32),
+        "g": rng.standard_normal((BWD_BATCH, BWD_OUT), dtype=np.float32) / BWD_BATCH,
+    }
+
+
+_BWD_SETUP = (
+    f"rng = np.random.default_rng(seed); x = rng.standard_normal(({BWD_BATCH}, {BWD_IN})); "
+    f"w = rng.standard_normal(({BWD_OUT}, {BWD_IN})) / sqrt({BWD_IN}); "
+    f"pre = rng.standard_normal(({BWD_BATCH}, {BWD_OUT})); "
+    f"g = rng.standard_normal(({BWD_BATCH}, {BWD_OUT})) / {BWD_BATCH}; all float32"
+)
+
+_BWD_BUFFERS = "gp = np.empty_like(g)\ngx = np.empty_like(x)\ngw = np.empty_like(w)\ngb = np.empty(w.shape[0], np.float32)"
+
+
+def _backward_case(compare_torch: bool) -> Case:
+    baselines = [
+        Variant(
+            "bare products",
+            "np.matmul(g, w, out=gx)\nnp.matmul(g.T, x, out=gw)",
+            result="gw",
+            prepare=_BWD_BUFFERS,
+            same_result=False,
+            note="not the same function: the backward's two BLAS products alone, its lower bound",
+        )
+    ]
+    if compare_torch:
+        baselines.append(
+            Variant(
+                "torch",
+                "gp = torch.ops.aten.gelu_backward(gt, pret)\ngx = gp @ wt\ngw = gp.T @ xt\ngb = gp.sum(0)",
+                result="gw",
+                prepare="xt, wt, pret, gt = (torch.from_numpy(v) for v in (x, w, pre, g))",
+                imports=_TORCH,
+                note="what PyTorch's autograd runs for gelu(linear(x)): aten gelu_backward, two "
+                "products and the bias sum",
+                isolated=True,
+            )
+        )
+    return Case(
+        suite=SUITE,
+        name="linear backward(activation='gelu')",
+        setup=_backward_inputs,
+        setup_code=_BWD_SETUP,
+        candidate=Variant(
+            "taifuse",
+            "kernels.linear_act_backward(x, w, pre, g, 'gelu', gp, gx, gw, gb)",
+            result="gw",
+            prepare="kernels = backends.active()\n" + _BWD_BUFFERS,
+            imports=("numpy as np", "taifuse.backends as backends"),
+            note="the active backend's fused backward kernel, as autograd's Linear calls it",
+        ),
+        baselines=tuple(baselines),
+        dtype="float32",
+        shape=f"x ({BWD_BATCH}, {BWD_IN}), w ({BWD_OUT}, {BWD_IN}), grad_out ({BWD_BATCH}, {BWD_OUT})",
+        bytes_moved=4 * (2 * BWD_BATCH * BWD_IN + 2 * BWD_OUT * BWD_IN + 3 * BWD_BATCH * BWD_OUT + BWD_OUT),
+        flops=2 * 2 * BWD_BATCH * BWD_IN * BWD_OUT,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
 def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
-    """GELU (exact) in quick mode; GELU-tanh and ReLU epilogues as well in the full run."""
+    """GELU (exact) forward and backward in quick mode; GELU-tanh and ReLU forward epilogues as
+    well in the full run."""
     activations = ("gelu",) if quick else ("gelu", "gelu_tanh", "relu")
-    return [_case(a, compare_torch) for a in activations]
+    return [_case(a, compare_torch) for a in activations] + [_backward_case(compare_torch)]

@@ -1,0 +1,59 @@
+"""The linear benchmark suite's backward case: registered in both modes, and its candidate computes
+the weight gradient the NumPy reference does (and PyTorch's, when installed) on the case's inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import taifuse
+from taifuse.backends import reference
+from taifuse.bench.case import check_outputs
+from taifuse.bench.suites import linear, load_cases
+
+BACKWARD = "linear/linear backward(activation='gelu')"
+
+
+@pytest.fixture
+def numba_backend():
+    previous = taifuse.get_backend()
+    taifuse.set_backend("numba")
+    yield
+    taifuse.set_backend(previous)
+
+
+def _backward_case(compare_torch: bool = False):
+    (case,) = [c for c in load_cases(["linear"], quick=True, compare_torch=compare_torch) if c.id == BACKWARD]
+    return case
+
+
+def test_backward_case_in_both_modes_at_the_parallel_size():
+    for quick in (False, True):
+        assert BACKWARD in {c.id for c in load_cases(["linear"], quick=quick)}
+    # N x M at the size where the epilogue goes parallel.
+    from taifuse.backends import numba_cpu
+
+    assert linear.BWD_BATCH * linear.BWD_OUT >= numba_cpu._EPILOGUE_PARALLEL_MIN
+
+
+def test_backward_candidate_matches_the_reference(numba_backend):
+    case = _backward_case()
+    inputs = case.setup(0)
+    got = case.candidate.build(inputs)()
+    x, w, pre, g = (inputs[k].astype(np.float64) for k in ("x", "w", "pre", "g"))
+    want = np.empty(w.shape)
+    reference.linear_act_backward(x, w, pre, g, "gelu", np.empty(g.shape), None, want, None)
+    check = check_outputs(want.astype(np.float32), got, case.rtol, case.atol)
+    assert check["ok"], check
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_backward_candidate_matches_torch(numba_backend):
+    case = _backward_case(compare_torch=True)
+    inputs = case.setup(0)
+    check = check_outputs(
+        case.variant("torch").build(inputs)(), case.candidate.build(inputs)(), case.rtol, case.atol
+    )
+    assert check["ok"], check
