@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -10,9 +10,11 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 _CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+UNKNOWN_LEVEL = "unknown (no cache sizes)"
 _THREAD_VARS = (
     "OMP_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
@@ -34,6 +36,7 @@ FINGERPRINT_KEYS = (
     "python",
     "numpy",
     "blas",
+    "blas_kernel",
     "numba",
     "taichi",
     "torch",
@@ -50,22 +53,33 @@ def _parse_size(text: str) -> int:
     return int(text)
 
 
-def cpu_caches() -> list[dict]:
-    """Data/unified caches of CPU 0 from sysfs (empty where sysfs does not say): level, type, bytes."""
+def _cpu_count(cpu_list: str) -> int | None:
+    """CPUs in a sysfs list such as ``"0-3,8-11"`` (None if it does not parse)."""
+    count = 0
+    try:
+        for part in cpu_list.split(","):
+            lo, _, hi = part.partition("-")
+            count += int(hi or lo) - int(lo) + 1
+    except ValueError:
+        return None
+    return count or None
+
+
+def _sysfs_caches() -> list[dict]:
     caches = []
-    if not _CACHE_DIR.is_dir():
-        return caches
     for index in sorted(_CACHE_DIR.glob("index*")):
         try:
             kind = (index / "type").read_text().strip()
             if kind == "Instruction":
                 continue
+            shared = (index / "shared_cpu_list").read_text().strip()
             caches.append(
                 {
                     "level": int((index / "level").read_text()),
                     "type": kind,
                     "bytes": _parse_size((index / "size").read_text()),
-                    "shared_cpu_list": (index / "shared_cpu_list").read_text().strip(),
+                    "shared_cpu_list": shared,
+                    "shared_cpus": _cpu_count(shared),
                 }
             )
         except (OSError, ValueError):
@@ -73,21 +87,73 @@ def cpu_caches() -> list[dict]:
     return caches
 
 
+def _sysctl(name: str) -> int | None:
+    try:
+        done = subprocess.run(["sysctl", "-n", name], check=False, capture_output=True, text=True, timeout=5)
+        return int(done.stdout.strip()) if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def _sysctl_caches() -> list[dict]:
+    """macOS: the performance cores' caches (``hw.perflevel0.*``), else the ``hw.*`` totals."""
+    cpus = _sysctl("hw.perflevel0.logicalcpu") or _sysctl("hw.logicalcpu") or 1
+    caches = []
+    for level, key in ((1, "l1dcachesize"), (2, "l2cachesize"), (3, "l3cachesize")):
+        size = _sysctl(f"hw.perflevel0.{key}") or _sysctl(f"hw.{key}")
+        if not size:
+            continue
+        shared = {1: 1, 2: _sysctl("hw.perflevel0.cpusperl2") or cpus}.get(level, cpus)
+        caches.append({"level": level, "type": "Data" if level == 1 else "Unified", "bytes": size,
+                       "shared_cpu_list": "", "shared_cpus": shared})
+    return caches
+
+
+def cpu_caches() -> list[dict]:
+    """Data/unified caches of CPU 0: level, type, bytes and how many CPUs share each.
+
+    From sysfs on Linux, ``sysctl`` on macOS; empty where neither says.
+    """
+    if _CACHE_DIR.is_dir():
+        return _sysfs_caches()
+    if sys.platform == "darwin":
+        return _sysctl_caches()
+    return []
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cache_capacity(cache: dict, cpus: int | None = None) -> int:
+    """Bytes of one cache level that ``cpus`` threads can use together: a private L2 per core
+    adds up over the cores a multi-threaded kernel runs on; a shared L3 counts once."""
+    cpus = usable_cpus() if cpus is None else cpus
+    shared = cache.get("shared_cpus") or cpus  # unknown sharing: assume one instance
+    return cache["bytes"] * max(1, -(-cpus // shared))
+
+
 def largest_cache_bytes(caches: list[dict] | None = None) -> int | None:
+    """Nominal size of the largest cache (the last level), None if unknown."""
     caches = cpu_caches() if caches is None else caches
     return max((c["bytes"] for c in caches), default=None)
 
 
-def cache_level(working_set_bytes: int, caches: list[dict] | None = None) -> str:
+def cache_level(working_set_bytes: int, caches: list[dict] | None = None, cpus: int | None = None) -> str:
     """Where a working set of this many bytes lives: ``"L1"``, ``"L2"``, ``"L3"`` or ``"DRAM"``.
 
-    Judged against the nominal sizes (a shared L3 on a busy or virtual machine holds less).
+    Judged against the nominal sizes added up over the ``cpus`` threads a kernel runs on
+    (:func:`cache_capacity`; a shared L3 on a busy or virtual machine holds less). The roofline
+    sizes its ceilings with this same function, so a row and its ceiling agree on the level.
     """
     caches = cpu_caches() if caches is None else caches
     if not caches:
-        return "unknown (no cache sizes)"
+        return UNKNOWN_LEVEL
     for cache in sorted(caches, key=lambda c: c["level"]):
-        if working_set_bytes <= cache["bytes"]:
+        if working_set_bytes <= cache_capacity(cache, cpus):
             return f"L{cache['level']}"
     return "DRAM"
 
@@ -122,27 +188,135 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def blas_threads() -> int | None:
-    """Threads of the OpenBLAS that NumPy loaded, asked through its C API (None if not found)."""
+# NOTE [ BLAS through threadpoolctl ]
+# Which BLAS NumPy runs, its kernel and its threads come from threadpoolctl, which asks each
+# loaded library through its own API (on Linux and macOS alike). The kernel matters as much as the
+# version: OpenBLAS picks one per CPU at load time unless OPENBLAS_CORETYPE forces one, and on
+# the project's machines that variable makes sgemm run at half the rate a user's machine would
+# see (FACTS.md, "BLAS and peers"). So the run records every OPENBLAS_* variable, and when one is
+# set, probes once, in a subprocess with them unset, which kernel the library picks by itself.
+# The variables are only read here, never changed.
+
+
+def _threadpool_info() -> list[dict] | None:
+    """threadpoolctl's view of this process's native thread pools; None without threadpoolctl."""
     try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
+        import threadpoolctl
+    except ImportError:
         return None
-    paths = {line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and ".so" in line}
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for symbol in (
-            "scipy_openblas_get_num_threads64_",
-            "openblas_get_num_threads64_",
-            "openblas_get_num_threads",
-        ):
-            fn = getattr(lib, symbol, None)
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                return int(fn())
+    return threadpoolctl.threadpool_info()
+
+
+def blas_libraries(info: list[dict] | None = None) -> list[dict] | None:
+    """The BLAS libraries loaded in this process (NOTE [ BLAS through threadpoolctl ]).
+
+    Args:
+        info: ``threadpoolctl.threadpool_info()`` output; read from this process when None.
+
+    Returns one dict per BLAS library (``library``, ``version``, ``kernel`` -- threadpoolctl's
+    ``architecture`` --, ``threads``, ``threading_layer``, ``file``), or None when threadpoolctl
+    is not installed.
+    """
+    info = _threadpool_info() if info is None else info
+    if info is None:
+        return None
+    return [
+        {
+            "library": lib.get("internal_api"),
+            "version": lib.get("version"),
+            "kernel": lib.get("architecture"),
+            "threads": lib.get("num_threads"),
+            "threading_layer": lib.get("threading_layer"),
+            "file": Path(lib["filepath"]).name if lib.get("filepath") else None,
+        }
+        for lib in info
+        if lib.get("user_api") == "blas"
+    ]
+
+
+def numpy_blas(libraries: list[dict] | None) -> dict | None:
+    """NumPy's own BLAS among ``libraries``: the one named in NumPy's build config, else the first.
+
+    PyTorch brings its own BLAS (MKL) into a process that imports it; NumPy's is the one the
+    NumPy baselines and taifuse's CPU products call.
+    """
+    if not libraries:
+        return None
+    name = str(_blas_info().get("blas", {}).get("name", "")).lower()
+    for lib in libraries:
+        if lib["library"] and lib["library"] in name:
+            return lib
+    return libraries[0]
+
+
+def blas_threads() -> int | None:
+    """Threads of NumPy's BLAS, asked through threadpoolctl (None if threadpoolctl cannot tell)."""
+    lib = numpy_blas(blas_libraries())
+    return lib["threads"] if lib else None
+
+
+def blas_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every ``OPENBLAS_*`` variable of ``environ`` (this process's environment by default)."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in sorted(environ) if k.startswith("OPENBLAS_")}
+
+
+_PROBE = "import json, numpy, threadpoolctl; print(json.dumps(threadpoolctl.threadpool_info()))"
+
+
+@functools.cache
+def _probe_without(names: tuple[str, ...]) -> tuple[list[dict] | None, str | None]:
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=env, check=False, capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"the probe did not run ({exc})"
+    if done.returncode != 0:
+        return None, f"the probe exited {done.returncode}"
+    try:
+        return blas_libraries(json.loads(done.stdout.strip().splitlines()[-1])), None
+    except (ValueError, IndexError):
+        return None, "the probe printed no threadpool_info"
+
+
+def default_blas(environ: Mapping[str, str] | None = None) -> dict:
+    """What the BLAS libraries do with every ``OPENBLAS_*`` variable unset: probed once per process
+    in a subprocess (cached), and only when one is set.
+
+    Returns ``{"unset": [names], "libraries": [...] or None, "error": str or None}``.
+    """
+    names = tuple(blas_environment(environ))
+    if not names:
+        return {"unset": [], "libraries": None, "error": None}
+    libraries, error = _probe_without(names)
+    return {"unset": list(names), "libraries": libraries, "error": error}
+
+
+def blas_note(libraries: list[dict] | None, blas_env: dict[str, str], default: dict) -> str | None:
+    """One sentence for the top of the report when an ``OPENBLAS_*`` variable forces a kernel other
+    than the one OpenBLAS picks by itself (or when the library could not start without it)."""
+    if not blas_env or not libraries:
+        return None
+    forcing = {k: v for k, v in blas_env.items() if k == "OPENBLAS_CORETYPE"} or blas_env
+    setting = ", ".join(f"{k}={v}" for k, v in forcing.items())
+    without = "without it" if len(forcing) == 1 else "without them"
+    own = [lib for lib in libraries if lib["library"] == "openblas"]
+    if own and default.get("error"):
+        return (
+            f"{setting} is set, and OpenBLAS's own choice of kernel could not be probed here ({default['error']} "
+            f"with {', '.join(default['unset'])} unset): this run measures its {own[0]['kernel']} kernel."
+        )
+    by_file = {lib["file"]: lib for lib in default.get("libraries") or []}
+    for lib in own:
+        free = by_file.get(lib["file"])
+        if free is not None and free["kernel"] != lib["kernel"]:
+            return (
+                f"{setting} forces OpenBLAS's {lib['kernel']} kernel; {without} this machine runs "
+                f"{free['kernel']}. Rows that call NumPy's BLAS measure the {lib['kernel']} kernel, which "
+                "a machine without the variable does not run."
+            )
     return None
 
 
@@ -182,6 +356,7 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+@functools.cache
 def _blas_info() -> dict:
     import numpy as np
 
@@ -213,6 +388,10 @@ def collect(
     threads = worker_threads or thread_settings()
     memory = _memory_bytes()
     blas = _blas_info()
+    libraries = blas_libraries()
+    numpy_lib = numpy_blas(libraries)
+    blas_env = blas_environment()
+    default = default_blas()
     blas_name = blas.get("blas", {}).get("name", "unknown")
     blas_version = blas.get("blas", {}).get("version", "")
     commit = _git("rev-parse", "HEAD")
@@ -220,7 +399,7 @@ def collect(
     env = {
         "cpu_model": _cpu_model(),
         "logical_cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus_usable": usable_cpus(),
         "caches": [{k: c[k] for k in ("level", "type", "bytes")} for c in caches],
         "memory_bytes": memory,
         "memory_gib": round(memory / 1024**3) if memory else None,
@@ -233,6 +412,14 @@ def collect(
         "numpy": np.__version__,
         "blas": f"{blas_name} {blas_version}".strip(),
         "numpy_config": blas,
+        # NOTE [ BLAS through threadpoolctl ]
+        "blas_libraries": (
+            libraries if libraries is not None else "unknown (threadpoolctl is not installed: pip install 'taifuse[bench]')"
+        ),
+        "blas_kernel": numpy_lib["kernel"] if numpy_lib else None,
+        "blas_env": blas_env,
+        "blas_default": default,
+        "blas_note": blas_note(libraries, blas_env, default),
         "numba": _version("numba"),
         "taichi": _version("taichi"),
         "torch": _version("torch"),

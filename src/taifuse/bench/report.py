@@ -108,16 +108,7 @@ def markdown(result: dict) -> str:
         ),
         "",
     ]
-    load = (env.get("load_average") or {}).get("before")
-    cpus = env.get("cpus_usable") or 1
-    if load and load[0] > 0.5 * cpus:
-        lines += [
-            (
-                f"**Warning:** the 1-minute load average was {load[0]} on {cpus} CPUs when the run started: "
-                "other work shared the machine, which skews these timings."
-            ),
-            "",
-        ]
+    lines += _warnings(env)
     number = {row["id"]: i + 1 for i, row in enumerate(rows)}
     roof = [r for r in rows if r["kind"] == "roofline"]
     if roof:
@@ -213,6 +204,49 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _warnings(env: dict) -> list[str]:
+    """What a reader must know before the tables: a busy machine, a BLAS kernel forced by a variable."""
+    lines = []
+    load = (env.get("load_average") or {}).get("before")
+    cpus = env.get("cpus_usable") or 1
+    if load and load[0] > 0.5 * cpus:
+        lines += [
+            (
+                f"**Warning:** the 1-minute load average was {load[0]} on {cpus} CPUs when the run started: "
+                "other work shared the machine, which skews these timings."
+            ),
+            "",
+        ]
+    if env.get("blas_note"):
+        lines += [f"**BLAS:** {env['blas_note']}", ""]
+    return lines
+
+
+def _blas_rows(env: dict) -> list[tuple[str, str]]:
+    libraries = env.get("blas_libraries")
+    if isinstance(libraries, list):
+        runtime = "; ".join(
+            f"{lib['library']} {lib['version']} ({lib['file']}): kernel {lib['kernel']}, "
+            f"{lib['threads']} threads ({lib['threading_layer']})"
+            for lib in libraries
+        ) or "none loaded that threadpoolctl recognises"
+    else:
+        runtime = str(libraries)
+    blas_env = env.get("blas_env") or {}
+    default = env.get("blas_default") or {}
+    if default.get("libraries"):
+        own = ", ".join(f"{lib['library']} {lib['kernel']}" for lib in default["libraries"])
+        unset = f"; with {', '.join(default['unset'])} unset: {own}"
+    elif default.get("error"):
+        unset = f"; with {', '.join(default['unset'])} unset: {default['error']}"
+    else:
+        unset = ""
+    return [
+        ("BLAS at run time (threadpoolctl)", runtime),
+        ("OPENBLAS_* variables", (", ".join(f"{k}={v}" for k, v in blas_env.items()) or "none set") + unset),
+    ]
+
+
 def _case_details(r: dict) -> list[str]:
     return [
         f"#### {r['case']}",
@@ -306,7 +340,8 @@ def _env_rows(env: dict) -> list[tuple[str, str]]:
         ("OS / kernel", f"{env.get('os')} / {env.get('kernel')}"),
         ("Python", f"{env.get('python')} ({env.get('python_implementation')})"),
         ("NumPy", env.get("numpy")),
-        ("NumPy BLAS", env.get("blas")),
+        ("NumPy BLAS (build)", env.get("blas")),
+        *_blas_rows(env),
         ("numba", env.get("numba")),
         ("taichi", env.get("taichi")),
         ("torch", env.get("torch")),
@@ -404,6 +439,9 @@ def summary(result: dict) -> str:
         for r in result["rows"]
     ]
     text = _table(table, ["row", "value", "95% CI", "n", "cache", "roofline", "verdict"])
+    note = result.get("environment", {}).get("blas_note")
+    if note:  # above the table, as in BENCHMARKS.md
+        text = f"BLAS: {note}\n\n{text}"
     if result.get("errors"):
         text += "\n" + "\n".join(f"error in {case}: {msg}" for case, msg in result["errors"].items())
     return text
