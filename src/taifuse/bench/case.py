@@ -51,6 +51,13 @@ class Variant:
     def modules(self) -> tuple[str, ...]:
         return tuple(spec.split(" as ")[0].strip() for spec in self.imports)
 
+    @property
+    def peer(self) -> bool:
+        """Whether this is another library's implementation of the same function (NumPy's,
+        PyTorch's): a row against it compares taifuse with a peer. A bound (``same_result=False``)
+        or a variant of taifuse itself (pool off, no finite check) is not one."""
+        return self.same_result and not any(m.split(".")[0] == "taifuse" for m in self.modules)
+
     def available(self) -> bool:
         """Whether every module the variant imports is installed (checked without importing)."""
         for name in self.modules:

@@ -23,6 +23,7 @@ those rows' verdicts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,8 +38,7 @@ import numpy as np
 from taifuse.bench import roofline, stats, timing
 from taifuse.bench.case import Case
 from taifuse.bench.env import cache_level, cpu_caches
-
-NOT_A_COMPARISON = "not a comparison"
+from taifuse.bench.row import NOT_A_COMPARISON, Row, RowHeader
 
 
 @dataclass(frozen=True)
@@ -217,32 +217,33 @@ def _rate_row(
     groups_ns: list[list[float]],
     amount: float,
     unit: str,
-    scale: float,
     code: str,
     size: str,
     level: str,
-) -> dict:
+) -> Row:
     t = stats.estimate(groups_ns)
-    return {
-        "id": row_id,
-        "kind": "roofline",
-        "label": label,
-        "unit": unit,
-        "value": amount / t.median / scale,
-        "low": amount / t.high / scale,
-        "high": amount / t.low / scale,
-        "n_processes": t.n_processes,
-        "n_samples": t.n_samples,
-        "dispersion": t.dispersion,
-        "time_ms": t.median / 1e6,
-        "size": size,
-        "bytes_moved": None,
-        "cache_level": level,
-        "roofline": None,
-        "code": code,
-        "dtype": "float32",
-        "verdict": stats.UNSTABLE if t.dispersion > stats.UNSTABLE_DISPERSION else NOT_A_COMPARISON,
-    }
+    return Row(
+        id=row_id,
+        kind="roofline",
+        label=label,
+        unit=unit,
+        # A rate's interval comes from the time's, upside down: amount / time.
+        value=amount / t.median,
+        low=amount / t.high,
+        high=amount / t.low,
+        n_processes=t.n_processes,
+        n_samples=t.n_samples,
+        dispersion=t.dispersion,
+        verdict=stats.UNSTABLE if t.dispersion > stats.UNSTABLE_DISPERSION else NOT_A_COMPARISON,
+        extra={
+            "time_ms": t.median / 1e6,
+            "size": size,
+            "bytes_moved": None,
+            "cache_level": level,
+            "code": code,
+            "dtype": "float32",
+        },
+    )
 
 
 def roofline_rows(results: list[dict]) -> list[dict]:
@@ -251,14 +252,13 @@ def roofline_rows(results: list[dict]) -> list[dict]:
         return []
     copy, gemm = results[0]["copy"], results[0]["gemm"]
     m, k, n = gemm["shape"]
-    return [
+    rows = [
         _rate_row(
             "roofline/copy",
             "copy bandwidth",
             [r["copy"]["ns"] for r in results],
             copy["bytes_moved"],
             "GB/s",
-            1.0,
             copy["code"],
             f"2 x {copy['array_bytes'] / 2**20:.0f} MiB float32",
             cache_level(copy["array_bytes"] * 2),
@@ -269,12 +269,12 @@ def roofline_rows(results: list[dict]) -> list[dict]:
             [r["gemm"]["ns"] for r in results],
             gemm["flops"],
             "GFLOP/s",
-            1.0,
             gemm["code"],
             f"x ({m}, {k}) @ w ({n}, {k}).T",
             cache_level(4 * (m * k + n * k + m * n)),
         ),
     ]
+    return [r.as_dict() for r in rows]
 
 
 def _ceilings(rows: list[dict]) -> dict[str, float]:
@@ -303,31 +303,18 @@ def _roofline_of(case: Case, time_ns: float, ceilings: dict[str, float]) -> dict
     }
 
 
-def row_header(
-    case: Any, runs: list[dict], *, bytes_moved: int | None, cache: str, tolerance: dict | None
-) -> dict:
-    """The fields every row of a case starts with: what was run, on what, where.
-
-    ``case``: anything with a case's ``suite``, ``name``, ``dtype``, ``shape``, ``seed`` and
-    ``setup_code`` (a :class:`Case`, or the memory suite's cases); ``runs``: its processes'
-    results, whose thread counts and backend the row reports.
-    """
-    threads: dict = {}
-    for run in runs:
-        threads.update(run.get("threads", {}))
+def _sides(case: Case, a: str, b: str) -> dict:
+    """The candidate and baseline fields of a comparison row of ``a`` against ``b``."""
+    base = case.variant(b)
     return {
-        "suite": case.suite,
-        "case": case.name,
-        "dtype": case.dtype,
-        "shape": case.shape,
-        "seed": case.seed,
-        "setup_code": case.setup_code,
-        "size": case.shape,
-        "bytes_moved": bytes_moved,
-        "cache_level": cache,
-        "threads": threads,
-        "backend": runs[0].get("backend") if runs else None,
-        "tolerance": tolerance,
+        "candidate": {"label": a, "code": case.candidate.full_code()},
+        "baseline": {
+            "label": b,
+            "code": base.full_code(),
+            "same_result": base.same_result,
+            "note": base.note,
+            "peer": base.peer,
+        },
     }
 
 
@@ -348,7 +335,7 @@ def case_rows(
     own A/A control row and one row per isolated baseline.
     """
     caches = cpu_caches() if caches is None else caches
-    common = row_header(
+    header = RowHeader.of(
         case,
         runs,
         bytes_moved=case.bytes_moved,
@@ -356,83 +343,54 @@ def case_rows(
         tolerance={"rtol": case.rtol, "atol": case.atol},
     )
     cand = case.candidate
-    rows: list[dict] = []
+    rows: list[Row] = []
     if runs:
         first = stats.estimate([[r["first_call_ns"][cand.label]] for r in runs])
         rows.append(
-            {
-                **common,
-                "id": f"{case.id}/first-call",
-                "kind": "first_call",
-                "label": f"{case.name}: first call",
-                "unit": "ms",
-                "value": first.median / 1e6,
-                "low": first.low / 1e6,
-                "high": first.high / 1e6,
-                "n_processes": first.n_processes,
-                "n_samples": first.n_samples,
-                "dispersion": first.dispersion,
-                "candidate": {"label": cand.label, "code": cand.full_code()},
-                "baseline": None,
-                "roofline": None,
-                "verdict": NOT_A_COMPARISON,
-                "note": "one call in a fresh process: imports, JIT compile or cache load, "
-                "first touch of buffers",
-            }
+            Row(
+                id=f"{case.id}/first-call",
+                kind="first_call",
+                label=f"{case.name}: first call",
+                unit="ms",
+                verdict=NOT_A_COMPARISON,
+                header=header,
+                candidate={"label": cand.label, "code": cand.full_code()},
+                note="one call in a fresh process: imports, JIT compile or cache load, first touch of buffers",
+            ).estimated(first, scale=1e6)
         )
-    pairs = comparisons(case, control)
-    for a, b in pairs:
-        base = case.variant(b)
+    for a, b in comparisons(case, control):
         is_control = a == b
-        row = {
-            **common,
-            "id": f"{case.id}/{'control' if is_control else b}",
-            "kind": "control" if is_control else "compare",
-            "label": f"{case.name}: {a} vs {a} (A/A control)" if is_control else f"{case.name}: {a} vs {b}",
-            "unit": "x speedup",
-            "candidate": {"label": a, "code": cand.full_code()},
-            "baseline": {
-                "label": b,
-                "code": base.full_code(),
-                "same_result": base.same_result,
-                "note": base.note,
-            },
-            "check": None,
-            "roofline": None,
-            "value": None,
-            "low": None,
-            "high": None,
-            "n_processes": 0,
-            "n_samples": 0,
-            "dispersion": None,
-        }
-        checks = [r["checks"].get(b) for r in runs if b in r.get("checks", {})]
-        if checks:
-            row["check"] = checks[0]
+        row = Row(
+            id=f"{case.id}/{'control' if is_control else b}",
+            kind="control" if is_control else "compare",
+            label=f"{case.name}: {a} vs {a} (A/A control)" if is_control else f"{case.name}: {a} vs {b}",
+            unit="x speedup",
+            header=header,
+            **_sides(case, a, b),
+            extra={"check": next((r["checks"][b] for r in runs if b in r.get("checks", {})), None)},
+        )
         if error is not None and not runs:
-            row["verdict"] = f"failed: {error}"
-            rows.append(row)
+            rows.append(dataclasses.replace(row, verdict=f"failed: {error}"))
             continue
         if any(b in r["failed"] for r in runs):
-            row["verdict"] = stats.FAILED
-            rows.append(row)
+            rows.append(dataclasses.replace(row, verdict=stats.FAILED))
             continue
         key = f"{a}|{b}"
         ta = [r["samples"][key]["a"] for r in runs]
         tb = [r["samples"][key]["b"] for r in runs]
         loops = {a: [r["loops"][a] for r in runs], b: [r["loops"][b] for r in runs]}
-        row.update(
-            _timed(case, ta, tb, base.same_result, ceilings, stats.MIN_EFFECT if is_control else limit, loops)
-        )
+        limit_ = stats.MIN_EFFECT if is_control else limit
+        row = _timed(row, case, ta, tb, case.variant(b).same_result, ceilings, limit_, loops)
         if error is not None:
-            row["note"] = f"only {len(runs)} process(es) finished: {error}"
+            row.note = f"only {len(runs)} process(es) finished: {error}"
         rows.append(row)
     if solo:
-        rows.extend(_isolated_rows(case, runs, solo, ceilings, limit, common))
-    return rows
+        rows.extend(_isolated_rows(case, runs, solo, ceilings, limit, header))
+    return [r.as_dict() for r in rows]
 
 
 def _timed(
+    row: Row,
     case: Case,
     ta: list[list[float]],
     tb: list[list[float]],
@@ -440,26 +398,25 @@ def _timed(
     ceilings: dict[str, float],
     limit: float,
     loops: dict[str, list[int]],
-) -> dict:
-    """The measured fields of a comparison row from per-process samples of A and B."""
+) -> Row:
+    """``row`` with the measured fields of a comparison, from per-process samples of A and B."""
     est = stats.speedup(ta, tb)
     cand_t, base_t = stats.estimate(ta), stats.estimate(tb)
-    return {
-        "value": est.median,
-        "low": est.low,
-        "high": est.high,
-        "n_processes": est.n_processes,
-        "n_samples": est.n_samples,
-        "dispersion": est.dispersion,
+    extra = {
+        **row.extra,
         "candidate_ms": {"median": cand_t.median / 1e6, "low": cand_t.low / 1e6, "high": cand_t.high / 1e6},
         "baseline_ms": {"median": base_t.median / 1e6, "low": base_t.low / 1e6, "high": base_t.high / 1e6},
-        "roofline": _roofline_of(case, cand_t.median, ceilings),
         "baseline_roofline": _roofline_of(case, base_t.median, ceilings) if same_result else None,
         "loops": loops,
         "samples": {"ratios": [list(np.asarray(y) / np.asarray(x)) for x, y in zip(ta, tb)]},
         "threshold": limit,  # the smallest difference this row's verdict would call one
-        "verdict": stats.verdict(est, limit),
     }
+    return dataclasses.replace(
+        row.estimated(est),
+        roofline=_roofline_of(case, cand_t.median, ceilings),
+        verdict=stats.verdict(est, limit),
+        extra=extra,
+    )
 
 
 def _isolated_rows(
@@ -468,8 +425,8 @@ def _isolated_rows(
     solo: list[dict[str, dict]],
     ceilings: dict[str, float],
     limit: float,
-    common: dict,
-) -> list[dict]:
+    header: RowHeader,
+) -> list[Row]:
     """The isolated A/A control and one row per isolated baseline (NOTE [ Isolated baselines ])."""
     cand = case.candidate
     method = "isolated processes: each side timed alone in fresh processes, alternating (NOTE [ Isolated baselines ])"
@@ -480,74 +437,63 @@ def _isolated_rows(
     def loops(label: str) -> list[int]:
         return [index[label]["loops"] for index in solo]
 
-    control = _timed(
-        case,
-        samples(cand.label),
-        samples(CANDIDATE_AGAIN),
-        True,
-        ceilings,
-        stats.MIN_EFFECT,
-        {cand.label: loops(cand.label)},
+    control = Row(
+        id=f"{case.id}/control-isolated",
+        kind="control",
+        label=f"{case.name}: {cand.label} vs {cand.label} (A/A control, isolated processes)",
+        unit="x speedup",
+        header=header,
+        candidate={"label": cand.label, "code": cand.full_code()},
+        baseline={
+            "label": cand.label,
+            "code": cand.full_code(),
+            "same_result": True,
+            "note": method,
+            "peer": False,
+        },
+        note=method,
+        extra={"check": None},
     )
     rows = [
-        {
-            **common,
-            "id": f"{case.id}/control-isolated",
-            "kind": "control",
-            "label": f"{case.name}: {cand.label} vs {cand.label} (A/A control, isolated processes)",
-            "unit": "x speedup",
-            "candidate": {"label": cand.label, "code": cand.full_code()},
-            "baseline": {"label": cand.label, "code": cand.full_code(), "same_result": True, "note": method},
-            "check": None,
-            "note": method,
-            **control,
-        }
+        _timed(
+            control,
+            case,
+            samples(cand.label),
+            samples(CANDIDATE_AGAIN),
+            True,
+            ceilings,
+            stats.MIN_EFFECT,
+            {cand.label: loops(cand.label)},
+        )
     ]
     # Cross-process noise is larger than within one process: these rows' own control sets their bar.
     isolated_limit = max(limit, stats.threshold(stats.speedup(samples(cand.label), samples(CANDIDATE_AGAIN))))
     for label in isolated_labels(case):
-        base = case.variant(label)
-        row = {
-            **common,
-            "id": f"{case.id}/{label}",
-            "kind": "compare",
-            "label": f"{case.name}: {cand.label} vs {label} (isolated processes)",
-            "unit": "x speedup",
-            "candidate": {"label": cand.label, "code": cand.full_code()},
-            "baseline": {
-                "label": label,
-                "code": base.full_code(),
-                "same_result": base.same_result,
-                "note": base.note,
-            },
-            "check": next((r["checks"][label] for r in runs if label in r.get("checks", {})), None),
-            "note": method,
-        }
-        if any(label in r["failed"] for r in runs):
-            rows.append(
-                {
-                    **row,
-                    "value": None,
-                    "low": None,
-                    "high": None,
-                    "n_processes": 0,
-                    "n_samples": 0,
-                    "dispersion": None,
-                    "roofline": None,
-                    "verdict": stats.FAILED,
-                }
-            )
-            continue
-        timed = _timed(
-            case,
-            samples(cand.label),
-            samples(label),
-            base.same_result,
-            ceilings,
-            isolated_limit,
-            {cand.label: loops(cand.label), label: loops(label)},
+        row = Row(
+            id=f"{case.id}/{label}",
+            kind="compare",
+            label=f"{case.name}: {cand.label} vs {label} (isolated processes)",
+            unit="x speedup",
+            header=header,
+            **_sides(case, cand.label, label),
+            note=method,
+            extra={"check": next((r["checks"][label] for r in runs if label in r.get("checks", {})), None)},
         )
-        rows.append({**row, **timed})
+        if any(label in r["failed"] for r in runs):
+            rows.append(dataclasses.replace(row, verdict=stats.FAILED))
+            continue
+        rows.append(
+            _timed(
+                row,
+                case,
+                samples(cand.label),
+                samples(label),
+                case.variant(label).same_result,
+                ceilings,
+                isolated_limit,
+                {cand.label: loops(cand.label), label: loops(label)},
+            )
+        )
     return rows
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from taifuse.bench import stats
 from taifuse.bench.case import Case, Variant
-from taifuse.bench.harness import NOT_A_COMPARISON, row_header
+from taifuse.bench.row import NOT_A_COMPARISON, NOT_MEASURED, Row, RowHeader
 
 SUITE = "memory"
 LAYERS, WIDTH, BATCH = 32, 1024, 512
@@ -287,45 +287,31 @@ class MemoryCase:
             by_variant.setdefault(r["variant"], []).append(r)
         rows = [self._variant_row(v, by_variant[v.label], error) for v in self.variants]
         rows += [self._pair_row(a, b, by_variant[a], by_variant[b], error) for a, b in self.pairs]
-        return rows
+        return [r.as_dict() for r in rows]
 
-    def _common(self, runs: list[dict]) -> dict:
+    def _header(self, runs: list[dict]) -> RowHeader:
         # Peak memory has no byte count, roofline or tolerance; the model's arrays live in DRAM.
-        return {**row_header(self, runs, bytes_moved=None, cache="DRAM", tolerance=None), "roofline": None}
+        return RowHeader.of(self, runs, bytes_moved=None, cache="DRAM", tolerance=None)
 
-    def _variant_row(self, v: Variant, runs: list[dict], error: str | None) -> dict:
+    def _variant_row(self, v: Variant, runs: list[dict], error: str | None) -> Row:
         values = [r["rss_peak_bytes"] / MIB for r in runs if r.get("rss_peak_bytes") is not None]
         traced = [r["traced_peak_bytes"] / MIB for r in runs if r.get("traced_peak_bytes") is not None]
         pooled = [r["pool_peak_bytes"] / MIB for r in runs if r.get("pool_peak_bytes") is not None]
         steps = [r["step_ns"] / 1e9 for r in runs]
-        row = {
-            **self._common(runs),
-            "id": f"{self.id}/{v.label}",
-            "kind": "memory",
-            "label": f"{self.name}: {v.label}",
-            "unit": "MiB",
-            "candidate": {"label": v.label, "code": v.full_code()},
-            "baseline": None,
-            "verdict": NOT_A_COMPARISON,
-            "peak_rss_mib": values,
-            "peak_traced_mib": traced,
-            "peak_pool_mib": pooled,
-            "step_s": steps,
-        }
+        row = Row(
+            id=f"{self.id}/{v.label}",
+            kind="memory",
+            label=f"{self.name}: {v.label}",
+            unit="MiB",
+            verdict=NOT_A_COMPARISON,
+            header=self._header(runs),
+            candidate={"label": v.label, "code": v.full_code()},
+            extra={"peak_rss_mib": values, "peak_traced_mib": traced, "peak_pool_mib": pooled, "step_s": steps},
+        )
         if not values and traced:  # no /proc: tracemalloc is the measurement
             values = traced
         if not values:
-            return {
-                **row,
-                "value": None,
-                "low": None,
-                "high": None,
-                "n_processes": 0,
-                "n_samples": 0,
-                "dispersion": None,
-                "verdict": f"failed: {error}" if error else "not measured",
-            }
-        est = stats.estimate([[x] for x in values])
+            return dataclasses.replace(row, verdict=f"failed: {error}" if error else NOT_MEASURED)
         notes = [f"peak RSS above the pre-step level, MiB per process: {_list(values)}"]
         if traced:
             notes.append(f"tracemalloc peak: {_list(traced)}")
@@ -336,41 +322,24 @@ class MemoryCase:
         notes.append(f"the measured step took {_list(steps, 'g')} s (tracemalloc on; not a timing row)")
         if error:
             notes.append(f"only {len(runs)} process(es) finished: {error}")
-        return {
-            **row,
-            "value": est.median,
-            "low": est.low,
-            "high": est.high,
-            "n_processes": est.n_processes,
-            "n_samples": est.n_samples,
-            "dispersion": est.dispersion,
-            "note": "; ".join(notes),
-        }
+        row.note = "; ".join(notes)
+        return row.estimated(stats.estimate([[x] for x in values]))
 
-    def _pair_row(self, a: str, b: str, runs_a: list[dict], runs_b: list[dict], error: str | None) -> dict:
+    def _pair_row(self, a: str, b: str, runs_a: list[dict], runs_b: list[dict], error: str | None) -> Row:
         va, vb = self.variant(a), self.variant(b)
-        row = {
-            **self._common(runs_a + runs_b),
-            "id": f"{self.id}/{a} vs {b}",
-            "kind": "memory_compare",
-            "label": f"{self.name}: {a} vs {b}",
-            "unit": "x less memory",
-            "candidate": {"label": a, "code": va.full_code()},
-            "baseline": {"label": b, "code": vb.full_code(), "same_result": True, "note": vb.note},
-        }
+        row = Row(
+            id=f"{self.id}/{a} vs {b}",
+            kind="memory_compare",
+            label=f"{self.name}: {a} vs {b}",
+            unit="x less memory",
+            header=self._header(runs_a + runs_b),
+            candidate={"label": a, "code": va.full_code()},
+            baseline={"label": b, "code": vb.full_code(), "same_result": True, "note": vb.note, "peer": vb.peer},
+        )
         pa = [r["rss_peak_bytes"] for r in runs_a if r.get("rss_peak_bytes")]
         pb = [r["rss_peak_bytes"] for r in runs_b if r.get("rss_peak_bytes")]
         if not pa or not pb:
-            return {
-                **row,
-                "value": None,
-                "low": None,
-                "high": None,
-                "n_processes": 0,
-                "n_samples": 0,
-                "dispersion": None,
-                "verdict": f"failed: {error}" if error else "not measured",
-            }
+            return dataclasses.replace(row, verdict=f"failed: {error}" if error else NOT_MEASURED)
         n = min(len(pa), len(pb))
         # Process i of each variant ran back to back: pair them, as the timing rows pair A and B.
         ratios = [pb[i] / pa[i] for i in range(n)]
@@ -379,26 +348,17 @@ class MemoryCase:
             stats.verdict(est, stats.MIN_EFFECT), stats.verdict(est, stats.MIN_EFFECT)
         )
         reduction = [1.0 - 1.0 / r for r in ratios]
-        return {
-            **row,
-            "value": est.median,
-            "low": est.low,
-            "high": est.high,
-            "n_processes": est.n_processes,
-            "n_samples": est.n_samples,
-            "dispersion": est.dispersion,
-            "reduction": {
-                "median": 1.0 - 1.0 / est.median,
-                "low": 1.0 - 1.0 / est.low,
-                "high": 1.0 - 1.0 / est.high,
-            },
-            "verdict": verdict,
-            "note": (
-                f"{b} peak / {a} peak, from peak RSS; the peak is "
-                f"{_list([100 * x for x in reduction], '.1f')} % lower per process pair "
-                f"(threshold {stats.MIN_EFFECT:.0%})"
-            ),
+        row.extra["reduction"] = {
+            "median": 1.0 - 1.0 / est.median,
+            "low": 1.0 - 1.0 / est.low,
+            "high": 1.0 - 1.0 / est.high,
         }
+        row.note = (
+            f"{b} peak / {a} peak, from peak RSS; the peak is "
+            f"{_list([100 * x for x in reduction], '.1f')} % lower per process pair "
+            f"(threshold {stats.MIN_EFFECT:.0%})"
+        )
+        return dataclasses.replace(row.estimated(est), verdict=verdict)
 
 
 def _list(values: list[float], fmt: str = ".1f") -> str:
