@@ -616,10 +616,11 @@ def test_load_state_dict_refuses_mismatches_before_changing_anything(grad_backen
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_gradient_changes_nothing(grad_backend, case, bad):
-    """NOTE [ Non-finite gradients ] (optimizer.py): the step raises before writing anything."""
+    """NOTE [ Non-finite gradients ] (optimizer.py): with check_finite=True the step raises before
+    writing anything."""
     init, targets = _problem()
     params = [Parameter(a.copy()) for a in init]
-    opt = case.cls(params, **case.kwargs)
+    opt = case.cls(params, **case.kwargs, check_finite=True)
     for k in range(3):
         for p, t in zip(params, targets):
             p.grad = taifuse.tensor(_grad(p.numpy(), t, k))
@@ -645,6 +646,43 @@ def test_non_finite_gradient_changes_nothing(grad_backend, case, bad):
     touched = [params[2].numpy()] + [np.asarray(v) for v in opt.state_dict()["state"].get(2, {}).values()]
     assert not all(np.isfinite(a).all() for a in touched)
     assert np.isfinite(params[0].numpy()).all()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_default_step_lets_a_nan_gradient_spread_like_torch(grad_backend, case):
+    """check_finite defaults to False, as torch.optim has no check: a NaN gradient raises nothing and
+    reaches the parameters and state exactly where torch.optim puts it (Lion: where its update rule
+    does), while the other parameters step on."""
+    init, targets = _problem()
+    params = [Parameter(a.copy()) for a in init]
+    opt = case.cls(params, **case.kwargs)
+    assert opt.check_finite is False
+    torch = None
+    if case.torch_name and HAS_TORCH:
+        import torch
+
+        tparams = [torch.tensor(a.copy(), requires_grad=True) for a in init]
+        topt = getattr(torch.optim, case.torch_name)(tparams, **_torch_kwargs(case))
+    for k in range(4):
+        for i, (p, t) in enumerate(zip(params, targets)):
+            g = _grad(p.numpy(), t, k)
+            if k == 1 and i == 2:
+                g[1, 2, 0] = np.nan
+            p.grad = taifuse.tensor(g)
+            if torch is not None:
+                tg = _grad(tparams[i].detach().numpy(), t, k)
+                if k == 1 and i == 2:
+                    tg[1, 2, 0] = np.nan
+                tparams[i].grad = torch.from_numpy(tg)
+        opt.step()
+        if torch is not None:
+            topt.step()
+            ours, theirs = _cat(p.numpy() for p in params), _cat(tp.detach().numpy() for tp in tparams)
+            np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs), err_msg=f"step {k + 1}")
+            finite = ~np.isnan(theirs)
+            _assert_close_normwise(ours[finite], theirs[finite], TRAJ_RTOL, f"{case.id} step {k + 1}")
+    assert np.isnan(params[2].numpy()).any()
+    assert all(np.isfinite(p.numpy()).all() for i, p in enumerate(params) if i != 2)
 
 
 # ----------------------------------------------------------------------------- clipping

@@ -19,7 +19,10 @@ class Adam(Optimizer):
         weight_decay: >= 0; L2 (added to the gradient) here, decoupled in :class:`AdamW`.
         amsgrad: use the running maximum of the second moment (Reddi et al., 2018).
         maximize: ascend the objective instead of descending it.
-        check_finite: refuse a step with a NaN or infinite gradient before writing anything.
+        check_finite: when True, refuse a step with a NaN or infinite gradient before writing
+            anything (``ValueError``), at the cost of one more read of every gradient. Default
+            False: a non-finite gradient spreads into the parameters, as in ``torch.optim``
+            (NOTE [ Non-finite gradients ] in ``optimizer.py``).
 
     With :math:`g` the gradient (plus :math:`\lambda p`) and :math:`t` the step:
 
@@ -55,7 +58,7 @@ class Adam(Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         *,
-        check_finite: bool = True,
+        check_finite: bool = False,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -114,6 +117,6 @@ class AdamW(Adam):
         amsgrad: bool = False,
         maximize: bool = False,
         *,
-        check_finite: bool = True,
+        check_finite: bool = False,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, check_finite=check_finite)

@@ -16,7 +16,10 @@ class Lion(Optimizer):
         lr: learning rate, >= 0 (typically 3-10x smaller than AdamW's).
         betas: (beta1, beta2), each in [0, 1): beta1 interpolates the update, beta2 the momentum.
         weight_decay: decoupled decay, >= 0 (typically 3-10x larger than AdamW's).
-        check_finite: refuse a step with a NaN or infinite gradient before writing anything.
+        check_finite: when True, refuse a step with a NaN or infinite gradient before writing
+            anything (``ValueError``), at the cost of one more read of every gradient. Default
+            False: a non-finite gradient spreads into the parameters, as in ``torch.optim``
+            (NOTE [ Non-finite gradients ] in ``optimizer.py``).
 
     .. math::
         c = \beta_1 m + (1 - \beta_1) g, \quad
@@ -46,7 +49,7 @@ class Lion(Optimizer):
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         *,
-        check_finite: bool = True,
+        check_finite: bool = False,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         super().__init__(params, defaults, check_finite=check_finite)

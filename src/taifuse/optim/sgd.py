@@ -19,7 +19,9 @@ class SGD(Optimizer):
         weight_decay: L2 penalty, >= 0 (added to the gradient).
         nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
         maximize: ascend the objective instead of descending it.
-        check_finite: refuse a step with a NaN or infinite gradient before writing anything
+        check_finite: when True, refuse a step with a NaN or infinite gradient before writing
+            anything (``ValueError``), at the cost of one more read of every gradient. Default
+            False: a non-finite gradient spreads into the parameters, as in ``torch.optim``
             (NOTE [ Non-finite gradients ] in ``optimizer.py``).
 
     The update, with :math:`d = \pm g + \lambda p` (minus when maximizing) and buffer :math:`b`:
@@ -54,7 +56,7 @@ class SGD(Optimizer):
         nesterov: bool = False,
         maximize: bool = False,
         *,
-        check_finite: bool = True,
+        check_finite: bool = False,
     ) -> None:
         defaults = {
             "lr": lr,
