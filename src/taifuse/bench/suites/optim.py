@@ -45,7 +45,7 @@ def _inputs(seed: int, count: int, shape: tuple[int, int]) -> dict:
 
 
 def _taifuse(label: str, constructor: str, check_finite: bool, note: str = "") -> Variant:
-    extra = "" if check_finite else ", check_finite=False"
+    extra = f", check_finite={check_finite}"  # explicit: the default is False (torch.optim)
     prepare = f"""
 ps = [nn.Parameter(p) for p in params]
 opt = {constructor.format(extra=extra)}
