@@ -710,6 +710,33 @@ def test_clip_grad_norm_matches_torch(grad_backend, norm_type, max_norm):
         np.testing.assert_allclose(p.grad.numpy(), tp.grad.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@needs_torch
+@pytest.mark.parametrize("norm_type", [float("inf"), 2.0, 1.0])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_clip_grad_norm_sees_a_non_finite_value_in_any_parameter_like_torch(grad_backend, norm_type, bad):
+    """The non-finite value sits in the second parameter: the inf-norm's max must not drop it (a
+    NaN compared with ``>`` loses to any number)."""
+    import torch
+
+    grads = [np.array([1.0, 0.5], np.float32), np.array([bad, 0.0], np.float32)]
+    params = [taifuse.tensor(np.zeros(2, np.float32), requires_grad=True) for _ in grads]
+    tparams = [torch.zeros(2, requires_grad=True) for _ in grads]
+    for p, tp, g in zip(params, tparams, grads):
+        p.grad = taifuse.tensor(g)
+        tp.grad = torch.from_numpy(g.copy())
+    with pytest.raises(RuntimeError):
+        torch.nn.utils.clip_grad_norm_(tparams, 1.0, norm_type=norm_type, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        optim.clip_grad_norm_(params, 1.0, norm_type=norm_type, error_if_nonfinite=True)
+    for p, g in zip(params, grads):
+        np.testing.assert_array_equal(p.grad.numpy(), g)
+    total = optim.clip_grad_norm_(params, 1.0, norm_type=norm_type)
+    ttotal = torch.nn.utils.clip_grad_norm_(tparams, 1.0, norm_type=norm_type)
+    np.testing.assert_array_equal(total.numpy(), ttotal.numpy())
+    for p, tp in zip(params, tparams):
+        np.testing.assert_array_equal(p.grad.numpy(), tp.grad.numpy())
+
+
 def test_clip_grad_norm_bad_input(grad_backend):
     p = taifuse.tensor(np.zeros(2, np.float32), requires_grad=True)
     p.grad = taifuse.tensor(np.array([np.inf, 1.0], np.float32))

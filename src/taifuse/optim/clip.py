@@ -58,7 +58,9 @@ def clip_grad_norm_(
     # Per-gradient norms in float64 on the host (the gradients are host arrays on numpy/numba).
     hosts = [np.asarray(be.to_numpy(g._data), dtype=np.float64).reshape(-1) for g in grads]
     if math.isinf(norm_type):
-        total = max(float(np.max(np.abs(h))) if h.size else 0.0 for h in hosts)
+        # np.max, not Python's max(): Python's keeps a NaN only when it comes first (every
+        # comparison with NaN is False), and a NaN anywhere must make the norm NaN, as in PyTorch.
+        total = float(np.max([np.max(np.abs(h)) if h.size else 0.0 for h in hosts]))
     else:
         total = float(sum(float(np.sum(np.abs(h) ** norm_type)) for h in hosts) ** (1.0 / norm_type))
     if error_if_nonfinite and not math.isfinite(total):
@@ -68,11 +70,13 @@ def clip_grad_norm_(
         )
     coef = float(max_norm) / (total + 1e-6)
     coef = coef if (coef < 1.0 or math.isnan(coef)) else 1.0  # a NaN norm makes NaN gradients, as in PyTorch
-    for g in grads:
-        if be.is_array(np.empty(0)):  # host arrays: scale in place
-            g._data *= g._data.dtype.type(coef)
-        else:
-            g._data = be.from_numpy((be.to_numpy(g._data) * np.float32(coef)).astype(g.dtype))
+    # NOTE: infinity * 0 and NaN * x are NaN, silently, as in PyTorch (the caller asked for them).
+    with np.errstate(invalid="ignore", over="ignore"):
+        for g in grads:
+            if be.is_array(np.empty(0)):  # host arrays: scale in place
+                g._data *= g._data.dtype.type(coef)
+            else:
+                g._data = be.from_numpy((be.to_numpy(g._data) * np.float32(coef)).astype(g.dtype))
     return Tensor._wrap(be.from_numpy(np.asarray(total, dtype=np.float32)), be)
 
 
