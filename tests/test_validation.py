@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import taifuse
 import taifuse.functional as F
 
 f32 = np.float32
@@ -121,6 +122,105 @@ def test_linear_out_must_not_overlap_x(backend):
     buf = np.ones((4, 4), f32)
     with pytest.raises(ValueError, match=r"\bout\b.*overlap.*\bx\b"):
         F.linear(buf, np.ones((4, 4), f32), out=buf)
+
+
+def _rows(n: int, cols: int) -> np.ndarray:
+    return np.linspace(-1.5, 2.5, n * cols, dtype=f32).reshape(n, cols)
+
+
+# NOTE [ out= overlap ] in functional.py: out= may share memory with an input only by being that
+# input itself, and only where the op reads an element (or row) before writing it. Each case:
+# (call given a fresh buffer `buf`, the argument out overlaps). `buf` is (2, 3) of float32.
+OVERLAPPING_OUT = {
+    "linear-bias": (lambda buf: F.linear(_rows(2, 3), np.ones((3, 3), f32), buf[1], out=buf), "bias"),
+    "linear-weight": (lambda buf: F.linear(_rows(2, 2), buf.reshape(3, 2), out=buf), "weight"),
+    "layer_norm-weight": (lambda buf: F.layer_norm(_rows(2, 3), 3, buf[0], out=buf), "weight"),
+    "layer_norm-bias": (lambda buf: F.layer_norm(_rows(2, 3), 3, None, buf[1], out=buf), "bias"),
+    "affine-scale": (lambda buf: F.affine(_rows(2, 3), buf[0], 0.5, out=buf), "scale"),
+    "affine-bias": (lambda buf: F.affine(_rows(2, 3), 2.0, buf[1], out=buf), "bias"),
+    "add_relu-b-row": (lambda buf: F.add_relu(_rows(2, 3), buf[0], out=buf), "b"),
+    # a partial overlap of an argument that out may otherwise be (shifted by one element)
+    "gelu-x-shifted": (lambda buf: F.gelu(buf.reshape(-1)[1:], out=buf.reshape(-1)[:-1]), "x"),
+    "dropout-x-shifted": (lambda buf: F.dropout(buf.reshape(-1)[:-1], 0.5, out=buf.reshape(-1)[1:]), "x"),
+    "mul_relu-a-shifted": (lambda buf: F.mul_relu(buf.reshape(-1)[1:], np.ones(5, f32), out=buf.reshape(-1)[:-1]), "a"),
+    "softmax-x-shifted": (lambda buf: F.softmax(buf.reshape(-1)[1:], out=buf.reshape(-1)[:-1]), "x"),
+    "layer_norm-x-rows": (lambda buf: F.layer_norm(buf.reshape(3, 2)[:2], 2, out=buf.reshape(3, 2)[1:]), "x"),
+}
+
+
+def test_linear_out_overlapping_bias_is_rejected(backend):
+    """The report: numba read bias after writing out's first row into it ([[6, 6], [9, 9]]
+    where numpy gave [[13, 23], [13, 23]])."""
+    backend.activate()
+    x = w = np.ones((2, 3), f32)
+    out = np.zeros((2, 2), f32)
+    out[0] = [10, 20]
+    before = out.copy()
+    with pytest.raises(ValueError, match=r"linear: out must not overlap bias"):
+        F.linear(x, w, out[0], out=out)
+    np.testing.assert_array_equal(out, before)
+
+
+@pytest.mark.parametrize("case", list(OVERLAPPING_OUT))
+def test_out_overlapping_an_input_is_rejected(backend, case):
+    """A ValueError that names the argument, on every backend, before out is written."""
+    backend.activate()
+    run, argname = OVERLAPPING_OUT[case]
+    buf = _rows(2, 3)
+    before = buf.copy()
+    with pytest.raises(ValueError, match=rf"\bout\b.*overlap.*\b{argname}\b"):
+        run(buf)
+    np.testing.assert_array_equal(buf, before)
+
+
+def test_device_out_overlapping_an_input_is_rejected(backend):
+    """The same rule for backend arrays: a DeviceArray's reshape shares its storage."""
+    if backend.name != "taichi":
+        pytest.skip("only the taichi backend has arrays of its own")
+    backend.activate()
+    be = backend.module()
+    out = be.from_numpy(np.zeros((1, 3), f32))
+    x, w = be.from_numpy(_rows(1, 2)), be.from_numpy(np.ones((3, 2), f32))
+    with pytest.raises(ValueError, match=r"linear: out must not overlap bias"):
+        F.linear(x, w, out.reshape(3), out=out)
+    np.testing.assert_array_equal(out.numpy(), np.zeros((1, 3), f32))
+    y = be.from_numpy(_rows(2, 3))
+    assert F.relu(y, out=y) is y
+    np.testing.assert_array_equal(y.numpy(), np.maximum(_rows(2, 3), 0))
+
+
+# Every op that takes out=, with out given as its input itself (an in-place update): (call, inputs).
+IN_PLACE = {
+    "gelu": lambda x, out: F.gelu(x, approximate="tanh", out=out),
+    "relu": lambda x, out: F.relu(x, out=out),
+    "leaky_relu": lambda x, out: F.leaky_relu(x, 0.2, out=out),
+    "silu": lambda x, out: F.silu(x, out=out),
+    "sigmoid": lambda x, out: F.sigmoid(x, out=out),
+    "tanh": lambda x, out: F.tanh(x, out=out),
+    "dropout": lambda x, out: F.dropout(x, 0.5, out=out),
+    "dropout-eval": lambda x, out: F.dropout(x, 0.5, training=False, out=out),
+    "add_relu-a": lambda x, out: F.add_relu(x, np.full(x.shape, 0.5, f32), out=out),
+    "add_relu-b": lambda x, out: F.add_relu(np.full(x.shape, 0.5, f32), x, out=out),
+    "mul_relu": lambda x, out: F.mul_relu(x, x.copy(), out=out),
+    "affine": lambda x, out: F.affine(x, np.array([1, -2, 3], f32), np.array([0.5, 0, -1], f32), out=out),
+    "softmax": lambda x, out: F.softmax(x, dim=0, out=out),
+    "log_softmax": lambda x, out: F.log_softmax(x, out=out),
+    "layer_norm": lambda x, out: F.layer_norm(x, 3, np.array([1, 2, 3], f32), np.ones(3, f32), out=out),
+}
+
+
+@pytest.mark.parametrize("op", list(IN_PLACE))
+def test_out_may_be_the_input_itself(backend, op):
+    """out= is x itself: the same values as into a buffer of its own (numba's in-place kernels)."""
+    backend.activate()
+    run = IN_PLACE[op]
+    x = _rows(4, 3)
+    taifuse.manual_seed(3)
+    want = run(x.copy(), np.empty_like(x))
+    taifuse.manual_seed(3)
+    got = run(x, x)
+    assert got is x
+    np.testing.assert_array_equal(x, want)
 
 
 SENTINEL = np.float32(-12345.5)

@@ -5,6 +5,12 @@ before anything is written), moves NumPy inputs to the active backend once, allo
 runs one kernel and hands the result back as the type it was given: NumPy in, NumPy out; a backend
 array (``taifuse.backends.taichi_gpu.DeviceArray``) in, a backend array out.
 
+``out=`` takes a C-contiguous, writable array of the result's shape and dtype. It may be the input
+itself for an in-place update (``F.relu(x, out=x)``: ``x`` of every op but ``linear``, ``a`` and
+``b`` of ``add_relu`` and ``mul_relu``); sharing memory with an input in any other way, such as
+``linear``'s bias or a shifted view of ``x``, is a ``ValueError`` naming that input
+(NOTE [ out= overlap ]).
+
 Example::
 
     >>> import numpy as np
@@ -59,6 +65,7 @@ class _Call:
         self.op = op
         self.be: ModuleType = backends.active()
         self.host_io = False  # any NumPy input means results go back to NumPy
+        self.inputs: list[tuple[str, Any]] = []  # (argname, the caller's array), for out()'s overlap check
 
     def array(self, value: Any, argname: str, *, dtype: np.dtype | None = None):
         """Validate one array argument and return it as a contiguous backend array."""
@@ -75,6 +82,7 @@ class _Call:
             )
         else:
             raise TypeError(f"{self.op}: {argname} should be a numpy.ndarray, got {type(value).__name__}")
+        self.inputs.append((argname, value))
         if arr.dtype.kind != "f":
             raise TypeError(f"{self.op}: {argname} should be a floating-point array, got dtype {arr.dtype}")
         be.check_dtype(arr.dtype, f"{self.op}: {argname}")
@@ -84,8 +92,12 @@ class _Call:
             return be.from_numpy(arr)
         return arr
 
-    def out(self, out: Any, shape: tuple[int, ...], dtype: np.dtype):
-        """Validate a caller's ``out=`` buffer, or allocate the result."""
+    def out(self, out: Any, shape: tuple[int, ...], dtype: np.dtype, *, in_place: tuple[str, ...] = ()):
+        """Validate a caller's ``out=`` buffer, or allocate the result.
+
+        ``in_place`` names the inputs that ``out`` may be itself (NOTE [ out= overlap ]); call it
+        after every input went through :meth:`array`.
+        """
         if out is None:
             return pool.empty(self.be, shape, dtype)
         if not (isinstance(out, np.ndarray) or self.be.is_array(out)):
@@ -98,10 +110,36 @@ class _Call:
             raise ValueError(f"{self.op}: out should be C-contiguous")
         if isinstance(out, np.ndarray) and not out.flags.writeable:
             raise ValueError(f"{self.op}: out is read-only")
+        self._check_overlap(out, in_place)
         if isinstance(out, np.ndarray) and not self.be.is_array(out):
             # A device backend computes into its own buffer; result() copies that into `out`.
             return pool.empty(self.be, shape, dtype)
         return out
+
+    def _check_overlap(self, out: Any, in_place: tuple[str, ...]) -> None:
+        # NOTE [ out= overlap ]
+        # out= may share memory with an input only by being that input itself (the same memory,
+        # shape and strides), and only for the inputs an op reads element by element, or row by
+        # row, before writing that element or row: x of the elementwise and row ops, a and b of
+        # add_relu and mul_relu. Any other overlap (out overlapping linear's weight or bias,
+        # layer_norm's weight or bias, affine's scale or bias, or a shifted view of x) is a
+        # ValueError naming the argument, on every backend, as PyTorch rejects partial overlap.
+        # Not "compute as if there were no overlap": that needs a hidden copy of the input, and
+        # kernels that read a parameter after writing part of out (numba's linear epilogue reads
+        # bias for every row) return wrong numbers on one backend and right ones on another.
+        for argname, value in self.inputs:
+            if not _shares_memory(out, value):
+                continue
+            if argname in in_place and _same_view(out, value):
+                continue
+            if argname in in_place:
+                raise ValueError(
+                    f"{self.op}: out overlaps {argname} without being {argname} itself; out may be "
+                    f"{argname} (an in-place update) or share no memory with it"
+                )
+            raise ValueError(
+                f"{self.op}: out must not overlap {argname} (they share memory); give out a buffer of its own"
+            )
 
     def result(self, value: Any, out: Any = None):
         """Hand ``value`` (a backend array) back as the caller's type, into ``out`` if given."""
@@ -112,6 +150,23 @@ class _Call:
         if out is not None:
             return out
         return self.be.to_numpy(value) if self.host_io else value
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.shares_memory(a, b)
+    # A device array (taichi_gpu.DeviceArray) is a view of a whole flat storage from its start
+    # (reshape is its only view), so two share memory exactly when they share that storage.
+    storage = getattr(a, "_storage", None)
+    return storage is not None and storage is getattr(b, "_storage", None)
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` (sharing memory) are the same elements in the same places."""
+    if isinstance(a, np.ndarray):
+        same_start = a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        return same_start and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
 
 
 def _is_foreign_device_array(value: Any) -> bool:
@@ -157,7 +212,7 @@ def _reshape(arr, shape: tuple[int, ...]):
 def _unary(op: str, x: Any, out: Any, kernel_args: tuple = ()) -> Any:
     call = _Call(op)
     xa = call.array(x, "x")
-    o = call.out(out, tuple(xa.shape), xa.dtype)
+    o = call.out(out, tuple(xa.shape), xa.dtype, in_place=("x",))
     if xa.size:
         getattr(call.be, op)(xa, o, *kernel_args)
     return call.result(o, out)
@@ -229,7 +284,7 @@ def _binary(op: str, a: Any, b: Any, out: Any) -> Any:
             f"{op}: shapes of a {tuple(aa.shape)} and b {tuple(ba.shape)} cannot be broadcast together"
         ) from None
     aa, ba = _broadcast(call, aa, shape), _broadcast(call, ba, shape)
-    o = call.out(out, shape, aa.dtype)
+    o = call.out(out, shape, aa.dtype, in_place=("a", "b"))
     if math.prod(shape):
         getattr(call.be, op)(aa, ba, o)
     return call.result(o, out)
@@ -289,7 +344,7 @@ def affine(x: Any, scale: Any, bias: Any, *, out: Any = None) -> Any:
                 f"affine: {argname} should have shape ({features},) to match x.shape[-1], got {tuple(arr.shape)}"
             )
         params.append(arr)
-    o = call.out(out, tuple(xa.shape), xa.dtype)
+    o = call.out(out, tuple(xa.shape), xa.dtype, in_place=("x",))
     if xa.size:
         rows = xa.size // features
         call.be.affine(_reshape(xa, (rows, features)), params[0], params[1], _reshape(o, (rows, features)))
@@ -319,9 +374,7 @@ def linear(x: Any, weight: Any, bias: Any = None, activation: str | None = None,
     if _has_tensor(x, weight, bias):
         return _tensor_op("linear", out, x, weight, bias, activation)
     call, xa, wa, ba = _linear_args(x, weight, bias, activation)
-    o = call.out(out, _linear_shape(xa, wa), xa.dtype)
-    if isinstance(out, np.ndarray) and isinstance(x, np.ndarray) and np.shares_memory(out, x):
-        raise ValueError("linear: out must not overlap x")
+    o = call.out(out, _linear_shape(xa, wa), xa.dtype)  # no in_place: each output reads a whole row of x
     _linear_kernel(call.be, xa, wa, ba, activation, o)
     return call.result(o, out)
 
@@ -395,7 +448,7 @@ def _softmax_like(op: str, x: Any, dim: int, out: Any) -> Any:
     xa = call.array(x, "x")
     shape = tuple(xa.shape)
     d = _normalize_dim(dim, len(shape), op)
-    o = call.out(out, shape, xa.dtype)
+    o = call.out(out, shape, xa.dtype, in_place=("x",))
     if xa.size:
         full = shape if shape else (1,)
         view = (math.prod(full[:d]), full[d], math.prod(full[d + 1 :]))
@@ -476,7 +529,7 @@ def layer_norm(
         if tuple(arr.shape) != norm_shape:
             raise ValueError(f"layer_norm: {argname} should have shape {norm_shape}, got {tuple(arr.shape)}")
         params.append(_reshape(arr, (math.prod(norm_shape),)))
-    o = call.out(out, tuple(xa.shape), xa.dtype)
+    o = call.out(out, tuple(xa.shape), xa.dtype, in_place=("x",))
     features = math.prod(norm_shape)
     rows = xa.size // features if features else 0
     if xa.size:

@@ -1194,7 +1194,11 @@ def linear_act(
     fixed float32 scratch, and each chunk's epilogue stores straight into the float16 outputs.
     """
     op = _ACTIVATION_CODES[activation]
-    bb = None if b is None else _bits(b)
+    # The epilogue reads b for every row after the product wrote out, and the float16 path reads
+    # x in row chunks between writes (np.matmul alone is overlap-safe; a float16 w is converted
+    # before any write).
+    x = _readable(x, out)
+    bb = None if b is None else _bits(_readable(b, out))
     transcendental = op in _TRANSCENDENTAL_OPS
     if x.dtype != np.float16:
         if pre is None:
@@ -1258,8 +1262,9 @@ def layer_norm(
     """Normalize each row of ``x (R, D)``; writes ``out`` and the row ``mean`` and ``rstd``."""
     x = _readable(x, out)
     kernel = _layer_norm_parallel if _parallel(x.size) and x.shape[0] > 1 else _layer_norm_serial
-    wb = None if weight is None else _bits(weight)
-    bb = None if bias is None else _bits(bias)
+    # Every row reads weight and bias, so one that out overlaps is read from a copy.
+    wb = None if weight is None else _bits(_readable(weight, out))
+    bb = None if bias is None else _bits(_readable(bias, out))
     kernel(_bits(x), wb, bb, float(eps), _bits(out), mean, rstd)
 
 
