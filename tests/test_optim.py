@@ -300,6 +300,45 @@ def test_param_groups_and_add_param_group_match_torch(grad_backend):
 
 
 @needs_torch
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_switched_on_mid_training_matches_torch(grad_backend, nesterov):
+    """torch.optim.SGD starts a momentum buffer from the gradient the first time a parameter steps
+    with momentum (its ``momentum_buffer is None`` branch), however many plain steps came before,
+    and keeps it while momentum is switched off; dampening applies only after that first step."""
+    import torch
+
+    kwargs = {"lr": 0.05, "momentum": 0.0, "dampening": 0.0 if nesterov else 0.4}
+    schedule = [0.0] * 3 + [0.9] * 4 + [0.0] * 2 + [0.8] * 3  # momentum per step
+    init, targets = _problem()
+    params = [Parameter(a.copy()) for a in init]
+    opt = optim.SGD(params, **kwargs)
+    tparams = [torch.tensor(a.copy(), requires_grad=True) for a in init]
+    topt = torch.optim.SGD(tparams, **kwargs)
+    for k, momentum in enumerate(schedule):
+        for group in (opt.param_groups[0], topt.param_groups[0]):
+            group["momentum"] = momentum
+            group["nesterov"] = nesterov and momentum > 0
+        for i, (p, tp, t) in enumerate(zip(params, tparams, targets)):
+            if k == 3 and i == 1:
+                p.grad = tp.grad = None  # this one's buffer starts a step later
+                continue
+            p.grad = taifuse.tensor(_grad(p.numpy(), t, k))
+            tp.grad = torch.from_numpy(_grad(tp.detach().numpy(), t, k))
+        opt.step()
+        topt.step()
+        _assert_close_normwise(
+            _cat(p.numpy() for p in params),
+            _cat(tp.detach().numpy() for tp in tparams),
+            TRAJ_RTOL,
+            f"step {k + 1}",
+        )
+    ours, theirs = opt.state_dict()["state"], topt.state_dict()["state"]
+    assert sorted(ours) == sorted(theirs)
+    for key, entry in theirs.items():
+        np.testing.assert_allclose(ours[key]["momentum_buffer"], entry["momentum_buffer"].numpy(), rtol=1e-5)
+
+
+@needs_torch
 def test_parameters_without_grad_are_skipped_like_torch(grad_backend):
     """Alternating missing gradients: skipped parameters keep their values and state, and their step
     counts drift apart (so a bucket needs several launches), exactly as in torch.optim."""

@@ -32,6 +32,9 @@ class SGDHyper(NamedTuple):
 
 
 class SGDState(NamedTuple):
+    # Steps taken WITH momentum: 0 means no momentum buffer yet (PyTorch's ``momentum_buffer is
+    # None``), so the next step with momentum starts the buffer from the gradient, undamped, even
+    # when momentum was switched on after plain steps.
     step: int
     momentum_buffer: Any | None  # None without momentum
 
@@ -42,7 +45,8 @@ def sgd_init(hyper: SGDHyper, zeros: Zeros) -> SGDState:
 
 
 def sgd_update(kernels: ModuleType, param: Any, grad: Any, state: SGDState, hyper: SGDHyper) -> SGDState:
-    """One SGD step; the first step copies the gradient into the momentum buffer (PyTorch's rule)."""
+    """One SGD step; the first step with momentum copies the gradient into the momentum buffer
+    (PyTorch's rule), and a step without momentum leaves the count (and any buffer) as it was."""
     kernels.sgd_step(
         param,
         grad,
@@ -55,7 +59,7 @@ def sgd_update(kernels: ModuleType, param: Any, grad: Any, state: SGDState, hype
         hyper.maximize,
         state.step == 0,
     )
-    return state._replace(step=state.step + 1)
+    return state._replace(step=state.step + 1) if hyper.momentum != 0 else state
 
 
 # ----------------------------------------------------------------------------- Adam and AdamW

@@ -27,7 +27,7 @@ class SGD(Optimizer):
     The update, with :math:`d = \pm g + \lambda p` (minus when maximizing) and buffer :math:`b`:
 
     .. math::
-        b \leftarrow d \text{ (first step)}, \quad b \leftarrow \mu b + (1 - \tau) d, \quad
+        b \leftarrow d \text{ (first step with momentum)}, \quad b \leftarrow \mu b + (1 - \tau) d, \quad
         p \leftarrow p - \eta \,(d + \mu b \text{ if nesterov else } b)
 
     Example::
