@@ -383,7 +383,10 @@ def _tensor_arg(value: Any, op: str, argname: str, like: Tensor | None = None) -
         arr = value
         if arr.dtype.kind != "f":
             raise TypeError(f"{op}: {argname} should be a floating-point array, got dtype {arr.dtype}")
-        value = Tensor._wrap(be.from_numpy(np.ascontiguousarray(arr)), be)
+        # Checked here, so that a refused dtype is named as this argument, not as from_numpy's.
+        be.check_dtype(arr.dtype, f"{op}: {argname}")
+        # NOTE: not np.ascontiguousarray, which turns a 0-d array into shape (1,).
+        value = Tensor._wrap(be.from_numpy(np.asarray(arr, order="C")), be)
     if not isinstance(value, Tensor):
         raise TypeError(f"{op}: {argname} should be a Tensor or numpy.ndarray, got {type(value).__name__}")
     if value.dtype.kind != "f":
