@@ -7,6 +7,8 @@ Each test failed on taichi-cpu and taichi-vulkan before its fix.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,89 @@ def _rng() -> np.random.Generator:
 def _skip_host(backend) -> None:
     if backend.name != "taichi":
         pytest.skip(f"{backend.param} keeps its data in NumPy: the defect is the taichi backend's")
+
+
+# ----------------------------------------------------------------------------- NumPy operands of Tensor ops
+
+# Every op with more than one array operand: (fn, operand shapes). Each operand in turn is passed as a
+# NumPy array while the others are Tensors that require grad.
+MULTI_OPERAND_OPS = {
+    "add_relu": (F.add_relu, [(3, 4), (4,)]),
+    "mul_relu": (F.mul_relu, [(2, 1, 4), (3, 4)]),
+    "affine": (F.affine, [(2, 3, 4), (4,), (4,)]),
+    "linear": (F.linear, [(3, 5), (4, 5), (4,)]),
+    # 'gelu' takes the path that keeps the pre-activation for the backward.
+    "linear_gelu": (lambda x, w, b: F.linear(x, w, b, activation="gelu"), [(2, 3, 5), (4, 5), (4,)]),
+    "linear_relu_no_bias": (lambda x, w: F.linear(x, w, activation="relu"), [(3, 5), (4, 5)]),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, 4, w, b), [(3, 4), (4,), (4,)]),
+    "mse_loss": (F.mse_loss, [(3, 4), (3, 4)]),
+    "add": (operator.add, [(3, 4), (4,)]),
+    "sub": (operator.sub, [(3, 4), (3, 1)]),
+    "mul": (operator.mul, [(3, 4), (3, 4)]),
+    "truediv": (operator.truediv, [(3, 4), (4,)]),
+    "matmul": (operator.matmul, [(3, 5), (5, 2)]),
+}
+_NUMPY_OPERAND_CASES = [
+    pytest.param(name, k, id=f"{name}-operand{k}")
+    for name, (_, shapes) in MULTI_OPERAND_OPS.items()
+    for k in range(len(shapes))
+]
+
+
+def _run(fn, operands, numpy_at: int | None, as_tensor_const: bool):
+    """fn on the operands, operand ``numpy_at`` as NumPy (or a constant Tensor); the output and the
+    Tensor operands (whose .grad the backward filled)."""
+    args, tensors = [], []
+    for k, a in enumerate(operands):
+        if k == numpy_at and not as_tensor_const:
+            args.append(a)
+        else:
+            t = taifuse.tensor(a, requires_grad=k != numpy_at)
+            args.append(t)
+            if k != numpy_at:
+                tensors.append(t)
+    out = fn(*args)
+    out.sum().backward()  # the next op, then the backward: both read every saved operand
+    return out, tensors
+
+
+@pytest.mark.parametrize("name, numpy_at", _NUMPY_OPERAND_CASES)
+def test_tensor_op_with_a_numpy_operand_keeps_the_graph_on_the_backend(backend, name, numpy_at):
+    """A NumPy operand of a Tensor op is brought to the backend once, as a constant Tensor would be:
+    the output lives on the backend, and forward and gradients equal the all-Tensor call's."""
+    fn, shapes = MULTI_OPERAND_OPS[name]
+    rng = _rng()
+    operands = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    before = [a.copy() for a in operands]
+
+    got, got_tensors = _run(fn, operands, numpy_at, as_tensor_const=False)
+    expected, expected_tensors = _run(fn, operands, numpy_at, as_tensor_const=True)
+
+    be = backend.module()
+    assert isinstance(got, taifuse.Tensor) and got.requires_grad
+    assert be.is_array(got._data), f"{name}: the output holds {type(got._data).__name__}, not a {backend.param} array"
+    np.testing.assert_array_equal(got.numpy(), expected.numpy(), strict=True)
+    for t, e in zip(got_tensors, expected_tensors):
+        np.testing.assert_array_equal(t.grad.numpy(), e.grad.numpy(), strict=True)
+    for a, b in zip(operands, before):
+        np.testing.assert_array_equal(a, b, err_msg=f"{name} modified its NumPy operand")
+
+
+def test_cross_entropy_takes_numpy_targets_with_tensor_logits(backend):
+    logits = _rng().standard_normal((4, 3)).astype(np.float32)
+    target = np.array([0, 2, 1, 2])
+    t = taifuse.tensor(logits, requires_grad=True)
+    F.cross_entropy(t, target).backward()
+    u = taifuse.tensor(logits, requires_grad=True)
+    F.cross_entropy(u, taifuse.tensor(target)).backward()
+    np.testing.assert_array_equal(t.grad.numpy(), u.grad.numpy(), strict=True)
+
+
+def test_zero_d_numpy_operands_keep_their_shape(backend):
+    a, b = np.array(1.5, np.float32), np.array(-0.5, np.float32)
+    assert F.mse_loss(a, b, reduction="none").shape == ()
+    out = F.add_relu(taifuse.tensor(a, requires_grad=True), b)
+    assert out.shape == () and out.item() == 1.0
 
 
 # ----------------------------------------------------------------------------- bad operands are named

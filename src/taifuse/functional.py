@@ -195,10 +195,34 @@ def _has_tensor(*args: Any) -> bool:
     return any(isinstance(a, Tensor) for a in args)
 
 
+# The array arguments of the ops with a Tensor version, by position in the order their public
+# signatures (and so _tensor_op's *args) have them; any op not listed has one, x, first.
+_TENSOR_OP_ARRAYS: dict[str, dict[int, str]] = {
+    "add_relu": {0: "a", 1: "b"},
+    "mul_relu": {0: "a", 1: "b"},
+    "affine": {0: "x", 1: "scale", 2: "bias"},
+    "linear": {0: "x", 1: "weight", 2: "bias"},
+    "layer_norm": {0: "x", 2: "weight", 3: "bias"},
+}
+
+
 def _tensor_op(op: str, out: Any, *args: Any) -> Any:
-    """``op`` on Tensor arguments: its differentiable version in ``taifuse._autograd_ops``."""
+    """``op`` on Tensor arguments: its differentiable version in ``taifuse._autograd_ops``.
+
+    This is the one place where the NumPy arrays among a Tensor op's arguments are brought to the
+    backend, as constant Tensors (as Tensor arithmetic treats a NumPy operand), so that the forward
+    and what it saves for the backward hold only backend arrays. On a device backend a NumPy
+    argument would otherwise send the forward's result to the host and reach the backward kernels
+    as host memory.
+    """
     from taifuse import _autograd_ops  # it imports this module
 
+    like = args[0] if isinstance(args[0], Tensor) else None
+    names = _TENSOR_OP_ARRAYS.get(op, {0: "x"})
+    args = tuple(
+        _autograd_ops._tensor_arg(a, op, names[i], like=like) if i in names and isinstance(a, np.ndarray) else a
+        for i, a in enumerate(args)
+    )
     return _autograd_ops.call(op, out, *args)
 
 
