@@ -232,6 +232,31 @@ def test_bad_operands_raise(grad_backend):
         x.sum(dim=3)
 
 
+@pytest.mark.parametrize(
+    "op",
+    ["sum(0)", "sum(-1)", "sum((0,))", "sum(0, keepdim=True)", "mean(-1)", "mean(0, keepdim=True)",
+     "transpose(0, 0)", "transpose(-1, 0)"],
+)  # fmt: skip
+def test_dim_ops_on_a_0d_tensor(grad_backend, op):
+    """PyTorch treats a 0-d tensor's one "dimension" as dims 0 and -1: reducing over it or swapping it
+    with itself gives the tensor back (shape (), keepdim or not), and the gradient flows through."""
+    x = taifuse.tensor(2.0, requires_grad=True)
+    y = eval(f"x.{op}")
+    assert y.shape == () and y.dtype == x.dtype and y.item() == 2.0
+    (y * 3.0).backward()
+    assert x.grad.shape == () and x.grad.item() == 3.0
+
+
+def test_dim_ops_on_a_0d_tensor_refuse_other_dims(grad_backend):
+    x = taifuse.tensor(2.0, requires_grad=True)
+    with pytest.raises(ValueError, match="out of range"):
+        x.sum(1)
+    with pytest.raises(ValueError, match="repeats"):
+        x.mean((0, -1))
+    with pytest.raises(ValueError, match="out of range"):
+        x.transpose(0, 1)
+
+
 def test_mixing_backends_raises():
     with taifuse.use_backend("numpy"):
         a = taifuse.tensor([1.0], requires_grad=True)

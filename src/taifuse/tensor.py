@@ -406,9 +406,11 @@ class Tensor:
 
     def transpose(self, dim0: int, dim1: int) -> Tensor:
         """Swap dimensions ``dim0`` and ``dim1``."""
+        dims = [_normalize_dims(d, self.ndim, "transpose") for d in (dim0, dim1)]
         axes = list(range(self.ndim))
-        d0, d1 = (_normalize_dims(d, self.ndim, "transpose")[0] for d in (dim0, dim1))
-        axes[d0], axes[d1] = axes[d1], axes[d0]
+        if self.ndim:  # a 0-d tensor (dims 0 or -1) is its own transpose
+            (d0,), (d1,) = dims
+            axes[d0], axes[d1] = axes[d1], axes[d0]
         return _Transpose.apply(self, tuple(axes))
 
     @property
@@ -496,7 +498,8 @@ def _normalize_dims(dim: Any, ndim: int, op: str) -> tuple[int, ...] | None:
         out.append(int(d) % max(ndim, 1))
     if len(set(out)) != len(out):
         raise ValueError(f"{op}: dim {dim!r} repeats a dimension")
-    return tuple(out)
+    # A 0-d tensor accepts dim 0 and -1, as in PyTorch, but has no axis to apply them to.
+    return tuple(out) if ndim else ()
 
 
 def _resolve_shape(shape: Sequence[Any], old: tuple[int, ...]) -> tuple[int, ...]:
