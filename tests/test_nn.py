@@ -103,6 +103,23 @@ def test_module_errors(grad_backend):
         _ = nn.ReLU().nothing
 
 
+@pytest.mark.parametrize(
+    "kwargs, exc_type, match",
+    [
+        ({"normalized_shape": 3, "eps": -1}, ValueError, r"\beps\b.*-1"),
+        ({"normalized_shape": 3, "eps": float("nan")}, ValueError, r"\beps\b.*nan"),
+        # Reported: "12" was iterated into normalized_shape (1, 2).
+        ({"normalized_shape": "12"}, TypeError, r"normalized_shape.*'12'"),
+        ({"normalized_shape": (4.0,)}, TypeError, r"normalized_shape.*4\.0"),
+    ],
+    ids=["eps-negative", "eps-nan", "shape-str", "shape-float"],
+)
+def test_layer_norm_validates_as_functional(kwargs, exc_type, match):
+    """nn.LayerNorm rejects in __init__ what F.layer_norm would reject at the first call."""
+    with pytest.raises(exc_type, match=match):
+        nn.LayerNorm(**kwargs)
+
+
 # ----------------------------------------------------------------------------- state
 
 
@@ -146,6 +163,35 @@ def test_load_state_dict_errors_leave_the_module_unchanged(grad_backend):
     assert result.missing_keys == ["1.bias"]
     np.testing.assert_array_equal(model[1].bias.numpy(), before["1.bias"])
     assert not model[0].weight.numpy().any()
+
+
+@pytest.mark.parametrize("name", ["model", "model.npz", "model.ckpt"])
+@pytest.mark.parametrize("as_path", [False, True], ids=["str", "Path"])
+def test_save_and_load_agree_on_the_path(tmp_path, name, as_path):
+    # Reported: save("x") wrote x.npz (np.savez adds the suffix) and load("x") could not find it.
+    taifuse.manual_seed(5)
+    a = _model()
+    path = tmp_path / name if as_path else str(tmp_path / name)
+    a.save(path)
+    written = [p.name for p in tmp_path.iterdir()]
+    assert written == [name if name.endswith(".npz") else name + ".npz"]
+    taifuse.manual_seed(6)
+    b = _model()
+    b.load(path)
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        np.testing.assert_array_equal(pa.numpy(), pb.numpy(), err_msg=n)
+
+
+def test_load_reads_an_npz_under_any_name(tmp_path):
+    """A file load did not write, without the suffix, loads by its own name."""
+    model = _model()
+    path = tmp_path / "weights"
+    with open(path, "wb") as f:
+        np.savez(f, **{n: np.zeros(p.shape, np.float32) for n, p in model.named_parameters()})
+    model.load(path)
+    assert not any(p.numpy().any() for p in model.parameters())
+    with pytest.raises(FileNotFoundError, match=r"missing\.npz"):
+        model.load(tmp_path / "missing")
 
 
 def test_save_and_load_npz(grad_backend, tmp_path):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -50,3 +53,23 @@ def test_numba_layer_norm_with_out_overlapping_a_parameter(param):
         kernels.layer_norm(x, *args, 1e-5, out, np.empty(3, f32), np.empty(3, f32))
         results[name] = out
     np.testing.assert_allclose(results["numba"], results["numpy"], rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- taifuse info
+
+
+@pytest.mark.parametrize("var, value", [("TAIFUSE_BACKEND", "torch"), ("TAIFUSE_TAICHI_ARCH", "opengl")])
+def test_info_with_a_bad_env_value_is_a_one_line_error(var, value):
+    # Reported: `taifuse info` with TAIFUSE_BACKEND=torch printed a traceback.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TAIFUSE_")}
+    env[var] = value
+    proc = subprocess.run(
+        [sys.executable, "-m", "taifuse.cli", "info"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and var in lines[0] and repr(value) in lines[0], proc.stderr
+    # What does not depend on the backend is still printed: the point of `info` is diagnosis.
+    assert "backends installed:" in proc.stdout and f"{var}={value}" in proc.stdout

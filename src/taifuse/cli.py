@@ -20,7 +20,13 @@ def _info(args: argparse.Namespace) -> int:
     print(f"backends installed: {', '.join(backends.available_backends())}")
     print(f"TAIFUSE_BACKEND={os.environ.get('TAIFUSE_BACKEND', '(unset: auto)')}")
     print(f"TAIFUSE_TAICHI_ARCH={os.environ.get('TAIFUSE_TAICHI_ARCH', '(unset: metal)')}")
-    active = backends.active()
+    try:
+        active = backends.active()
+    except ValueError as exc:
+        # A bad TAIFUSE_BACKEND / TAIFUSE_TAICHI_ARCH: the lines above still help to diagnose it,
+        # then one line (naming the variable and its value) instead of a traceback.
+        print(f"taifuse info: error: {exc}", file=sys.stderr)
+        return 2
     print(f"active backend: {backends.get_backend()}")
     for key, value in active.describe().items():
         print(f"  {key}: {value}")

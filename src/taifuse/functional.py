@@ -501,8 +501,9 @@ def log_softmax(x: Any, dim: int = -1, *, out: Any = None) -> Any:
     return _softmax_like("log_softmax", x, dim, out)
 
 
-def _layer_norm_args(normalized_shape: Any, eps: Any) -> tuple[tuple[int, ...], float]:
-    """Validate layer_norm's ``normalized_shape`` and ``eps`` (shared with the Tensor path)."""
+def _layer_norm_args(normalized_shape: Any, eps: Any, op: str = "layer_norm") -> tuple[tuple[int, ...], float]:
+    """Validate layer_norm's ``normalized_shape`` and ``eps``: the one check, for the Tensor path
+    and ``nn.LayerNorm`` (which passes its own name as ``op``) too."""
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         normalized_shape = (int(normalized_shape),)
     # NOTE: not int(n) for each n, which would accept "4" and 4.5; PyTorch takes only integers here.
@@ -511,12 +512,10 @@ def _layer_norm_args(normalized_shape: Any, eps: Any) -> tuple[tuple[int, ...], 
         or isinstance(normalized_shape, (str, bytes))
         or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in normalized_shape)
     ):
-        raise TypeError(
-            f"layer_norm: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}"
-        )
-    eps = _check_finite_number(eps, "layer_norm", "eps")
+        raise TypeError(f"{op}: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}")
+    eps = _check_finite_number(eps, op, "eps")
     if eps < 0:
-        raise ValueError(f"layer_norm: eps should be non-negative, got {eps}")
+        raise ValueError(f"{op}: eps should be non-negative, got {eps}")
     return tuple(int(n) for n in normalized_shape), eps
 
 

@@ -155,10 +155,8 @@ class LayerNorm(Module):
         dtype: Any = np.float32,
     ) -> None:
         super().__init__()
-        if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
-            normalized_shape = (int(normalized_shape),)
-        self.normalized_shape = tuple(int(n) for n in normalized_shape)
-        self.eps = F._check_finite_number(eps, "LayerNorm", "eps")
+        # F.layer_norm's own check, so the layer accepts exactly what the op does, and says so at once.
+        self.normalized_shape, self.eps = F._layer_norm_args(normalized_shape, eps, "LayerNorm")
         self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if elementwise_affine else None
         self.bias = Parameter(np.zeros(self.normalized_shape, dtype)) if elementwise_affine and bias else None
 

@@ -213,11 +213,33 @@ class Module:
         return IncompatibleKeys(missing, unexpected)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write :meth:`state_dict` to a NumPy ``.npz`` file (one array per parameter name)."""
-        np.savez(path, **{name: t.numpy() for name, t in self.state_dict().items()})
+        """Write :meth:`state_dict` to a NumPy ``.npz`` file (one array per parameter name).
+
+        As ``numpy.savez``, ``.npz`` is appended to a path that does not end with it:
+        ``save("model")`` writes ``model.npz``, which ``load("model")`` reads.
+        """
+        np.savez(_npz_path(path), **{name: t.numpy() for name, t in self.state_dict().items()})
 
     def load(self, path: str | os.PathLike, strict: bool = True) -> IncompatibleKeys:
-        """Load parameters from a ``.npz`` file written by :meth:`save` (see :meth:`load_state_dict`)."""
-        with np.load(path, allow_pickle=False) as data:
+        """Load parameters from a ``.npz`` file written by :meth:`save` (see :meth:`load_state_dict`).
+
+        ``path`` is the one given to :meth:`save`: this reads the file :meth:`save` wrote for it
+        (``path`` with ``.npz`` appended where it lacks it). Where that file does not exist but
+        ``path`` itself does (an ``.npz`` written under another name), that is read.
+        """
+        target = _npz_path(path)
+        if not os.path.exists(target) and os.path.exists(path):
+            target = os.fspath(path)
+        if not os.path.exists(target):
+            raise FileNotFoundError(f"load: no file {target!r}, the one save({os.fspath(path)!r}) writes")
+        with np.load(target, allow_pickle=False) as data:
             state = {name: data[name] for name in data.files}
         return self.load_state_dict(state, strict=strict)
+
+
+def _npz_path(path: str | os.PathLike) -> str:
+    """The file ``numpy.savez`` writes for ``path``: ``path`` itself if it ends with ``.npz``."""
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"path should be a str or os.PathLike of str, got {type(path).__name__}")
+    return path if path.endswith(".npz") else path + ".npz"
