@@ -11,9 +11,11 @@ import operator
 
 import numpy as np
 import pytest
+from helpers import F16, F32, TOLERANCES, assert_close, check_op
 
 import taifuse
 import taifuse.functional as F
+from taifuse.backends import reference as R
 
 
 def _rng() -> np.random.Generator:
@@ -106,6 +108,67 @@ def test_zero_d_numpy_operands_keep_their_shape(backend):
     assert F.mse_loss(a, b, reduction="none").shape == ()
     out = F.add_relu(taifuse.tensor(a, requires_grad=True), b)
     assert out.shape == () and out.item() == 1.0
+
+
+# ----------------------------------------------------------------------------- linear with in_features = 0
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+def test_linear_without_input_features_is_the_activation_of_the_bias(backend, activation, with_bias, dtype):
+    rng = _rng()
+    x = np.empty((3, 0), dtype)
+    w = np.empty((4, 0), dtype)
+    b = rng.standard_normal(4).astype(dtype) if with_bias else None
+    check_op(backend, "linear", x, w, b, activation=activation)
+    batched = F.linear(np.empty((2, 3, 0), dtype), w, b, activation=activation)
+    assert batched.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+def test_linear_backward_without_input_features(backend, activation):
+    rows, features = 3, 4
+    rng = _rng()
+    b = rng.standard_normal(features).astype(np.float32)
+    g = rng.standard_normal((rows, features)).astype(np.float32)
+    x = taifuse.tensor(np.empty((rows, 0), np.float32), requires_grad=True)
+    w = taifuse.tensor(np.empty((features, 0), np.float32), requires_grad=True)
+    bt = taifuse.tensor(b, requires_grad=True)
+    out = F.linear(x, w, bt, activation=activation)
+    out.backward(taifuse.tensor(g))
+
+    pre = np.broadcast_to(b.astype(np.float64), (rows, features)).copy()
+    ref_out = np.empty((rows, features))
+    R.linear_act(np.empty((rows, 0)), np.empty((features, 0)), b.astype(np.float64), activation, ref_out)
+    gx, gw, gb, gp = np.empty((rows, 0)), np.empty((features, 0)), np.empty(features), np.empty((rows, features))
+    R.linear_act_backward(np.empty((rows, 0)), np.empty((features, 0)), pre, g.astype(np.float64), activation,
+                          gp, gx, gw, gb)  # fmt: skip
+    tol = TOLERANCES[F32]
+    assert_close(out.numpy(), ref_out, np.maximum(1.0, np.abs(pre)), tol, "linear forward")
+    assert x.grad.shape == (rows, 0) and w.grad.shape == (features, 0)
+    assert_close(bt.grad.numpy(), gb, np.maximum(1.0, np.abs(g).sum(axis=0)), tol, "linear grad_bias")
+
+
+def _sum_leading(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The gradient of an operand that matmul broadcast over leading batch axes."""
+    return grad.sum(axis=tuple(range(grad.ndim - len(shape))))
+
+
+@pytest.mark.parametrize("sa, sb", [((2, 0), (0, 3)), ((0, 3), (3, 2)), ((2, 3), (3, 0)), ((2, 0), (2, 0, 3))])
+def test_matmul_with_an_empty_dimension_matches_numpy(backend, sa, sb):
+    rng = _rng()
+    a, b = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+    ta, tb = taifuse.tensor(a, requires_grad=True), taifuse.tensor(b, requires_grad=True)
+    out = ta @ tb
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(out.numpy(), expected.astype(np.float32), strict=True)
+    g = rng.standard_normal(expected.shape).astype(np.float32)
+    out.backward(taifuse.tensor(g))
+    ga = _sum_leading(g.astype(np.float64) @ np.swapaxes(b, -1, -2), sa)
+    gb = _sum_leading(np.swapaxes(a, -1, -2) @ g.astype(np.float64), sb)
+    np.testing.assert_allclose(ta.grad.numpy(), ga, rtol=1e-6)
+    np.testing.assert_allclose(tb.grad.numpy(), gb, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- bad operands are named

@@ -571,6 +571,11 @@ def matmul_into(
     m = rb if transpose_b else cb
     sa_n, sa_k = (1, ca) if transpose_a else (ca, 1)
     sb_k, sb_m = (1, cb) if transpose_b else (cb, 1)
+    if not out.size:
+        return
+    if k == 0:  # an empty sum: zeros, and the operands are empty (no storage to launch with)
+        kernels_for(out.dtype).fill(_nd(out), 0.0, out.size)
+        return
     batch = math.prod(batch_shape)
     # Batch strides come in units of whole matrices; the kernel wants elements.
     bshape, sab, sbb = _merge(

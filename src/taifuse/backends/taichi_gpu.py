@@ -416,9 +416,11 @@ def linear_act(
     m_cols = w.shape[0]
     kernels = _k(x)
     kernel = kernels.linear_act_shared if _on_gpu() else kernels.linear_act
+    # With k_dim = 0, x and w are empty (no storage) and the kernels' K loops read nothing: a
+    # stand-in gets them launched, and out is activation(bias), or zeros without a bias.
     kernel(
-        _nd(x),
-        _nd(w),
+        _optional(x if k_dim else None, x.dtype),
+        _optional(w if k_dim else None, x.dtype),
         _optional(b, x.dtype),
         _nd(out),
         n_rows,
