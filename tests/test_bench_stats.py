@@ -285,3 +285,53 @@ def test_goal_judgement_on_an_interval():
     for bounds in ({}, {"at_least": 1.0, "at_most": 2.0}):
         with pytest.raises(ValueError, match="exactly one"):
             judge(0.9, 1.1, **bounds)
+
+
+# ------------------------------------------------------ two runs (NOTE [ Comparing two runs ])
+
+
+@pytest.mark.parametrize(("df", "quantile"), [(1, 12.706), (2, 4.303), (4, 2.776), (8, 2.306), (30, 2.042)])
+def test_t_quantile_matches_the_tables(df, quantile):
+    assert stats.t_quantile(0.975, df) == pytest.approx(quantile, abs=1e-3)
+
+
+def test_run_change_counts_processes_not_pairs():
+    # Many tight pairs cannot narrow the interval: three processes per run give 4 degrees of freedom.
+    rng = np.random.default_rng(0)
+    old = [2.0 * f * np.exp(rng.normal(0, 0.01, 500)) for f in (0.9, 1.0, 1.1)]
+    new = [1.0 * f * np.exp(rng.normal(0, 0.01, 500)) for f in (1.1, 0.9, 1.0)]
+    c = stats.run_change(new, old)
+    assert c.df == 4 and np.exp(c.log_change) == pytest.approx(0.5, rel=0.01)
+    assert c.variance == pytest.approx(np.var(np.log([0.9, 1.0, 1.1]), ddof=1) * 2 / 3, rel=0.1)
+    est = stats.change_estimate(c, 0.0)
+    assert est.low < 0.5 < est.high and est.high / est.low > 1.4
+    with pytest.raises(ValueError, match="three processes"):
+        stats.run_change([[1.0, 1.1]], [[1.0, 1.2]])
+
+
+def test_run_to_run_spread_floor_few_rows_and_outliers():
+    def rows(log_changes, variance=0.0):
+        return [stats.RunChange(d, variance, 4, 3, 24, 0.05) for d in log_changes]
+
+    assert stats.run_to_run(rows([0.5, -0.5])) == stats.RUN_TO_RUN_FLOOR  # too few rows to say more
+    wide = np.random.default_rng(1).normal(0.0, 0.4, 200)
+    assert 0.33 < stats.run_to_run(rows(wide)) < 0.47
+    # A few real regressions among quiet rows do not widen everyone's interval ...
+    assert stats.run_to_run(rows([0.0] * 10 + [-0.7, -0.7])) == stats.RUN_TO_RUN_FLOOR
+    # ... nor does a shift of every row, and the processes' own share is not counted twice.
+    assert stats.run_to_run(rows(wide - 0.7)) == pytest.approx(stats.run_to_run(rows(wide)))
+    assert stats.run_to_run(rows(wide, variance=0.1)) < stats.run_to_run(rows(wide))
+
+
+def test_change_verdict_boundaries():
+    def est(low, high, dispersion=0.01):
+        return stats.Estimate(median=(low * high) ** 0.5, low=low, high=high, n_processes=3, n_samples=24,
+                              dispersion=dispersion)
+
+    assert stats.change_verdict(est(0.4, 0.9), 0.1) == stats.SLOWER
+    assert stats.change_verdict(est(0.4, 0.95), 0.1) == stats.INCONCLUSIVE  # moved, not provably by 10%
+    assert stats.change_verdict(est(0.4, 1.05), 0.1) == stats.NO_DIFFERENCE  # no change measurable
+    assert stats.change_verdict(est(0.93, 0.97), 0.1) == stats.NO_DIFFERENCE  # a change under 10%
+    assert stats.change_verdict(est(1.05, 1.3), 0.1) == stats.INCONCLUSIVE
+    assert stats.change_verdict(est(1.12, 1.3), 0.1) == stats.FASTER
+    assert stats.change_verdict(est(0.4, 0.9, dispersion=0.5), 0.1) == stats.UNSTABLE
