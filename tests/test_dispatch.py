@@ -11,11 +11,14 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from helpers import METAL_HOST
 
 import taifuse
+import taifuse.functional as F
 from taifuse import backends
 
 HEAVY_MODULES = ("numba", "llvmlite", "taichi", "torch")
@@ -137,6 +140,45 @@ def test_use_backend_nests():
             assert taifuse.get_backend() == "numpy"
         assert taifuse.get_backend() == "numba"
     assert taifuse.get_backend() == "numpy"
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a new thread and return what it returned (or raise what it raised)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result(timeout=120)
+
+
+def test_use_backend_is_thread_local():
+    """Reported: use_backend switched every thread, so another thread's ops failed inside the block.
+
+    As torch.no_grad: the block's choice holds in the thread that entered it; set_backend's is the
+    process's.
+    """
+    if "numba" not in taifuse.available_backends():
+        pytest.skip("needs a second backend")
+    taifuse.set_backend("numpy")
+    elsewhere = _in_thread(lambda: taifuse.tensor(np.array([1.0, -2.0], np.float32)))  # a numpy Tensor
+    with taifuse.use_backend("numba"):
+        assert taifuse.get_backend() == "numba"
+        assert _in_thread(taifuse.get_backend) == "numpy"
+        # The other thread's numpy Tensor still runs there (it raised 'active backend' before).
+        got = _in_thread(lambda: F.relu(elsewhere).numpy())
+        np.testing.assert_array_equal(got, [1.0, 0.0])
+    assert taifuse.get_backend() == "numpy"
+
+
+def test_set_backend_is_process_wide():
+    if "numba" not in taifuse.available_backends():
+        pytest.skip("needs a second backend")
+    taifuse.set_backend("numpy")
+    _in_thread(lambda: taifuse.set_backend("numba"))
+    assert taifuse.get_backend() == "numba"
+    # A block in this thread outranks it here, and only here.
+    with taifuse.use_backend("numpy"):
+        _in_thread(lambda: taifuse.set_backend("numba"))
+        assert taifuse.get_backend() == "numpy"
+        assert _in_thread(taifuse.get_backend) == "numba"
+    assert taifuse.get_backend() == "numba"
 
 
 # ----------------------------------------------------------------------------- environment

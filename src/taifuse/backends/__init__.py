@@ -4,11 +4,12 @@ Every backend module (``reference``, ``numba_cpu``, ``taichi_gpu``) exports the 
 same signatures; :data:`KERNEL_NAMES` lists the kernels and :data:`ARRAY_API` the array helpers.
 A test checks that the tables match.
 
-Selection, in order of precedence: :func:`set_backend` / :func:`use_backend`, then the environment
-variable ``TAIFUSE_BACKEND`` (``numpy``, ``numba``, ``taichi`` or ``auto``), then ``auto``:
-Taichi on Metal when this is a Mac with Metal, else Numba, else NumPy. ``TAIFUSE_TAICHI_ARCH``
-(``metal``, ``vulkan``, ``cuda``, ``cpu``) picks Taichi's arch. A backend that fails to start falls
-back to the next one in ``taichi -> numba -> numpy`` with one warning that says why.
+Selection, in order of precedence: :func:`use_backend` in the current thread, then
+:func:`set_backend` (for the whole process), then the environment variable ``TAIFUSE_BACKEND``
+(``numpy``, ``numba``, ``taichi`` or ``auto``), then ``auto``: Taichi on Metal when this is a Mac
+with Metal, else Numba, else NumPy. ``TAIFUSE_TAICHI_ARCH`` (``metal``, ``vulkan``, ``cuda``,
+``cpu``) picks Taichi's arch. A backend that fails to start falls back to the next one in
+``taichi -> numba -> numpy`` with one warning that says why.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 BACKENDS = ("numpy", "numba", "taichi")
 TAICHI_ARCHES = ("metal", "vulkan", "cuda", "cpu")
@@ -87,10 +89,21 @@ class BackendUnavailable(RuntimeError):
 
 
 _lock = threading.RLock()
+# The process's choice: set_backend's override, and the backend it resolved to (None: not yet).
 _active: ModuleType | None = None
 _active_name: str | None = None
-_override: str | None = None  # set by set_backend / use_backend
+_override: str | None = None
 _override_arch: str | None = None
+
+
+class _ThreadChoice(threading.local):
+    """The current thread's innermost use_backend block: its request, and the backend it resolved to."""
+
+    request: tuple[str | None, str | None] | None = None  # (name, arch); name None: auto
+    module: ModuleType | None = None
+
+
+_thread = _ThreadChoice()
 
 
 def _installed(name: str) -> bool:
@@ -106,9 +119,10 @@ def _metal_possible() -> bool:
     return sys.platform == "darwin" and platform.machine() in ("arm64", "aarch64")
 
 
-def _requested() -> tuple[str, str | None]:
-    name = _override or os.environ.get("TAIFUSE_BACKEND", "auto").strip().lower() or "auto"
-    arch = _override_arch or os.environ.get("TAIFUSE_TAICHI_ARCH", "").strip().lower() or None
+def _requested(override: str | None, override_arch: str | None) -> tuple[str, str | None]:
+    """The backend and arch to start: an override (None for 'auto'), else the environment's."""
+    name = override or os.environ.get("TAIFUSE_BACKEND", "auto").strip().lower() or "auto"
+    arch = override_arch or os.environ.get("TAIFUSE_TAICHI_ARCH", "").strip().lower() or None
     if name not in BACKENDS + ("auto",):
         raise ValueError(f"TAIFUSE_BACKEND should be one of {BACKENDS + ('auto',)}, got {name!r}")
     if arch is not None and arch not in TAICHI_ARCHES:
@@ -132,9 +146,9 @@ def _start(name: str, arch: str | None) -> ModuleType:
     return module
 
 
-def _resolve() -> ModuleType:
-    global _active, _active_name
-    name, arch = _requested()
+def _resolve(override: str | None, override_arch: str | None) -> ModuleType:
+    """Start the requested backend, or the first that starts after it (one warning each)."""
+    name, arch = _requested(override, override_arch)
     if name == "auto":
         if _metal_possible() and _installed("taichi") and arch in (None, "metal"):
             name, arch = "taichi", "metal"
@@ -157,44 +171,39 @@ def _resolve() -> ModuleType:
                 stacklevel=4,
             )
             name = nxt
-    _active, _active_name = module, name
     return module
 
 
 def active() -> ModuleType:
-    """The active backend module (resolved and started on first use)."""
+    """The active backend module in this thread (resolved and started on first use)."""
+    if _thread.request is not None:
+        module = _thread.module
+        if module is None:
+            with _lock:  # NOTE: starting a backend (ti.init) is process-wide; one at a time
+                module = _thread.module = _resolve(*_thread.request)
+        return module
+    return _process_active()
+
+
+def _process_active() -> ModuleType:
+    global _active, _active_name
     module = _active
     if module is not None:
         return module
     with _lock:
         if _active is None:
-            return _resolve()
+            module = _resolve(_override, _override_arch)
+            _active, _active_name = module, module.NAME
         return _active
 
 
 def get_backend() -> str:
-    """Name of the active backend: ``'numpy'``, ``'numba'`` or ``'taichi'``."""
-    active()
-    assert _active_name is not None
-    return _active_name
+    """Name of the active backend in this thread: ``'numpy'``, ``'numba'`` or ``'taichi'``."""
+    return active().NAME
 
 
-def set_backend(name: str, *, arch: str | None = None) -> None:
-    """Select the backend for the ops that follow.
-
-    Args:
-        name: ``'numpy'``, ``'numba'``, ``'taichi'`` or ``'auto'``.
-        arch: Taichi arch (``'metal'``, ``'vulkan'``, ``'cuda'``, ``'cpu'``); only with ``'taichi'``.
-
-    A backend that fails to start falls back to the next one with a warning, as the automatic
-    choice does. Example::
-
-        >>> import taifuse
-        >>> taifuse.set_backend("numpy")
-        >>> taifuse.get_backend()
-        'numpy'
-    """
-    global _override, _override_arch, _active, _active_name
+def _check_choice(name: Any, arch: str | None) -> str:
+    """Validate a set_backend / use_backend choice; the name in lower case."""
     if not isinstance(name, str) or name.lower() not in BACKENDS + ("auto",):
         raise ValueError(f"backend name should be one of {BACKENDS + ('auto',)}, got {name!r}")
     name = name.lower()
@@ -205,28 +214,73 @@ def set_backend(name: str, *, arch: str | None = None) -> None:
             )
         if arch not in TAICHI_ARCHES:
             raise ValueError(f"arch should be one of {TAICHI_ARCHES}, got {arch!r}")
+    return name
+
+
+def set_backend(name: str, *, arch: str | None = None) -> None:
+    """Select the backend for the ops that follow, in every thread of the process.
+
+    Args:
+        name: ``'numpy'``, ``'numba'``, ``'taichi'`` or ``'auto'``.
+        arch: Taichi arch (``'metal'``, ``'vulkan'``, ``'cuda'``, ``'cpu'``); only with ``'taichi'``.
+
+    A backend that fails to start falls back to the next one with a warning, as the automatic
+    choice does. A thread inside a :func:`use_backend` block keeps that block's backend until
+    it leaves the block. Example::
+
+        >>> import taifuse
+        >>> taifuse.set_backend("numpy")
+        >>> taifuse.get_backend()
+        'numpy'
+    """
+    global _override, _override_arch, _active, _active_name
+    name = _check_choice(name, arch)
     with _lock:
         _override = None if name == "auto" else name
         _override_arch = arch
         _active, _active_name = None, None
-        active()
+        _process_active()
 
 
 @contextlib.contextmanager
 def use_backend(name: str, *, arch: str | None = None) -> Iterator[None]:
-    """Context manager: run the block on backend ``name``, then restore the previous choice."""
-    global _override, _override_arch, _active, _active_name
-    with _lock:
-        saved = (_override, _override_arch)
-    set_backend(name, arch=arch)
+    """Context manager: run the block on backend ``name`` in this thread, then restore its choice.
+
+    Like ``torch.no_grad``, the choice is the current thread's: other threads keep theirs (their
+    own blocks, else :func:`set_backend`'s choice) while this one is inside the block. Blocks nest.
+    ``'auto'`` is the environment's choice (``TAIFUSE_BACKEND``), or the automatic one.
+
+    NOTE: Taichi has one runtime per process. A block on another Taichi arch than the one running
+    re-initialises it for every thread, which invalidates the Taichi arrays made before; on leaving
+    the block the previous arch is started again at next use. Threads that work on Taichi at the
+    same time should use the same arch.
+
+    Example::
+
+        >>> import taifuse
+        >>> taifuse.set_backend("numpy")
+        >>> with taifuse.use_backend("numpy"):
+        ...     taifuse.get_backend()
+        'numpy'
+    """
+    global _active, _active_name
+    name = _check_choice(name, arch)
+    saved = (_thread.request, _thread.module)
+    _thread.request, _thread.module = (None if name == "auto" else name, arch), None
+    started = None
     try:
+        started = active()  # now, so that a fallback warns at the `with`, as set_backend does
         yield
     finally:
-        with _lock:
-            # Re-resolve lazily: backend init() is idempotent, and a Taichi arch switch inside
-            # the block must be undone by re-initialising, not by keeping a stale module handle.
-            _override, _override_arch = saved
-            _active, _active_name = None, None
+        _thread.request, _thread.module = saved
+        if started is not None and started.NAME == "taichi":
+            # The block may have re-initialised Taichi on its arch: an outer block's choice and
+            # the process's re-run their init() (idempotent) at next use, rather than keep a
+            # handle to a runtime on another arch.
+            if _thread.module is not None and _thread.module.NAME == "taichi":
+                _thread.module = None
+            with _lock:
+                _active, _active_name = None, None
 
 
 def get_module(name: str) -> ModuleType:
