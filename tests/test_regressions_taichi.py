@@ -171,6 +171,58 @@ def test_matmul_with_an_empty_dimension_matches_numpy(backend, sa, sb):
     np.testing.assert_allclose(tb.grad.numpy(), gb, rtol=1e-6)
 
 
+# ----------------------------------------------------------------------------- integer Tensor arithmetic
+
+# The taichi backend refuses arithmetic on integer tensors (Metal has no 64-bit integers; integer
+# tensors there are int32 class indices): a TypeError naming the operand and its dtype.
+INTEGER_EXPRESSIONS = {
+    "mul_scalar": (lambda i, j: i * 2, "mul", "left operand"),
+    "rsub_scalar": (lambda i, j: 2 - i, "sub", "right operand"),
+    "add": (lambda i, j: i + j, "add", "left operand"),
+    "sub": (lambda i, j: i - j, "sub", "left operand"),
+    "truediv": (lambda i, j: i / 2, "div", "left operand"),
+    "neg": (lambda i, j: -i, "neg", "operand"),
+    "pow": (lambda i, j: i**3, "pow", "operand"),
+    "sum": (lambda i, j: i.sum(), "sum", "operand"),
+    "mean": (lambda i, j: i.mean(0), "sum", "operand"),
+    "matmul": (lambda i, j: i @ j.reshape(3, 2), "matmul", "left operand"),
+    "transpose": (lambda i, j: i.T, "transpose", "operand"),
+}
+
+
+@pytest.mark.parametrize("name", list(INTEGER_EXPRESSIONS))
+def test_integer_tensor_arithmetic_is_refused_naming_the_operand_and_dtype(backend, name):
+    _skip_host(backend)
+    fn, op, argname = INTEGER_EXPRESSIONS[name]
+    i = taifuse.tensor(np.arange(6).reshape(2, 3))
+    j = taifuse.tensor(np.ones((2, 3), np.int64))
+    assert i.dtype == np.int32  # class indices live on the device as int32
+    with pytest.raises(TypeError) as info:
+        fn(i, j)
+    message = str(info.value)
+    assert message.startswith(f"{op}: ") and argname in message and "int32" in message, message
+    assert "KeyError" not in message
+
+
+def test_integer_in_place_arithmetic_is_refused_before_writing(backend):
+    _skip_host(backend)
+    i = taifuse.tensor(np.arange(6).reshape(2, 3))
+    for update in (lambda t: t.__iadd__(1), lambda t: t.__imul__(2), lambda t: t.__isub__(t)):
+        with taifuse.no_grad(), pytest.raises(TypeError, match="int32"):
+            update(i)
+    np.testing.assert_array_equal(i.numpy(), np.arange(6).reshape(2, 3))
+
+
+def test_integer_tensors_still_hold_class_indices(backend):
+    target = taifuse.tensor(np.array([[1, 0], [2, 1]]))
+    logits = taifuse.tensor(_rng().standard_normal((4, 3)).astype(np.float32), requires_grad=True)
+    flat = target.reshape(4)  # a view, no arithmetic
+    loss = F.cross_entropy(logits, flat)
+    loss.backward()
+    assert flat.shape == (4,) and np.isfinite(loss.item())
+    np.testing.assert_array_equal(flat.numpy(), [1, 0, 2, 1])
+
+
 # ----------------------------------------------------------------------------- bad operands are named
 
 # (op, its array arguments, the position of the bad one). The first operand sets the dtype, so a bad

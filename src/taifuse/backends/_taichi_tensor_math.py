@@ -41,6 +41,7 @@ REDUCE_CHUNK = 256  # terms one thread adds per reduction pass (NOTE [ Loop limi
 TILE = 4
 
 OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_POW = 0, 1, 2, 3, 4
+_OP_NAMES = {OP_ADD: "add", OP_SUB: "sub", OP_MUL: "mul", OP_DIV: "div"}
 # pow_scalar modes for a negative base: NumPy gives +|a|^e (even integer e), -|a|^e (odd), nan (else).
 POW_EVEN, POW_ODD, POW_FRACTIONAL = 0, 1, 2
 
@@ -305,6 +306,23 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+# NOTE [ No integer arithmetic ]
+# Integer DeviceArrays are int32 class indices (NOTE [ Class indices on the device ] in
+# _taichi_backward.py). Arithmetic on them is refused, not emulated: Metal has no 64-bit integers,
+# so the int64 results PyTorch (and the host backends) give could not be matched, and int32 results
+# would wrap where theirs do not; the same reason float64 is refused rather than cast. Views
+# (reshape) and copies to the host stay available.
+def _require_float(op: str, *operands: tuple[str, Any]) -> None:
+    """Refuse (before anything is allocated or written) an integer operand of ``op``, naming it."""
+    for which, value in operands:
+        if not _is_number(value) and value.dtype.kind != "f":
+            raise TypeError(
+                f"{op}: the {which} has dtype {value.dtype}; the taichi backend has no integer arithmetic "
+                "(its integer tensors hold int32 class indices: Metal has no 64-bit integers). Convert it "
+                "to float32 first (taifuse.tensor(t.numpy(), dtype=np.float32)), or use the numpy or numba backend"
+            )
+
+
 # ----------------------------------------------------------------------------- reductions
 
 
@@ -377,6 +395,7 @@ class TaichiMath:
         be = _backend()
         if _is_number(a) and _is_number(b):
             raise TypeError("taichi tensor math needs at least one DeviceArray operand")
+        _require_float(_OP_NAMES[op], ("left operand", a), ("right operand", b))
         if _is_number(b) or _is_number(a):
             arr, s, reverse = (a, b, 0) if _is_number(b) else (b, a, 1)
             out = _new(be, arr.shape, arr.dtype)
@@ -415,11 +434,13 @@ class TaichiMath:
 
     @staticmethod
     def neg(a: Any) -> Any:
+        _require_float("neg", ("operand", a))
         # 0 - x would turn -0.0 into +0.0; -1 * x keeps the sign bit as NumPy's negative does.
         return TaichiMath._binary(a, -1.0, OP_MUL)
 
     @staticmethod
     def pow_scalar(a: Any, exponent: float) -> Any:
+        _require_float("pow", ("operand", a))
         if exponent == 2:
             return TaichiMath._binary(a, a, OP_MUL)
         out = _new(_backend(), a.shape, a.dtype)
@@ -435,6 +456,7 @@ class TaichiMath:
     @staticmethod
     def matmul(a: Any, b: Any) -> Any:
         """NumPy's matmul: 1-D operands are promoted (and the promoted axis dropped), batches broadcast."""
+        _require_float("matmul", ("left operand", a), ("right operand", b))
         if a.dtype != b.dtype:
             raise TypeError(f"matmul: operands have dtypes {a.dtype} and {b.dtype}")
         a2 = a.reshape((1,) + a.shape) if a.ndim == 1 else a
@@ -456,6 +478,7 @@ class TaichiMath:
 
     @staticmethod
     def sum(a: Any, axis: tuple[int, ...] | None, keepdims: bool) -> Any:
+        _require_float("sum", ("operand", a))
         axes = tuple(range(a.ndim)) if axis is None else tuple(d % max(a.ndim, 1) for d in axis)
         kept = tuple(n for d, n in enumerate(a.shape) if d not in axes)
         shape = tuple(1 if d in axes else n for d, n in enumerate(a.shape)) if keepdims else kept
@@ -482,6 +505,7 @@ class TaichiMath:
 
     @staticmethod
     def transpose(a: Any, axes: tuple[int, ...] | None = None) -> Any:
+        _require_float("transpose", ("operand", a))
         axes = tuple(reversed(range(a.ndim))) if axes is None else tuple(axes)
         shape = tuple(a.shape[d] for d in axes)
         out = _new(_backend(), shape, a.dtype)
@@ -493,6 +517,7 @@ class TaichiMath:
 
     @staticmethod
     def broadcast_to(a: Any, shape: tuple[int, ...]) -> Any:
+        _require_float("broadcast_to", ("operand", a))
         shape = tuple(shape)
         if a.shape == shape:
             return a
@@ -513,6 +538,7 @@ class TaichiMath:
 
     @staticmethod
     def copy(a: Any) -> Any:
+        _require_float("copy", ("operand", a))
         out = _new(_backend(), a.shape, a.dtype)
         if out.size:
             kernels_for(a.dtype).binary_scalar(_nd(a), 1.0, _nd(out), OP_MUL, out.size, 0)
@@ -520,6 +546,7 @@ class TaichiMath:
 
     @staticmethod
     def _inplace(acc: Any, a: Any, op: int) -> None:
+        _require_float(f"in-place {_OP_NAMES[op]}", ("tensor updated", acc), ("operand", a))
         if not acc.size:
             return
         k = kernels_for(acc.dtype)
