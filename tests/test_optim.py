@@ -500,6 +500,36 @@ def test_state_dict_layout_loads_into_torch(grad_backend):
     )
 
 
+@needs_torch
+def test_torch_state_dict_loads_into_ours(grad_backend):
+    """torch.optim.Adam's state_dict (its 'step' a 0-d tensor) loads and continues alike."""
+    import torch
+
+    init, targets = _problem()
+    tparams = [torch.tensor(a.copy(), requires_grad=True) for a in init]
+    topt = torch.optim.Adam(tparams, lr=0.01, amsgrad=True)
+    for k in range(5):
+        for tp, t in zip(tparams, targets):
+            tp.grad = torch.from_numpy(_grad(tp.detach().numpy(), t, k))
+        topt.step()
+    params = [Parameter(tp.detach().numpy().copy()) for tp in tparams]
+    opt = optim.Adam(params, lr=1.0)
+    opt.load_state_dict(topt.state_dict())
+    assert opt.param_groups[0]["amsgrad"] and opt.state_dict()["state"][0]["step"] == 5.0
+    for k in range(5, 10):
+        for p, tp, t in zip(params, tparams, targets):
+            p.grad = taifuse.tensor(_grad(p.numpy(), t, k))
+            tp.grad = torch.from_numpy(_grad(tp.detach().numpy(), t, k))
+        opt.step()
+        topt.step()
+    _assert_close_normwise(
+        _cat(p.numpy() for p in params),
+        _cat(tp.detach().numpy() for tp in tparams),
+        TRAJ_RTOL,
+        "after loading",
+    )
+
+
 # ----------------------------------------------------------------------------- flat buffers
 
 
@@ -650,6 +680,64 @@ def test_load_state_dict_refuses_mismatches_before_changing_anything(grad_backen
     for key, entry in before["state"].items():
         for name, value in entry.items():
             np.testing.assert_array_equal(after["state"][key][name], value)
+
+
+def _malformed(state_dict: dict) -> list:
+    """(broken copy of ``state_dict``, exception type, message pattern) for each malformation."""
+    import copy
+
+    def broken(edit):
+        sd = copy.deepcopy(state_dict)
+        edit(sd)
+        return sd
+
+    def set_step(value):
+        return lambda sd: sd["state"][0].__setitem__("step", value)
+
+    return [
+        (
+            {**state_dict, "state": list(state_dict["state"].values())},
+            TypeError,
+            "'state' should be a dict.*list",
+        ),
+        (
+            {**state_dict, "param_groups": state_dict["param_groups"][0]},
+            TypeError,
+            "'param_groups' should be a list",
+        ),
+        (broken(lambda sd: sd["param_groups"][0].pop("params")), ValueError, "group 0 has no 'params'"),
+        (broken(lambda sd: sd["param_groups"].__setitem__(0, 3)), TypeError, "group 0 should be a dict"),
+        (
+            broken(lambda sd: sd["state"].__setitem__(1, [1, 2])),
+            TypeError,
+            "state of parameter 1 should be a dict",
+        ),
+        (broken(set_step(float("nan"))), ValueError, "'step' of parameter 0 .* got nan"),
+        (broken(set_step(float("inf"))), ValueError, "'step' of parameter 0 .* got inf"),
+        (broken(set_step(2.5)), ValueError, "'step' of parameter 0 .* got 2.5"),
+        (broken(set_step("three")), TypeError, "'step' of parameter 0 .* got 'three'"),
+        (
+            broken(lambda sd: sd["state"][1].__setitem__("exp_avg", "x")),
+            TypeError,
+            "'exp_avg' of parameter 1",
+        ),
+    ]
+
+
+def test_load_state_dict_names_malformed_entries_before_changing_anything(grad_backend):
+    params, adam = _stepped(optim.Adam, {"lr": 0.1})
+    before = adam.state_dict()
+    values = [p.numpy().copy() for p in params]
+    for bad, error, pattern in _malformed(before):
+        with pytest.raises(error, match=pattern):
+            adam.load_state_dict(bad)
+    after = adam.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for key, entry in before["state"].items():
+        for name, value in entry.items():
+            np.testing.assert_array_equal(after["state"][key][name], value)
+    for p, v in zip(params, values):
+        np.testing.assert_array_equal(p.numpy(), v)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -257,6 +257,30 @@ def test_dim_ops_on_a_0d_tensor_refuse_other_dims(grad_backend):
         x.transpose(0, 1)
 
 
+def test_grad_setter_refuses_what_torch_refuses(grad_backend):
+    """``.grad`` takes a Tensor of the tensor's shape, dtype and backend, or None; anything else raises
+    at the assignment (as torch does), not later in an optimizer step."""
+    p = taifuse.tensor(np.zeros(3, np.float32), requires_grad=True)
+    with pytest.raises(TypeError, match="assigned grad expected to be a Tensor or None.*numpy.ndarray"):
+        p.grad = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match=r"gradient of shape \(4,\) to a tensor of shape \(3,\)"):
+        p.grad = taifuse.tensor(np.ones(4, np.float32))
+    with pytest.raises(TypeError, match="gradient of dtype float16 to a tensor of dtype float32"):
+        p.grad = taifuse.tensor(np.ones(3, np.float16))
+    assert p.grad is None
+    g = taifuse.tensor(np.ones(3, np.float32))
+    p.grad = g
+    assert p.grad is g
+    p.grad = None
+    assert p.grad is None
+    other = "numpy" if grad_backend.name != "numpy" else "numba"
+    if other in taifuse.available_backends():
+        with taifuse.use_backend(other):
+            foreign = taifuse.tensor(np.ones(3, np.float32))
+        with pytest.raises(TypeError, match="backend"):
+            p.grad = foreign
+
+
 def test_mixing_backends_raises():
     with taifuse.use_backend("numpy"):
         a = taifuse.tensor([1.0], requires_grad=True)

@@ -203,7 +203,7 @@ class Tensor:
         self._be = be
         self._ctx: Function | None = None
         self._requires_grad = False
-        self.grad: Tensor | None = None
+        self._grad: Tensor | None = None
         if arr.dtype.kind == "f":
             be.check_dtype(arr.dtype, "tensor: dtype")
         self.requires_grad = requires_grad
@@ -211,7 +211,7 @@ class Tensor:
     @classmethod
     def _wrap(cls, data: Any, be: ModuleType) -> Tensor:
         t = cls.__new__(cls)
-        t._data, t._be, t._ctx, t._requires_grad, t.grad = data, be, None, False, None
+        t._data, t._be, t._ctx, t._requires_grad, t._grad = data, be, None, False, None
         return t
 
     # -- properties
@@ -248,6 +248,37 @@ class Tensor:
         if value and self.dtype.kind != "f":
             raise TypeError(f"only floating-point tensors can require gradients, got dtype {self.dtype}")
         self._requires_grad = bool(value)
+
+    @property
+    def grad(self) -> Tensor | None:
+        """The gradient :meth:`backward` accumulated into this tensor (None before the first one).
+
+        Assigning it takes a Tensor of this tensor's shape, dtype and backend, or None (as in
+        PyTorch); anything else raises ``TypeError`` (``ValueError`` for a wrong shape) at once.
+        """
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        if value is not None:
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    "assigned grad expected to be a Tensor or None but got grad of type "
+                    f"{type(value).__module__}.{type(value).__qualname__}"
+                )
+            if value._be is not self._be:
+                raise TypeError(
+                    f"cannot assign a gradient on backend {value._be.NAME!r} to a tensor on backend {self._be.NAME!r}"
+                )
+            if value.shape != self.shape:
+                raise ValueError(
+                    f"cannot assign a gradient of shape {value.shape} to a tensor of shape {self.shape}"
+                )
+            if value.dtype != self.dtype:
+                raise TypeError(
+                    f"cannot assign a gradient of dtype {value.dtype} to a tensor of dtype {self.dtype}"
+                )
+        self._grad = value
 
     @property
     def is_leaf(self) -> bool:

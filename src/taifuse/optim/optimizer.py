@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -437,19 +437,42 @@ class Optimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyperparameters and state saved by :meth:`state_dict` (or by the same ``torch.optim`` class).
 
-        Everything is checked first (group and parameter counts, hyperparameter names and
-        ranges, state entries and shapes); on any mismatch ``ValueError`` is raised and nothing
-        changes. State arrays are cast to their parameter's dtype, as PyTorch does.
+        Everything is checked first (the layout, group and parameter counts, hyperparameter names
+        and ranges, state entries, steps and shapes); on any mismatch ``ValueError`` (a wrong value)
+        or ``TypeError`` (a wrong type) names the entry and nothing changes. State arrays are cast
+        to their parameter's dtype, as PyTorch does.
         """
-        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("state_dict should be a dict with exactly the keys 'state' and 'param_groups'")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(saved_state, Mapping):
+            raise TypeError(
+                "loaded state dict's 'state' should be a dict {parameter index: state}, got "
+                f"{type(saved_state).__name__}"
+            )
+        if not isinstance(saved_groups, (list, tuple)):
+            raise TypeError(
+                f"loaded state dict's 'param_groups' should be a list of dicts, got {type(saved_groups).__name__}"
+            )
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"loaded state dict has {len(saved_groups)} parameter group(s), this optimizer {len(self.param_groups)}"
             )
+        for g, saved in enumerate(saved_groups):
+            if not isinstance(saved, Mapping):
+                raise TypeError(
+                    f"loaded state dict's parameter group {g} should be a dict, got {type(saved).__name__}"
+                )
+            if "params" not in saved:
+                raise ValueError(f"loaded state dict's parameter group {g} has no 'params' entry")
+            if isinstance(saved["params"], (str, bytes)) or not isinstance(saved["params"], Iterable):
+                raise TypeError(
+                    f"loaded state dict's parameter group {g} 'params' should be a list of parameter "
+                    f"indices, got {saved['params']!r}"
+                )
         new_groups, writes = [], []
         for g, (saved, group, segments) in enumerate(zip(saved_groups, self.param_groups, self._segments())):
+            saved = {**saved, "params": list(saved["params"])}
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"loaded state dict's group {g} has {len(saved['params'])} parameters, this optimizer's "
@@ -471,28 +494,19 @@ class Optimizer:
                 if entry is None:
                     writes.append((bucket, i, 0, {}))
                     continue
+                if not isinstance(entry, Mapping):
+                    raise TypeError(
+                        f"loaded state dict's state of parameter {key} should be a dict, got {type(entry).__name__}"
+                    )
                 expected = names | ({"step"} if self._STEP_IN_STATE else set())
                 if set(entry) != expected:
                     raise ValueError(
                         f"loaded state dict is not from a {self._name} with these settings: parameter {key} "
                         f"has state {sorted(entry)}, expected {sorted(expected)}"
                     )
-                arrays = {}
-                for name in names:
-                    value = entry[name]
-                    arr = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
-                    if arr.shape != p.shape:
-                        raise ValueError(
-                            f"loaded state dict's {name!r} of parameter {key} has shape {arr.shape}, the "
-                            f"parameter {p.shape}"
-                        )
-                    arrays[name] = arr.astype(p.dtype)
-                step = float(entry["step"]) if self._STEP_IN_STATE else 1.0
-                if step != int(step) or step < 1:
-                    raise ValueError(
-                        f"loaded state dict's step of parameter {key} should be a positive integer, got {step}"
-                    )
-                writes.append((bucket, i, int(step), arrays))
+                arrays = {name: _saved_array(entry[name], name, key, p) for name in names}
+                step = _saved_step(entry["step"], key) if self._STEP_IN_STATE else 1
+                writes.append((bucket, i, step, arrays))
             new_groups.append(merged)
         # Everything checked: now write.
         for group, merged in zip(self.param_groups, new_groups):
@@ -514,3 +528,35 @@ class Optimizer:
                 lines.append(f"    {key}: {group[key]}")
         lines.append(")")
         return "\n".join(lines)
+
+
+def _saved_array(value: Any, name: str, key: Any, param: Tensor) -> np.ndarray:
+    """A loaded state array as NumPy in ``param``'s dtype, or the error naming the entry."""
+    if isinstance(value, Tensor):
+        value = value.numpy()
+    elif hasattr(value, "detach"):  # a torch.Tensor
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(
+            f"loaded state dict's {name!r} of parameter {key} should be an array of numbers, got {value!r}"
+        )
+    if arr.shape != param.shape:
+        raise ValueError(
+            f"loaded state dict's {name!r} of parameter {key} has shape {arr.shape}, the parameter {param.shape}"
+        )
+    return arr.astype(param.dtype)
+
+
+def _saved_step(value: Any, key: Any) -> int:
+    """A loaded ``'step'`` (a number or a one-element tensor, as torch saves it) as a positive int."""
+    what = f"loaded state dict's 'step' of parameter {key} should be a positive integer"
+    if isinstance(value, (str, bytes, bool)) or value is None:
+        raise TypeError(f"{what}, got {value!r}")
+    try:
+        step = float(value)  # a number, or a 0-d tensor as torch.optim saves it
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}, got {value!r}") from None
+    if not math.isfinite(step) or step != int(step) or step < 1:
+        raise ValueError(f"{what}, got {step}")
+    return int(step)
