@@ -107,3 +107,107 @@ def test_rerun_against_baseline_reports_no_regression(first_run):
     assert cmp["status"] == "ok", cmp
     assert cmp["regressions"] == 0 and cmp["compared_rows"] > 0
     assert "0 regression(s)" in done.stdout
+
+
+# ------------------------------------------- bad --out / --baseline: refused before any measuring
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Fail the test if ``taifuse bench`` reaches the measuring (which a bad argument must not)."""
+    from taifuse.bench import harness
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measuring started before --out and --baseline were checked")
+
+    monkeypatch.setattr(harness, "measure", refuse)
+    monkeypatch.setattr(harness, "spawn", refuse)
+
+
+def _refused(capsys, tmp_path, *args: str) -> str:
+    from taifuse import cli
+
+    code = cli.main(["bench", "--quick", "--suite", "elementwise", "--no-progress", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("taifuse bench: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (None, "no such file"),
+        ("{\"rows\": [", "not valid JSON"),
+        ('{"environment": {"fingerprint": "x"}, "rows": []}', "no 'method' key"),
+    ],
+    ids=["missing", "corrupt", "lacking-keys"],
+)
+def test_bad_baseline_is_refused_before_measuring(no_measuring, capsys, tmp_path, content, reason):
+    path = tmp_path / "old.json"
+    if content is not None:
+        path.write_text(content)
+    out = tmp_path / "out"
+    err = _refused(capsys, tmp_path, "--out", str(out), "--baseline", str(path))
+    assert "--baseline" in err and str(path) in err and reason in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["is-a-file", "under-a-file"])
+def test_out_that_cannot_be_a_directory_is_refused_before_measuring(no_measuring, capsys, tmp_path, under):
+    a_file = tmp_path / "results"
+    a_file.write_text("not a directory")
+    out = a_file / "sub" if under else a_file
+    err = _refused(capsys, tmp_path, "--out", str(out))
+    assert "--out" in err and "not a directory" in err
+
+
+def _fake_measuring(monkeypatch):
+    from taifuse.bench import harness
+
+    # No cases: the run's rows and method come from the real build_rows over nothing measured.
+    monkeypatch.setattr(harness, "measure", lambda *a, **k: {"cases": {}, "roofline": [], "errors": {}})
+
+
+def test_results_are_written_before_they_are_compared(monkeypatch, tmp_path):
+    import taifuse.bench
+    from taifuse.bench import baseline
+
+    _fake_measuring(monkeypatch)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"environment": {}, "method": {"threshold": 0.05}, "rows": []}))
+
+    def broken(new, earlier):
+        raise RuntimeError("comparison failed")
+
+    monkeypatch.setattr(baseline, "compare", broken)
+    with pytest.raises(RuntimeError, match="comparison failed"):
+        taifuse.bench.run(cases=[], out=tmp_path / "out", baseline=old, progress=False)
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["rows"] == []
+
+
+def _cli_with_comparison(monkeypatch, tmp_path, capsys, verdicts: list[str]) -> int:
+    import taifuse.bench
+    from taifuse import cli
+
+    rows = [{"id": f"r{i}", "label": f"r{i}", "verdict": v} for i, v in enumerate(verdicts)]
+    cmp = {
+        "status": "regression" if "regression" in verdicts else "ok",
+        "threshold": 0.1,
+        "run_to_run": 0.15,
+        "rows": rows,
+        "regressions": verdicts.count("regression"),
+        "inconclusive": verdicts.count("inconclusive"),
+        "compared_rows": len(rows),
+        "differences": [],
+    }
+    monkeypatch.setattr(taifuse.bench, "run", lambda *a, **k: {"rows": [], "errors": {}, "baseline": cmp})
+    code = cli.main(["bench", "--quick", "--no-progress", "--out", str(tmp_path / "out")])
+    capsys.readouterr()
+    return code
+
+
+def test_only_a_regression_fails_the_run(monkeypatch, tmp_path, capsys):
+    assert _cli_with_comparison(monkeypatch, tmp_path, capsys, ["inconclusive", "no measurable change"]) == 0
+    assert _cli_with_comparison(monkeypatch, tmp_path, capsys, ["improvement", "unstable"]) == 0
+    assert _cli_with_comparison(monkeypatch, tmp_path, capsys, ["inconclusive", "regression"]) == 1

@@ -46,7 +46,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--quick", action="store_true", help="fewer processes and samples (same sizes), for CI")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--baseline", metavar="FILE",
-                       help="an earlier results.json to compare with; exits 1 on a regression")
+                       help="an earlier results.json to compare with; exits 1 on a regression, 2 if FILE is "
+                            "missing or not a taifuse bench result (checked before measuring)")
     bench.add_argument("--compare-torch", action="store_true", help="add PyTorch CPU baselines (needs torch)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--processes", type=int, metavar="N",
@@ -73,10 +74,14 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
             print("taifuse bench: --blocks should be at least 2", file=sys.stderr)
             return 2
         plan = dataclasses.replace(plan, blocks=args.blocks)
-    result = taifuse.bench.run(
-        args.suite, quick=args.quick, out=args.out, baseline=args.baseline, compare_torch=args.compare_torch,
-        progress=not args.no_progress, command=" ".join(["taifuse", *argv]), plan=plan,
-    )
+    try:
+        result = taifuse.bench.run(
+            args.suite, quick=args.quick, out=args.out, baseline=args.baseline, compare_torch=args.compare_torch,
+            progress=not args.no_progress, command=" ".join(["taifuse", *argv]), plan=plan,
+        )
+    except taifuse.bench.BenchArgumentError as e:  # raised before anything is measured
+        print(f"taifuse bench: error: {e}", file=sys.stderr)
+        return 2
     print(report.summary(result))
     for path in result.get("files", []):
         print(f"wrote {path}")
@@ -85,7 +90,12 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         if cmp["status"] == "not comparable":
             print("baseline: not comparable (environment fingerprint differs: " + "; ".join(cmp["differences"]) + ")")
             return 0
-        print(f"baseline: {cmp['regressions']} regression(s) in {cmp['compared_rows']} compared row(s)")
+        print(
+            f"baseline: {cmp['regressions']} regression(s) in {cmp['compared_rows']} compared row(s), "
+            f"{cmp['inconclusive']} inconclusive (run-to-run spread {cmp['run_to_run']:.0%}, "
+            f"minimum effect {cmp['threshold']:.0%})"
+        )
+        # Only a regression fails: an inconclusive row is noise these two runs cannot resolve.
         return 1 if cmp["regressions"] else 0
     return 0
 

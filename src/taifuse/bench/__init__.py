@@ -25,7 +25,32 @@ from typing import Any
 from taifuse.bench.case import Case, Variant
 from taifuse.bench.harness import FULL, GOALS, QUICK, Plan
 
-__all__ = ["FULL", "GOALS", "QUICK", "Case", "Plan", "Variant", "run"]
+__all__ = ["FULL", "GOALS", "QUICK", "BenchArgumentError", "Case", "Plan", "Variant", "check_out", "run"]
+
+
+class BenchArgumentError(ValueError):
+    """A bad ``out`` or ``baseline`` for :func:`run`, found before anything is measured."""
+
+
+def check_out(out: str | os.PathLike) -> None:
+    """Raise :class:`BenchArgumentError` unless ``out`` is a writable directory or can be created as one.
+
+    Nothing is created: a run that fails later leaves no empty directory behind.
+    """
+    path = Path(out)
+    if path.exists():
+        if not path.is_dir():
+            raise BenchArgumentError(f"--out {path}: exists and is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BenchArgumentError(f"--out {path}: directory is not writable")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BenchArgumentError(f"--out {path}: cannot be created, {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise BenchArgumentError(f"--out {path}: cannot be created, {ancestor} is not writable")
 
 
 def _active_backend() -> tuple[str, dict]:
@@ -63,7 +88,8 @@ def run(
         suites: suite names from :func:`taifuse.bench.suites.suite_names`.
         quick: fewer processes and samples (same sizes), for CI.
         out: directory for ``BENCHMARKS.md``, ``results.json`` (and PNGs); nothing is written if None.
-        baseline: an earlier ``results.json`` (or its directory) to compare with.
+        baseline: an earlier ``results.json`` (or its directory) to compare with
+            (:mod:`~taifuse.bench.baseline`).
         compare_torch: add PyTorch CPU baselines (needs torch).
         progress: show a progress bar on stderr.
         plan: override the amount of measuring (processes, ABBA blocks); default QUICK or FULL.
@@ -74,12 +100,27 @@ def run(
 
     Returns a dict with ``environment``, ``method``, ``plan``, ``rows`` and, with ``baseline``,
     ``baseline`` (whose ``status`` is ``"regression"``, ``"ok"`` or ``"not comparable"``).
+
+    Raises :class:`BenchArgumentError` before measuring anything when ``out`` is not a directory
+    that exists or can be created, or ``baseline`` is missing, not JSON, or lacks what the
+    comparison needs. The results are written to ``out`` before they are compared with
+    ``baseline``, so a comparison that fails cannot lose a run.
     """
     from taifuse.bench import baseline as baseline_mod
     from taifuse.bench import env as env_mod
     from taifuse.bench import harness, report
     from taifuse.bench.suites import load_cases
 
+    # NOTE: a bad --out or --baseline used to surface only after every case had been measured,
+    # as a raw traceback that lost the run; both are checked before the first measurement.
+    if out is not None:
+        check_out(out)
+    earlier = None
+    if baseline is not None:
+        try:
+            earlier = baseline_mod.load(baseline)
+        except baseline_mod.BaselineError as e:
+            raise BenchArgumentError(f"--baseline {e}") from None
     if compare_torch:
         import importlib.util
 
@@ -137,10 +178,13 @@ def run(
         "errors": raw["errors"],
         "rows": rows,
     }
-    if baseline is not None:
-        result["baseline"] = baseline_mod.compare(result, baseline_mod.load(baseline))
-    if out is not None:
-        result["files"] = [str(p) for p in report.write(result, Path(out))]
+    files = report.write(result, Path(out)) if out is not None else None
+    if earlier is not None:
+        result["baseline"] = baseline_mod.compare(result, earlier)
+        if out is not None:  # again, now with the comparison in both files
+            files = report.write(result, Path(out))
+    if files is not None:
+        result["files"] = [str(p) for p in files]
     return result
 
 
