@@ -109,6 +109,8 @@ class Case:
         dtype, shape: for the report.
         bytes_moved: bytes one call must read and write at least (inputs + output).
         flops: floating-point operations of one call when compute-bound (0 for memory-bound ops).
+        bytes_written: the part of ``bytes_moved`` that is written (the output): the roofline counts
+            it twice, as the hardware moves it (NOTE [ Traffic model ] in taifuse.bench.roofline).
         rtol, atol: ``numpy.allclose`` tolerance of the correctness check.
     """
 
@@ -122,6 +124,7 @@ class Case:
     shape: str
     bytes_moved: int
     flops: int = 0
+    bytes_written: int = 0
     seed: int = 0
     rtol: float = 1e-5
     atol: float = 1e-6

@@ -3,7 +3,8 @@
 Per case, ``plan.processes`` workers run one after another (never side by side: on a small machine
 two workers would time each other). Each worker checks outputs, times the first call, warms up,
 calibrates and records ABBA pairs (:func:`taifuse.bench.worker.measure_case`); the roofline
-(copy bandwidth, GEMM rate) is measured by workers of its own in the same run. Rows are built here
+(copy bandwidth of each cache level the rows use, GEMM rate) is measured by workers of its own in
+the same run, and every row is judged against the ceiling of its own level (roofline.py). Rows are built here
 with :mod:`taifuse.bench.stats`; see NOTE [ How a comparison is judged ] there.
 
 NOTE [ Isolated baselines ]
@@ -37,8 +38,9 @@ import numpy as np
 
 from taifuse.bench import roofline, stats, timing
 from taifuse.bench.case import Case
-from taifuse.bench.env import cache_level, cpu_caches
-from taifuse.bench.row import NOT_A_COMPARISON, Row, RowHeader
+from taifuse.bench.env import UNKNOWN_LEVEL, cache_level, cpu_caches
+from taifuse.bench.roofline import Ceilings
+from taifuse.bench.row import NO_DATA, NOT_A_COMPARISON, Row, RowHeader
 
 
 @dataclass(frozen=True)
@@ -135,9 +137,9 @@ def measure(
     The first case carries the run's A/A control. ``on_step`` is called after each worker.
     """
     raw: dict[str, Any] = {"roofline": [], "cases": {}, "errors": {}}
-    copy_bytes = roofline.copy_array_bytes(quick)
+    levels = roofline.ceiling_sizes(bandwidth_levels(cases), quick=quick)
     for p in range(plan.processes):
-        job = {"kind": "roofline", "copy_bytes": copy_bytes, "samples": plan.roofline_samples, "seed": p}
+        job = {"kind": "roofline", "levels": levels, "samples": plan.roofline_samples, "seed": p}
         raw["roofline"].append(spawn(job, env, plan.worker_timeout_s))
         on_step("roofline")
     control = _control_case(cases)
@@ -211,96 +213,26 @@ def _measure_solo(
 # ----------------------------------------------------------------------------- rows
 
 
-def _rate_row(
-    row_id: str,
-    label: str,
-    groups_ns: list[list[float]],
-    amount: float,
-    unit: str,
-    code: str,
-    size: str,
-    level: str,
-) -> Row:
-    t = stats.estimate(groups_ns)
-    return Row(
-        id=row_id,
-        kind="roofline",
-        label=label,
-        unit=unit,
-        # A rate's interval comes from the time's, upside down: amount / time.
-        value=amount / t.median,
-        low=amount / t.high,
-        high=amount / t.low,
-        n_processes=t.n_processes,
-        n_samples=t.n_samples,
-        dispersion=t.dispersion,
-        verdict=stats.UNSTABLE if t.dispersion > stats.UNSTABLE_DISPERSION else NOT_A_COMPARISON,
-        extra={
-            "time_ms": t.median / 1e6,
-            "size": size,
-            "bytes_moved": None,
-            "cache_level": level,
-            "code": code,
-            "dtype": "float32",
-        },
+def bandwidth_levels(cases: list[Any], caches: list[dict] | None = None) -> set[str]:
+    """The cache levels of the memory-bound rows among ``cases``: the copy ceilings a run needs
+    (NOTE [ One ceiling per cache level ] in roofline.py)."""
+    caches = cpu_caches() if caches is None else caches
+    return {
+        cache_level(c.bytes_moved, caches)
+        for c in cases
+        if not is_custom(c) and not c.flops and c.bytes_moved
+    }
+
+
+def _roofline_of(case: Case, t: stats.Estimate, ceilings: Ceilings, level: str) -> dict | None:
+    return roofline.judge(
+        flops=case.flops,
+        bytes_moved=case.bytes_moved,
+        bytes_written=case.bytes_written,
+        level=level,
+        time_ns=(t.median, t.low, t.high),
+        ceilings=ceilings,
     )
-
-
-def roofline_rows(results: list[dict]) -> list[dict]:
-    """Copy bandwidth (GB/s, 1e9 bytes) and GEMM rate (GFLOP/s) rows, with bootstrap intervals."""
-    if not results:
-        return []
-    copy, gemm = results[0]["copy"], results[0]["gemm"]
-    m, k, n = gemm["shape"]
-    rows = [
-        _rate_row(
-            "roofline/copy",
-            "copy bandwidth",
-            [r["copy"]["ns"] for r in results],
-            copy["bytes_moved"],
-            "GB/s",
-            copy["code"],
-            f"2 x {copy['array_bytes'] / 2**20:.0f} MiB float32",
-            cache_level(copy["array_bytes"] * 2),
-        ),
-        _rate_row(
-            "roofline/gemm",
-            "GEMM rate",
-            [r["gemm"]["ns"] for r in results],
-            gemm["flops"],
-            "GFLOP/s",
-            gemm["code"],
-            f"x ({m}, {k}) @ w ({n}, {k}).T",
-            cache_level(4 * (m * k + n * k + m * n)),
-        ),
-    ]
-    return [r.as_dict() for r in rows]
-
-
-def _ceilings(rows: list[dict]) -> dict[str, float]:
-    by_id = {r["id"]: r for r in rows}
-    return {
-        "copy_gbps": by_id["roofline/copy"]["value"] if "roofline/copy" in by_id else float("nan"),
-        "gemm_gflops": by_id["roofline/gemm"]["value"] if "roofline/gemm" in by_id else float("nan"),
-    }
-
-
-def _roofline_of(case: Case, time_ns: float, ceilings: dict[str, float]) -> dict:
-    if case.flops:
-        achieved = case.flops / time_ns  # flops per ns == GFLOP/s
-        return {
-            "achieved": achieved,
-            "unit": "GFLOP/s",
-            "fraction": achieved / ceilings["gemm_gflops"],
-            "of": "GEMM rate",
-        }
-    achieved = case.bytes_moved / time_ns  # bytes per ns == GB/s
-    return {
-        "achieved": achieved,
-        "unit": "GB/s",
-        "fraction": achieved / ceilings["copy_gbps"],
-        "of": "copy bandwidth",
-    }
 
 
 def _sides(case: Case, a: str, b: str) -> dict:
@@ -321,7 +253,7 @@ def _sides(case: Case, a: str, b: str) -> dict:
 def case_rows(
     case: Case,
     runs: list[dict],
-    ceilings: dict[str, float],
+    ceilings: Ceilings | dict,
     limit: float,
     *,
     control: bool,
@@ -331,15 +263,19 @@ def case_rows(
 ) -> list[dict]:
     """Rows of one case: first call of the candidate, the A/A control (if carried), one per baseline.
 
+    ``ceilings``: the run's :class:`~taifuse.bench.roofline.Ceilings` (or the plain mapping
+    ``Ceilings.coerce`` reads); each row is judged against the one of its own level.
     ``solo``: the isolated baselines' processes (NOTE [ Isolated baselines ]), which add their
     own A/A control row and one row per isolated baseline.
     """
     caches = cpu_caches() if caches is None else caches
+    ceilings = Ceilings.coerce(ceilings)
     header = RowHeader.of(
         case,
         runs,
         bytes_moved=case.bytes_moved,
-        cache=cache_level(case.bytes_moved, caches),
+        # An allocation moves no data: no level (a 16 MiB scratch buffer is not "L1").
+        cache=cache_level(case.bytes_moved, caches) if case.bytes_moved else NO_DATA,
         tolerance={"rtol": case.rtol, "atol": case.atol},
     )
     cand = case.candidate
@@ -395,25 +331,26 @@ def _timed(
     ta: list[list[float]],
     tb: list[list[float]],
     same_result: bool,
-    ceilings: dict[str, float],
+    ceilings: Ceilings,
     limit: float,
     loops: dict[str, list[int]],
 ) -> Row:
     """``row`` with the measured fields of a comparison, from per-process samples of A and B."""
     est = stats.speedup(ta, tb)
     cand_t, base_t = stats.estimate(ta), stats.estimate(tb)
+    level = row.header.cache_level if row.header else UNKNOWN_LEVEL
     extra = {
         **row.extra,
         "candidate_ms": {"median": cand_t.median / 1e6, "low": cand_t.low / 1e6, "high": cand_t.high / 1e6},
         "baseline_ms": {"median": base_t.median / 1e6, "low": base_t.low / 1e6, "high": base_t.high / 1e6},
-        "baseline_roofline": _roofline_of(case, base_t.median, ceilings) if same_result else None,
+        "baseline_roofline": _roofline_of(case, base_t, ceilings, level) if same_result else None,
         "loops": loops,
         "samples": {"ratios": [list(np.asarray(y) / np.asarray(x)) for x, y in zip(ta, tb)]},
         "threshold": limit,  # the smallest difference this row's verdict would call one
     }
     return dataclasses.replace(
         row.estimated(est),
-        roofline=_roofline_of(case, cand_t.median, ceilings),
+        roofline=_roofline_of(case, cand_t, ceilings, level),
         verdict=stats.verdict(est, limit),
         extra=extra,
     )
@@ -423,7 +360,7 @@ def _isolated_rows(
     case: Case,
     runs: list[dict],
     solo: list[dict[str, dict]],
-    ceilings: dict[str, float],
+    ceilings: Ceilings,
     limit: float,
     header: RowHeader,
 ) -> list[Row]:
@@ -512,8 +449,8 @@ def _control_case(cases: list[Case]) -> Case | None:
 def build_rows(cases: list[Case], raw: dict[str, Any]) -> tuple[list[dict], dict]:
     """All rows of a run (roofline first, then each case) and the threshold the verdicts used."""
     caches = cpu_caches()
-    rows = roofline_rows(raw["roofline"])
-    ceilings = _ceilings(rows)
+    rows = roofline.rows(raw["roofline"])
+    ceilings = Ceilings.from_rows(rows)
     control_est = None
     control = _control_case(cases)
     if control is not None and raw["cases"].get(control.id):
@@ -548,6 +485,6 @@ def build_rows(cases: list[Case], raw: dict[str, Any]) -> tuple[list[dict], dict
         "unstable_dispersion": stats.UNSTABLE_DISPERSION,
         "confidence": stats.CONFIDENCE,
         "resamples": stats.RESAMPLES,
-        "ceilings": ceilings,
+        "ceilings": ceilings.as_dict(),
     }
     return rows, method

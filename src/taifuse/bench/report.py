@@ -1,9 +1,11 @@
-"""Writes a run's results: ``BENCHMARKS.md``, ``results.json`` and, with matplotlib, ``*.png``."""
+"""Writes a run's results: ``BENCHMARKS.md``, ``results.json``, ``SUMMARY.md`` and, with matplotlib,
+``speedups.png`` and one chart per suite."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 METHOD = """\
@@ -30,10 +32,17 @@ threads): the peer is still checked against the candidate in the case's processe
 timed alone in fresh processes, alternating, and a ratio pairs samples of two processes of the same
 index. The case's "A/A control, isolated processes" row, the candidate against itself timed the same
 way, sets those rows' t (cross-process noise is larger than within one process).
-Cache level is where the bytes one call moves (inputs + output) fit by nominal cache size.
-The roofline column divides the candidate's achieved rate by the copy bandwidth (`np.copyto` on arrays
-well past the last-level cache, bytes = read + write) or by the GEMM rate (float32 `np.matmul`),
-both measured in worker processes of this same run."""
+Cache level is where the bytes one call moves (inputs + output) fit, by nominal cache size added up
+over the CPUs (a private L2 per core counts once per core, a shared L3 once).
+The roofline column divides the candidate's achieved rate by the ceiling of its own kind and level,
+measured in worker processes of this same run: a compute-bound row by the GEMM rate (float32
+`np.matmul`), a memory-bound row by the copy bandwidth of its cache level ({ceilings}). That copy is
+`np.add(src, 0.0, out=dst)` split over every CPU, one thread each, on a working set sized from the
+measured caches to sit in that level; a ceiling's value is each process's fastest pass (other work
+only ever slows one), the median over processes. Bytes are counted as the memory system moves them, the same
+way for the ceilings and the rows: {traffic}. A row at 100% moves its bytes as fast as that copy;
+it can pass 100% only by noise or by reading more than it writes (reads stream a little faster than
+write-backs). Rows that move no data to speak of (allocations, first calls) have no roofline (—)."""
 
 
 def _fmt(value: float | None, unit: str = "") -> str:
@@ -94,8 +103,12 @@ def _code_block(code: str) -> str:
     return "```python\n" + code + "\n```"
 
 
-def markdown(result: dict) -> str:
-    """The whole ``BENCHMARKS.md`` text for a run's result dict."""
+def markdown(result: dict, charts: Sequence[str] = (), *, matplotlib: bool = True) -> str:
+    """The whole ``BENCHMARKS.md`` text for a run's result dict.
+
+    ``charts``: the chart files written beside it, listed under the introduction;
+    ``matplotlib=False`` puts one line there instead, saying why none was drawn.
+    """
     env, method, rows = result["environment"], result["method"], result["rows"]
     lines = [
         "# taifuse benchmarks",
@@ -109,6 +122,15 @@ def markdown(result: dict) -> str:
         "",
     ]
     lines += _warnings(env)
+    if not matplotlib:
+        lines += [NO_MATPLOTLIB, ""]
+    elif charts:
+        lines += [
+            f"Summary of the comparisons with peers: [{SUMMARY}]({SUMMARY}). Charts: "
+            + ", ".join(f"[{name}]({name})" for name in charts)
+            + ".",
+            "",
+        ]
     number = {row["id"]: i + 1 for i, row in enumerate(rows)}
     roof = [r for r in rows if r["kind"] == "roofline"]
     if roof:
@@ -197,11 +219,18 @@ def markdown(result: dict) -> str:
             unstable=method["unstable_dispersion"],
             min_effect=method["min_effect"],
             threshold=method["threshold"],
+            ceilings=_ceiling_sizes(rows),
+            traffic=(method.get("ceilings") or {}).get("traffic_model", "bytes read + bytes written"),
         ),
         "",
     ]
     lines += ["## Environment", "", _table(_env_rows(env), ["key", "value"]), ""]
     return "\n".join(lines)
+
+
+def _ceiling_sizes(rows: list[dict]) -> str:
+    copies = [r for r in rows if r["kind"] == "roofline" and r["id"].startswith("roofline/copy-")]
+    return "; ".join(f"{r['cache_level']}: {r['size']}" for r in copies) or "none measured"
 
 
 def _warnings(env: dict) -> list[str]:
@@ -370,15 +399,35 @@ def _env_rows(env: dict) -> list[tuple[str, str]]:
     return [(k, _cell(str(v))) for k, v in rows]
 
 
+BENCHMARKS = "BENCHMARKS.md"
+RESULTS = "results.json"
+SUMMARY = "SUMMARY.md"
+CHART = "speedups.png"
+NO_MATPLOTLIB = "Charts not drawn: matplotlib is not installed (`pip install 'taifuse[plot]'`)."
+
+
 def write(result: dict, out_dir: str | Path) -> list[Path]:
-    """Write ``BENCHMARKS.md`` and ``results.json`` (and PNGs when matplotlib is importable)."""
+    """Write a run's files into ``out_dir`` and return their paths.
+
+    ``BENCHMARKS.md`` (every row, the method, the environment), ``results.json`` (everything,
+    samples included), ``SUMMARY.md`` (one line per comparison with a peer, for a README) and, when
+    matplotlib is importable (the ``plot`` extra), ``speedups.png`` (those comparisons' speedups
+    with their 95% intervals) and one ``<suite>.png`` per suite; without it, the two markdown files
+    say in one line that the charts were skipped.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "BENCHMARKS.md", out / "results.json"]
-    paths[0].write_text(markdown(result))
+    plt = _pyplot()
+    charts: list[Path] = []
+    if plt is not None:
+        chart = draw_chart(result, out / CHART, plt)
+        charts = ([chart] if chart else []) + _plots(result, out, plt)
+    paths = [out / BENCHMARKS, out / RESULTS, out / SUMMARY]
+    paths[0].write_text(markdown(result, [c.name for c in charts], matplotlib=plt is not None))
     paths[1].write_text(json.dumps(result, indent=1, default=_json_default, allow_nan=False))
-    paths += _plots(result, out)
-    return paths
+    summary_chart = CHART if any(c.name == CHART for c in charts) else None
+    paths[2].write_text(summary_markdown(result, chart=summary_chart, drawn=plt is not None))
+    return paths + charts
 
 
 def _json_default(value):
@@ -387,14 +436,19 @@ def _json_default(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def _plots(result: dict, out: Path) -> list[Path]:
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
+        return None
+    return plt
+
+
+def _plots(result: dict, out: Path, plt) -> list[Path]:
     paths = []
     for suite in dict.fromkeys(r["suite"] for r in result["rows"] if r["kind"] != "roofline"):
         rows = [
@@ -422,6 +476,111 @@ def _plots(result: dict, out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def is_peer(row: dict) -> bool:
+    """Whether a row compares taifuse with a peer: another library's same function (NumPy's,
+    PyTorch's), checked to give the same result; not a bound, an A/A control or a taifuse variant.
+
+    Rows written before baselines said so themselves are judged from the baseline's imports.
+    """
+    base = row.get("baseline") or {}
+    if "peer" in base:
+        return bool(base["peer"])
+    imports = [line for line in str(base.get("code", "")).splitlines() if line.startswith("import ")]
+    return bool(base.get("same_result")) and not any(line.split()[1].startswith("taifuse") for line in imports)
+
+
+def peer_rows(result: dict) -> list[dict]:
+    """The summary's rows, in report order: every comparison (speed, memory) with a peer."""
+    return [r for r in result["rows"] if r["kind"] in ("compare", "memory_compare") and is_peer(r)]
+
+
+def _ratio(row: dict) -> str:
+    if row["value"] is None:
+        return "—"
+    return _fmt(row["value"], row["unit"]) if row["unit"] == "x speedup" else f"{row['value']:.3g}x less memory"
+
+
+def summary_markdown(result: dict, *, chart: str | None = None, drawn: bool = True) -> str:
+    """``SUMMARY.md``: one line per comparison with a peer (row, ratio, 95% interval, verdict), the
+    run's provenance and warnings above it, the chart (``chart``, a file name) or why it is missing
+    (``drawn=False``: matplotlib absent) below it."""
+    env = result["environment"]
+    blas = env.get("blas_kernel")
+    lines = [
+        "# taifuse benchmark summary",
+        "",
+        (
+            f"`{result['command']}` on {result['date']}, commit {str(env.get('git_commit'))[:12]}"
+            f"{' (with uncommitted changes)' if env.get('git_dirty') else ''}, backend `{env.get('backend')}`, "
+            f"{env.get('cpu_model')} ({env.get('cpus_usable')} CPUs), NumPy {env.get('numpy')} with "
+            f"{env.get('blas')}{f' ({blas} kernel)' if blas else ''}. Each line compares taifuse with a peer "
+            "library computing the same result, checked before timing; a ratio above 1 means taifuse is "
+            "faster (or, for memory, needs less). The 95% interval, the verdict and every other row, with "
+            f"its code, are explained in [{BENCHMARKS}]({BENCHMARKS})."
+        ),
+        "",
+        *_warnings(env),
+    ]
+    rows = peer_rows(result)
+    if not rows:
+        return "\n".join([*lines, "No comparison with a peer was measured in this run.", ""])
+    lines.append(
+        _table(
+            [(_cell(r["label"]), _ratio(r), _interval(r), r["verdict"]) for r in rows],
+            ["row", "ratio", "95% CI", "verdict"],
+        )
+    )
+    lines.append("")
+    if chart:
+        lines += [f"![taifuse's speedup over each peer, with 95% intervals]({chart})", ""]
+    elif not drawn:
+        lines += [NO_MATPLOTLIB, ""]
+    return "\n".join(lines)
+
+
+def draw_chart(result: dict, path: Path, plt=None) -> Path | None:
+    """Draw each peer comparison's speedup with its 95% interval (log x axis, a line at 1) into
+    ``path``; None when no such row has a value. ``plt``: pyplot (imported when None)."""
+    rows = [r for r in peer_rows(result) if r["unit"] == "x speedup" and r["value"] is not None]
+    if not rows:
+        return None
+    plt = plt or _pyplot()
+    colour = {"faster": "tab:green", "slower": "tab:red"}
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.6))
+    for y, r in enumerate(rows):
+        ax.errorbar(
+            r["value"],
+            y,
+            xerr=[[r["value"] - r["low"]], [r["high"] - r["value"]]],
+            fmt="o",
+            color=colour.get(r["verdict"], "tab:gray"),
+            capsize=3,
+        )
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(lambda v, _pos: f"{v:g}x")
+    low = min(min(r["low"] for r in rows), 1.0)
+    high = max(max(r["high"] for r in rows), 1.0)
+    ax.set_xlim(low / 1.3, high * 1.3)
+    ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
+    ax.invert_yaxis()  # first row on top, as in the table
+    ax.set_xlabel("speedup = peer's time / taifuse's time (above 1: taifuse faster), 95% interval")
+    env = result["environment"]
+    ax.set_title(
+        f"taifuse against peers: {env.get('backend')} backend, {env.get('cpu_model')}, {result['date']}\n"
+        "green: faster, red: slower, grey: no measurable difference, inconclusive or unstable",
+        fontsize=8,
+    )
+    ax.grid(axis="x", which="both", lw=0.3, alpha=0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def summary(result: dict) -> str:

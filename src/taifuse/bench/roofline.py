@@ -1,54 +1,193 @@
-"""The machine's ceilings, measured in the same run as the rows they judge: copy bandwidth and GEMM rate.
+"""The machine's ceilings, measured in the same run as the rows they judge: a copy bandwidth per
+cache level the rows use, and the GEMM rate.
 
-Copy: ``np.copyto`` between two float32 arrays well past the last-level cache, split into one
-contiguous chunk per CPU and run on that many threads (``np.copyto`` releases the GIL), so the
-ceiling is what the whole machine can copy, as the multi-threaded kernels it judges use every core;
-bytes moved = read + write. GEMM: ``np.matmul(x, w.T, out=out)`` in float32 at 4096x1024x768 (2*M*N*K flops), the
-product the fused-linear suite is built on.
+NOTE [ Traffic model ]
+A ceiling bounds a row only when both count bytes the same way. The memory system moves every
+byte a kernel reads, and every byte it writes twice: an ordinary store first reads the cache line
+it writes into (write-allocate), then writes it back. So a row's traffic is
+``bytes_moved + bytes_written`` (:func:`traffic_bytes`), where ``bytes_moved`` counts inputs and
+output once; a copy of A bytes moves 3A, a GELU from x into out moves 3A too.
+The ceiling's kernel must therefore be one whose stores are ordinary ones. ``np.copyto`` is not:
+it calls glibc's memcpy, which picks ``rep movsb`` or non-temporal stores (no write-allocate) by
+size and CPU, so what it moves depends on the machine; on the 2-core AMD EPYC it ran slower than a
+ufunc doing the same read and write, and a GELU came out "1.11x of copy bound". The kernel here is
+``np.add(src, 0.0, out=dst)`` (NumPy's SIMD loop, ordinary stores), one contiguous chunk per CPU,
+each on its own thread (the ufunc releases the GIL), repeated inside the thread so thread start-up
+does not count, as the multi-threaded kernels it judges use every core.
+
+NOTE [ One ceiling per cache level ]
+A working set that stays in the last-level cache streams several times faster than DRAM, so a
+single DRAM ceiling made in-cache rows read "269% of copy bandwidth". Each row is compared with
+the ceiling of its own level (``cache_level`` of its bytes, the same function that sizes the
+ceilings): for a cache level, a working set of half its capacity, at most 8x the level below
+(mostly missing that one); for DRAM, 4x the largest cache (2x in quick mode), at least 256 MiB per
+array (128 MiB). The sizes come from the measured caches, which differ between machines (a 32 MiB
+L3 AMD EPYC, a 260 MiB L3 Xeon). A ceiling's value is each process's fastest pass, the median over
+processes: other work on the machine only ever slows a pass, and a ceiling timed in a busy moment
+would not bound a row timed in a calm one. A row with no memory traffic to speak of (an
+allocation, a first call) is compared with nothing.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
+import math
+import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from taifuse.bench import timing
-from taifuse.bench.env import largest_cache_bytes
+from taifuse.bench import stats, timing
+from taifuse.bench.env import (
+    UNKNOWN_LEVEL,
+    cache_capacity,
+    cache_level,
+    cpu_caches,
+    largest_cache_bytes,
+    usable_cpus,
+)
+from taifuse.bench.row import NOT_A_COMPARISON, Row
 
 GEMM_SHAPE = (4096, 1024, 768)  # (rows of x, inner, rows of w)
-COPY_CODE = "np.copyto(dst[chunk], src[chunk]) for one contiguous chunk per CPU, on os.cpu_count() threads"
 GEMM_CODE = "np.matmul(x, w.T, out=out)"
-_MIB = 1024 * 1024
+COPY_CODE = (
+    "np.add(src[chunk], 0.0, out=dst[chunk]) for one contiguous chunk per CPU, each on its own thread, "
+    "repeated {reps}x inside the thread per sample"
+)
+TRAFFIC_MODEL = "bytes read + 2 x bytes written (an ordinary store reads its cache line first: write-allocate)"
+DRAM = "DRAM"
+_MIB = 2**20
+_PASS_BYTES = 256 * _MIB  # a sample streams about this much working set: several ms at any level
+_PAGE = 4096
 
 
-def copy_array_bytes(quick: bool = False) -> int:
-    """Bytes of each copy array: 4x the largest cache (2x in quick mode), at least 256 (128) MiB."""
+def traffic_bytes(bytes_moved: int, bytes_written: int) -> int:
+    """Bytes the memory system moves for a kernel (NOTE [ Traffic model ]).
+
+    Args:
+        bytes_moved: inputs read plus outputs written, each counted once.
+        bytes_written: the part of ``bytes_moved`` that is written (with ordinary stores).
+
+    Every written byte counts twice (write-allocate reads the line before the store replaces it).
+    For a copy of ``a`` bytes: ``traffic_bytes(2 * a, a) == 3 * a``.
+    """
+    if not 0 <= bytes_written <= bytes_moved:
+        raise ValueError(f"bytes_written should lie in [0, bytes_moved={bytes_moved}], got {bytes_written}")
+    return bytes_moved + bytes_written
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def copy_array_bytes(quick: bool = False, caches: list[dict] | None = None) -> int:
+    """Bytes of each array of the DRAM ceiling: 4x the largest cache (2x quick), at least 256 (128) MiB."""
     factor, floor = (2, 128 * _MIB) if quick else (4, 256 * _MIB)
-    largest = largest_cache_bytes()
+    largest = largest_cache_bytes(caches)
     return max(factor * largest, floor) if largest else 2 * floor
 
 
-def _samples(fn, samples: int) -> list[float]:
-    timing.warm_up(fn)  # the first copy also faults in the destination's pages
-    return [timing.time_loops(fn, 1) for _ in range(samples)]
+def _round(n: float) -> int:
+    return max(_PAGE, int(n) // _PAGE * _PAGE)
 
 
-def _time_copy(copy_bytes: int, samples: int, seed: int) -> list[float]:
-    src = np.random.default_rng(seed).standard_normal(copy_bytes // 4, dtype=np.float32)
+def working_set(level: str, caches: list[dict], cpus: int, quick: bool = False) -> int:
+    """Working-set bytes (source + destination) of the ceiling for ``level`` (NOTE [ One ceiling
+    per cache level ]); ``cache_level`` of the result is ``level`` (else ValueError), except for
+    DRAM on a machine that reports no caches."""
+    if level == DRAM:
+        size = 2 * copy_array_bytes(quick, caches)
+    else:
+        by_level = {f"L{c['level']}": cache_capacity(c, cpus) for c in caches}
+        if level not in by_level:
+            raise ValueError(f"no cache level {level!r} on this machine (caches: {sorted(by_level)})")
+        capacity = by_level[level]
+        below = by_level.get(f"L{int(level[1:]) - 1}")
+        size = _round(min(capacity / 2, 8 * below) if below else capacity / 2)
+        if below and size <= below:  # a level barely larger than the one below: take the middle
+            size = _round((capacity + below) / 2)
+    # Without cache sizes DRAM is still measured (arrays of 256 MiB or more), its level unverified.
+    if caches and cache_level(size, caches, cpus) != level:
+        raise ValueError(f"cannot size a {level} working set from caches {caches}")
+    return size
+
+
+def ceiling_sizes(
+    levels: Iterable[str], caches: list[dict] | None = None, cpus: int | None = None, quick: bool = False
+) -> dict[str, int]:
+    """Working set per level to measure: the given levels (those the rows use) and DRAM always;
+    levels this machine does not report (unknown cache sizes) are left out."""
+    caches = cpu_caches() if caches is None else caches
+    cpus = usable_cpus() if cpus is None else cpus
+    wanted = {level for level in levels if level != UNKNOWN_LEVEL} | {DRAM}
+    sizes = {}
+    for level in sorted(wanted, key=lambda name: (name == DRAM, name)):
+        try:
+            sizes[level] = working_set(level, caches, cpus, quick)
+        except ValueError:
+            continue
+    return sizes
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+class ThreadedCopy:
+    """The ceiling's kernel over one pair of float32 arrays (NOTE [ Traffic model ]).
+
+    ``dst[:] = src + 0.0`` with ``np.add``, split into one contiguous chunk per thread, each chunk
+    on its own thread. ``copy(reps)`` runs ``reps`` passes in every thread before joining.
+
+    Example::
+
+        >>> src = np.arange(8, dtype=np.float32); dst = np.empty_like(src)
+        >>> copy = ThreadedCopy(src, dst, workers=2)
+        >>> copy(); bool((dst == src).all())
+        True
+    """
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, workers: int | None = None) -> None:
+        if src.shape != dst.shape or src.dtype != dst.dtype or src.ndim != 1:
+            raise ValueError(f"ThreadedCopy needs two 1-D arrays alike, got {src.shape} and {dst.shape}")
+        self.workers = workers or usable_cpus()
+        bounds = np.linspace(0, src.size, self.workers + 1).astype(np.int64)
+        self.chunks = [(src[lo:hi], dst[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        self.pool = ThreadPoolExecutor(max_workers=self.workers)
+
+    @staticmethod
+    def _passes(src: np.ndarray, dst: np.ndarray, reps: int) -> None:
+        for _ in range(reps):
+            np.add(src, 0.0, out=dst)
+
+    def __call__(self, reps: int = 1) -> None:
+        for future in [self.pool.submit(self._passes, s, d, reps) for s, d in self.chunks]:
+            future.result()
+
+
+def _time_copy(working_set_bytes: int, samples: int) -> dict:
+    n = working_set_bytes // 8  # float32 elements per array
+    src = np.full(n, 1.5, dtype=np.float32)  # the values do not matter; the pages must exist
     dst = np.empty_like(src)
-    workers = os.cpu_count() or 1
-    bounds = np.linspace(0, src.size, workers + 1).astype(np.int64)
-    chunks = [(dst[lo:hi], src[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-
-        def copy() -> None:
-            for future in [pool.submit(np.copyto, d, s) for d, s in chunks]:
-                future.result()
-
-        return _samples(copy, samples)
+    copy = ThreadedCopy(src, dst)
+    reps = max(1, _PASS_BYTES // working_set_bytes)
+    timing.warm_up(copy)  # the first pass also faults in the destination's pages
+    ns = []
+    for _ in range(samples):
+        start = time.perf_counter_ns()
+        copy(reps)
+        ns.append((time.perf_counter_ns() - start) / reps)
+    copy.pool.shutdown()
+    array_bytes = 4 * n
+    return {
+        "ns": ns,
+        "array_bytes": array_bytes,
+        "bytes_moved": 2 * array_bytes,
+        "bytes_written": array_bytes,
+        "threads": copy.workers,
+        "reps": reps,
+        "code": COPY_CODE.format(reps=reps),
+    }
 
 
 def _time_gemm(samples: int, seed: int) -> list[float]:
@@ -57,15 +196,185 @@ def _time_gemm(samples: int, seed: int) -> list[float]:
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((n, k), dtype=np.float32)
     out = np.empty((m, n), dtype=np.float32)
-    return _samples(lambda: np.matmul(x, w.T, out=out), samples)
+
+    def gemm() -> None:
+        np.matmul(x, w.T, out=out)
+
+    timing.warm_up(gemm)
+    return [timing.time_loops(gemm, 1) for _ in range(samples)]
 
 
-def measure(copy_bytes: int, samples: int, seed: int = 0) -> dict:
-    """Time ``samples`` copies and ``samples`` GEMMs in this process; nanoseconds per call."""
-    copy_ns = _time_copy(copy_bytes, samples, seed)
-    gemm_ns = _time_gemm(samples, seed + 1)
+def measure(levels: Mapping[str, int], samples: int, seed: int = 0) -> dict:
+    """Time ``samples`` copies per level (``{level: working-set bytes}``, from :func:`ceiling_sizes`)
+    and ``samples`` GEMMs in this process; nanoseconds per pass or call."""
+    copies = {level: _time_copy(size, samples) for level, size in levels.items()}
     m, k, n = GEMM_SHAPE
     return {
-        "copy": {"ns": copy_ns, "array_bytes": copy_bytes, "bytes_moved": 2 * copy_bytes, "code": COPY_CODE},
-        "gemm": {"ns": gemm_ns, "shape": GEMM_SHAPE, "flops": 2 * m * k * n, "code": GEMM_CODE},
+        "copy": copies,
+        "gemm": {"ns": _time_gemm(samples, seed + 1), "shape": GEMM_SHAPE, "flops": 2 * m * k * n, "code": GEMM_CODE},
+    }
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _rate_row(row_id: str, label: str, groups_ns: list[list[float]], amount: float, unit: str, extra: dict) -> Row:
+    # A ceiling is what the machine can do, and other work on it only ever slows a pass: the value
+    # is each process's fastest pass, the median over processes (the interval over processes too).
+    # The spread of all samples still decides whether the row is "unstable".
+    spread = stats.estimate(groups_ns)
+    t = stats.estimate([[min(g)] for g in groups_ns])
+    row = Row(
+        id=row_id,
+        kind="roofline",
+        label=label,
+        unit=unit,
+        verdict=stats.UNSTABLE if spread.dispersion > stats.UNSTABLE_DISPERSION else NOT_A_COMPARISON,
+        n_processes=spread.n_processes,
+        n_samples=spread.n_samples,
+        dispersion=spread.dispersion,
+        extra={"time_ms": t.median / 1e6, "dtype": "float32", **extra},
+    )
+    # A rate's interval is the time's upside down: amount / time (bytes or flops per ns = G.../s).
+    row.value, row.low, row.high = amount / t.median, amount / t.high, amount / t.low
+    return row
+
+
+def copy_label(level: str) -> str:
+    """The name of a level's copy ceiling in the report (``"L3 copy bandwidth"``)."""
+    return f"{level} copy bandwidth"
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """A copy-bandwidth row per measured level (GB/s of traffic, NOTE [ Traffic model ]) and the
+    GEMM rate (GFLOP/s), each with a bootstrap interval over the roofline's processes."""
+    if not results:
+        return []
+    out = []
+    for level, first in results[0]["copy"].items():
+        traffic = traffic_bytes(first["bytes_moved"], first["bytes_written"])
+        array = first["array_bytes"]
+        extra = {
+            "size": f"2 x {array / _MIB:.4g} MiB float32, {first['threads']} threads",
+            "bytes_moved": first["bytes_moved"],
+            "traffic_bytes": traffic,
+            "cache_level": level,
+            "code": first["code"],
+        }
+        groups = [r["copy"][level]["ns"] for r in results]
+        out.append(_rate_row(f"roofline/copy-{level}", copy_label(level), groups, traffic, "GB/s", extra))
+    gemm = results[0]["gemm"]
+    m, k, n = gemm["shape"]
+    extra = {
+        "size": f"x ({m}, {k}) @ w ({n}, {k}).T",
+        "bytes_moved": None,
+        "cache_level": cache_level(4 * (m * k + n * k + m * n)),
+        "code": gemm["code"],
+    }
+    out.append(_rate_row("roofline/gemm", "GEMM rate", [r["gemm"]["ns"] for r in results], gemm["flops"], "GFLOP/s", extra))
+    return [r.as_dict() for r in out]
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A ceiling: its value with the interval, and the row that reports it."""
+
+    value: float
+    low: float
+    high: float
+    row_id: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The run's ceilings: copy bandwidth by cache level (GB/s of traffic) and the GEMM rate."""
+
+    copy: dict[str, Rate] = field(default_factory=dict)
+    gemm: Rate | None = None
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> Ceilings:
+        """The ceilings reported by the roofline rows of a run (:func:`rows`)."""
+        copy, gemm = {}, None
+        for r in rows:
+            if r["kind"] != "roofline" or r.get("value") is None:
+                continue
+            rate = Rate(r["value"], r["low"], r["high"], r["id"], r["label"])
+            if r["id"].startswith("roofline/copy-"):
+                copy[r["cache_level"]] = rate
+            elif r["id"] == "roofline/gemm":
+                gemm = rate
+        return cls(copy, gemm)
+
+    @classmethod
+    def coerce(cls, ceilings: Ceilings | Mapping) -> Ceilings:
+        """A :class:`Ceilings` from itself or from a plain ``{"copy_gbps", "gemm_gflops"}`` mapping,
+        whose ``copy_gbps`` is ``{level: GB/s}`` or one number (taken as the DRAM ceiling)."""
+        if isinstance(ceilings, Ceilings):
+            return ceilings
+        copy = ceilings.get("copy_gbps")
+        by_level = copy if isinstance(copy, Mapping) else ({DRAM: copy} if copy is not None else {})
+        rates = {
+            level: Rate(v, v, v, f"roofline/copy-{level}", copy_label(level))
+            for level, v in by_level.items()
+            if v is not None and math.isfinite(v)
+        }
+        g = ceilings.get("gemm_gflops")
+        gemm = Rate(g, g, g, "roofline/gemm", "GEMM rate") if g is not None and math.isfinite(g) else None
+        return cls(rates, gemm)
+
+    def as_dict(self) -> dict:
+        """For ``results.json``'s ``method``: the values and how bytes were counted."""
+        return {
+            "copy_gbps": {level: rate.value for level, rate in self.copy.items()},
+            "gemm_gflops": self.gemm.value if self.gemm else None,
+            "traffic_model": TRAFFIC_MODEL,
+        }
+
+
+def judge(
+    *,
+    flops: int,
+    bytes_moved: int,
+    bytes_written: int,
+    level: str,
+    time_ns: tuple[float, float, float],
+    ceilings: Ceilings,
+) -> dict | None:
+    """A row's achieved rate against the ceiling of its own kind and level, or None.
+
+    Args:
+        flops: floating-point operations per call; when nonzero the row is compared with the GEMM rate.
+        bytes_moved, bytes_written: per call, as in :func:`traffic_bytes`; otherwise the row is
+            compared with the copy bandwidth of ``level``.
+        level: the cache level of the row's working set (``env.cache_level``).
+        time_ns: the call's time, ``(median, low, high)`` in nanoseconds.
+        ceilings: the run's :class:`Ceilings`.
+
+    Returns ``{"achieved", "unit", "fraction", "low", "high", "of", "ceiling", ...}`` (``low`` and
+    ``high`` bound the fraction from both intervals), or None when the row moves no data to speak
+    of (an allocation) or its level has no ceiling.
+    """
+    median, low, high = time_ns
+    if flops:
+        ceiling, amount, unit, extra = ceilings.gemm, flops, "GFLOP/s", {"flops": flops}
+    elif bytes_moved:
+        amount = traffic_bytes(bytes_moved, bytes_written)
+        ceiling, unit = ceilings.copy.get(level), "GB/s"
+        extra = {"level": level, "traffic_bytes": amount}
+    else:
+        return None
+    if ceiling is None:
+        return None
+    achieved = amount / median  # per ns == G.../s
+    return {
+        "achieved": achieved,
+        "unit": unit,
+        "fraction": achieved / ceiling.value,
+        "low": amount / high / ceiling.high,
+        "high": amount / low / ceiling.low,
+        "of": ceiling.label,
+        "ceiling": ceiling.row_id,
+        **extra,
     }

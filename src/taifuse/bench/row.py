@@ -15,6 +15,7 @@ from typing import Any
 
 NOT_A_COMPARISON = "not a comparison"
 NOT_MEASURED = "not measured"
+NO_DATA = "—"  # the cache level of a row that moves no data (an allocation)
 
 
 @dataclass(frozen=True)

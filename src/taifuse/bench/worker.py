@@ -113,7 +113,7 @@ def measure_solo(
 def run_job(job: dict) -> dict:
     """Run one job description (``kind`` = ``"case"`` or ``"roofline"``) and return its result."""
     if job["kind"] == "roofline":
-        result = roofline.measure(job["copy_bytes"], job["samples"], seed=job.get("seed", 0))
+        result = roofline.measure(job["levels"], job["samples"], seed=job.get("seed", 0))
         result["threads"] = thread_settings()
         return result
     if job["kind"] == "case":

@@ -70,31 +70,19 @@ np.divide(x, t, out=out)
 """
 
 
-# The same copy as the roofline's (taifuse.bench.roofline): one contiguous chunk per CPU, each
-# np.copyto on its own thread (it releases the GIL), so the bound is what every core together can
-# copy, the honest ceiling for a multi-threaded kernel. A one-thread np.copyto would understate it.
-_THREADED_COPY_PREPARE = """
-out = np.empty_like(x)
-workers = os.cpu_count() or 1
-pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
-bounds = np.linspace(0, x.size, workers + 1).astype(np.int64)
-chunks = [(out[lo:hi], x[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
-"""
-_THREADED_COPY = """
-for future in [pool.submit(np.copyto, dst, src) for dst, src in chunks]:
-    future.result()
-"""
-
-
 def copy_bound(where: str) -> Variant:
-    """``np.copyto(out, x)`` split over every CPU, as the roofline's copy; ``where`` names the level."""
+    """The roofline's copy kernel on the case's bytes (``roofline.ThreadedCopy``: every CPU, ordinary
+    stores, NOTE [ Traffic model ] in taifuse.bench.roofline); ``where`` names the level."""
     return Variant(
         "copy bound",
-        _THREADED_COPY,
-        prepare=_THREADED_COPY_PREPARE,
-        imports=("numpy as np", "os", "concurrent.futures"),
+        "copy()",
+        prepare="out = np.empty_like(x)\ncopy = roofline.ThreadedCopy(x, out)",
+        imports=("numpy as np", "taifuse.bench.roofline as roofline"),
         same_result=False,
-        note=f"not the same function: a copy of the same bytes on every CPU, the {where} roofline at this size",
+        note=(
+            "not the same function: the roofline's copy kernel (np.add(x, 0.0, out=out) split over every "
+            f"CPU, one thread each) on the same bytes, the {where} ceiling at this size"
+        ),
     )
 
 
@@ -175,6 +163,7 @@ def _unary_case(
         dtype="float32",
         shape=f"({N},)",
         bytes_moved=2 * 4 * N,
+        bytes_written=4 * N,
         rtol=1e-5,
         atol=1e-5,
     )
@@ -239,6 +228,7 @@ def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
             dtype="float32",
             shape=f"({N},) + ({N},)",
             bytes_moved=3 * 4 * N,
+            bytes_written=4 * N,
             rtol=1e-6,
             atol=1e-6,
         )
@@ -265,6 +255,7 @@ def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
             dtype="float32",
             shape=f"({ROWS}, {COLS}) * ({COLS},) + ({COLS},)",
             bytes_moved=2 * 4 * ROWS * COLS + 2 * 4 * COLS,
+            bytes_written=4 * ROWS * COLS,
             rtol=1e-5,
             atol=1e-5,
         )
@@ -288,4 +279,5 @@ def _past_last_cache_case() -> Case:
         dtype="float32",
         shape=f"({n},)",
         bytes_moved=2 * 4 * n,
+        bytes_written=4 * n,
     )

@@ -4,8 +4,9 @@ variant (``fused=True``) on the same parameters and gradients.
 Two models: 10 parameters of 1000x512 float32 (5.12M values, past the last-level cache) and 200
 parameters of 64x64 (per-parameter overhead). Gradients are set once before timing (on taifuse in
 the optimizer's gradient slots, where ``backward()`` puts them), so every timed call is one step.
-``bytes_moved`` is what one step must read and write at least (parameters, gradients, state):
-the fraction of the copy bandwidth comes from it. taifuse's default step also checks that the
+``bytes_moved`` is what one step must read and write at least (parameters, gradients, state),
+``bytes_written`` the parameters and state it writes: the fraction of the copy bandwidth of the
+step's cache level comes from them (NOTE [ Traffic model ] in taifuse.bench.roofline). taifuse's default step also checks that the
 gradients are finite (one more read of them, NOTE [ Non-finite gradients ] in optim/optimizer.py);
 the "taifuse, no finite check" row shows the step without it.
 """
@@ -110,6 +111,7 @@ def _case(name: str, model: str, compare_torch: bool) -> Case:
             )
     # Read parameter, gradient and state; write parameter and state.
     bytes_moved = 4 * elements * (2 + 2 * n_state + 1)
+    bytes_written = 4 * elements * (1 + n_state)
     return Case(
         suite=SUITE,
         name=f"{name} step, {model}",
@@ -124,6 +126,7 @@ def _case(name: str, model: str, compare_torch: bool) -> Case:
         dtype="float32",
         shape=f"{count} parameters of {shape}",
         bytes_moved=bytes_moved,
+        bytes_written=bytes_written,
         rtol=1e-5,
         atol=1e-6,
     )
