@@ -8,6 +8,10 @@ Each test failed on taichi-cpu and taichi-vulkan before its fix.
 from __future__ import annotations
 
 import operator
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -221,6 +225,38 @@ def test_integer_tensors_still_hold_class_indices(backend):
     loss.backward()
     assert flat.shape == (4,) and np.isfinite(loss.item())
     np.testing.assert_array_equal(flat.numpy(), [1, 0, 2, 1])
+
+
+# ----------------------------------------------------------------------------- quiet interpreter exit
+
+_EXIT_SCRIPT = """
+import torch  # noqa: F401  (its import changes the order in which modules are torn down at exit)
+import numpy as np
+import taifuse
+from taifuse import nn, optim
+
+taifuse.set_backend({name!r}, arch={arch!r})
+model = nn.Linear(4, 3)
+opt = optim.AdamW(model.parameters(), lr=1e-3)
+x = taifuse.tensor(np.ones((2, 4), np.float32))
+model(x).sum().backward()
+opt.step()
+print("stepped", taifuse.get_backend())
+"""
+
+
+def test_interpreter_exit_is_quiet_with_torch_and_an_optimizer_at_module_level(backend):
+    """Pooled device leases held by module globals are dropped while Python tears modules down."""
+    _skip_host(backend)
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TAIFUSE_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_EXIT_SCRIPT.format(name=backend.name, arch=backend.arch))],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "stepped taichi" in proc.stdout, proc.stdout + proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr
 
 
 # ----------------------------------------------------------------------------- bad operands are named

@@ -206,8 +206,11 @@ def _device_lease(block: _Block, returns: deque) -> Any:
         class _DeviceLease(ScalarNdarray):
             # Built without __init__ (no allocation of its own); it borrows the pooled storage's
             # attributes, including the C++ handle ``arr``, so kernels see the same memory.
+            # Held by the class: at interpreter exit this module's globals (sys) may be None already.
+            _is_finalizing = staticmethod(sys.is_finalizing)
+
             def __del__(self) -> None:
-                if sys.is_finalizing():
+                if self._is_finalizing():
                     return
                 self._returns.append(self._block)
 
@@ -231,6 +234,7 @@ class FieldLease:
     """
 
     __slots__ = ("__weakref__", "_block", "_returns", "field")
+    _is_finalizing = staticmethod(sys.is_finalizing)  # as _DeviceLease's: globals may be gone at exit
 
     def __init__(self, block: _Block, returns: deque) -> None:
         self._block: _Block | None = block
@@ -251,7 +255,7 @@ class FieldLease:
         self.release()
 
     def __del__(self) -> None:
-        if not sys.is_finalizing():
+        if not self._is_finalizing():
             self.release()
 
 
