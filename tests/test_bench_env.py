@@ -130,7 +130,9 @@ def test_collect_records_the_kernel_the_variables_and_the_note(monkeypatch):
     monkeypatch.setattr(env, "_threadpool_info", lambda: [OPENBLAS])
     monkeypatch.setattr(env, "blas_environment", lambda environ=None: dict(blas_env))
     monkeypatch.setattr(
-        env, "default_blas", lambda environ=None: {"unset": list(blas_env), "libraries": _libraries("SkylakeX"), "error": None}
+        env,
+        "default_blas",
+        lambda environ=None: {"unset": list(blas_env), "libraries": _libraries("SkylakeX"), "error": None},
     )
     collected = env.collect("numpy", {})
     assert collected["blas_kernel"] == "Haswell" and collected["blas_env"] == blas_env

@@ -20,10 +20,14 @@ FLAT = [  # each level one instance whatever the CPU count: the levels hold on a
     {"level": 2, "type": "Unified", "bytes": MIB, "shared_cpus": 1 << 16},
     {"level": 3, "type": "Unified", "bytes": 32 * MIB, "shared_cpus": 1 << 16},
 ]
-BLAS_NOTE = "OPENBLAS_CORETYPE=Haswell forces OpenBLAS's Haswell kernel; without it this machine runs SkylakeX."
+BLAS_NOTE = (
+    "OPENBLAS_CORETYPE=Haswell forces OpenBLAS's Haswell kernel; without it this machine runs SkylakeX."
+)
 
 
-def _variant(label: str, *, imports=("numpy as np",), same_result: bool = True, isolated: bool = False) -> Variant:
+def _variant(
+    label: str, *, imports=("numpy as np",), same_result: bool = True, isolated: bool = False
+) -> Variant:
     return Variant(label, "pass", result="None", imports=imports, same_result=same_result, isolated=isolated)
 
 
@@ -46,13 +50,17 @@ GELU = _case(
     "gelu",
     (
         _variant("numpy"),
-        _variant("copy bound", imports=("numpy as np", "taifuse.bench.roofline as roofline"), same_result=False),
+        _variant(
+            "copy bound", imports=("numpy as np", "taifuse.bench.roofline as roofline"), same_result=False
+        ),
         _variant("torch", imports=("numpy as np", "torch"), isolated=True),
     ),
     16 * MIB,
     8 * MIB,
 )
-STEP = _case("step", (_variant("pool off", imports=("numpy as np", "taifuse.pool as pool")),), 256 * MIB, 96 * MIB)
+STEP = _case(
+    "step", (_variant("pool off", imports=("numpy as np", "taifuse.pool as pool")),), 256 * MIB, 96 * MIB
+)
 SCRATCH = _case("scratch", (_variant("np.empty", same_result=False),), 0, 0)
 SPEEDUPS = {"numpy": 3.0, "copy bound": 0.8, "torch": 1.5, "pool off": 1.0, "np.empty": 4.0, "taifuse": 1.0}
 
@@ -68,8 +76,18 @@ def _runs(case: Case, pairs: list[tuple[str, str]], processes: int = 3, ns: floa
         runs.append(
             {
                 "first_call_ns": {"taifuse": 3e8},
-                "checks": {b.label: {"ok": True, "rtol": 1e-5, "atol": 1e-6, "max_abs_err": 0.0,
-                                     "max_rel_err": 0.0, "reason": ""} for b in case.baselines if b.same_result},
+                "checks": {
+                    b.label: {
+                        "ok": True,
+                        "rtol": 1e-5,
+                        "atol": 1e-6,
+                        "max_abs_err": 0.0,
+                        "max_rel_err": 0.0,
+                        "reason": "",
+                    }
+                    for b in case.baselines
+                    if b.same_result
+                },
                 "failed": [],
                 "samples": samples,
                 "loops": {label: 1 for label in ("taifuse", *(b.label for b in case.baselines))},
@@ -84,7 +102,10 @@ def _solo(case: Case, processes: int = 3) -> list[dict]:
     rng = np.random.default_rng(1)
     out = []
     for _ in range(processes):
-        t = {label: list(1e6 * np.exp(rng.normal(0.0, 0.01, 8))) for label in ("taifuse", harness.CANDIDATE_AGAIN)}
+        t = {
+            label: list(1e6 * np.exp(rng.normal(0.0, 0.01, 8)))
+            for label in ("taifuse", harness.CANDIDATE_AGAIN)
+        }
         t["torch"] = [SPEEDUPS["torch"] * x for x in t["taifuse"]]
         out.append({label: {"samples": s, "loops": 1} for label, s in t.items()})
     return out
@@ -109,7 +130,12 @@ def _roofline_results(processes: int = 3) -> list[dict]:
                 }
                 for level, c in copy.items()
             },
-            "gemm": {"ns": [1e7] * 4, "shape": roofline.GEMM_SHAPE, "flops": 3e12, "code": roofline.GEMM_CODE},
+            "gemm": {
+                "ns": [1e7] * 4,
+                "shape": roofline.GEMM_SHAPE,
+                "flops": 3e12,
+                "code": roofline.GEMM_CODE,
+            },
         }
         for _ in range(processes)
     ]
@@ -146,7 +172,13 @@ def result(monkeypatch) -> dict:
     return {
         "command": "taifuse bench --quick --out bench-out",
         "date": "2026-01-01 00:00 UTC",
-        "plan": {"processes": 3, "blocks": 8, "min_sample_ns": 1_000_000, "roofline_samples": 4, "quick": True},
+        "plan": {
+            "processes": 3,
+            "blocks": 8,
+            "min_sample_ns": 1_000_000,
+            "roofline_samples": 4,
+            "quick": True,
+        },
         "suites": ["synthetic"],
         "environment": {
             "cpu_model": "Test CPU",
@@ -156,8 +188,14 @@ def result(monkeypatch) -> dict:
             "blas": "scipy-openblas 0.3.31",
             "blas_kernel": "Haswell",
             "blas_libraries": [
-                {"library": "openblas", "version": "0.3.31", "kernel": "Haswell", "threads": 2,
-                 "threading_layer": "pthreads", "file": "libscipy_openblas64_.so"}
+                {
+                    "library": "openblas",
+                    "version": "0.3.31",
+                    "kernel": "Haswell",
+                    "threads": 2,
+                    "threading_layer": "pthreads",
+                    "file": "libscipy_openblas64_.so",
+                }
             ],
             "blas_env": {"OPENBLAS_CORETYPE": "Haswell"},
             "blas_default": {"unset": ["OPENBLAS_CORETYPE"], "libraries": None, "error": None},
@@ -234,7 +272,9 @@ def test_blas_note_sits_above_the_tables(result):
     text = report.markdown(result)
     assert f"**BLAS:** {BLAS_NOTE}" in text
     assert text.index(BLAS_NOTE) < text.index("## Roofline") < text.index("## Suite: synthetic")
-    assert "kernel Haswell, 2 threads" in text and "OPENBLAS_CORETYPE=Haswell" in text.split("## Environment")[1]
+    assert (
+        "kernel Haswell, 2 threads" in text and "OPENBLAS_CORETYPE=Haswell" in text.split("## Environment")[1]
+    )
     assert report.summary(result).startswith(f"BLAS: {BLAS_NOTE}")
     quiet = dict(result, environment=dict(result["environment"], blas_note=None))
     assert "**BLAS:**" not in report.markdown(quiet) and not report.summary(quiet).startswith("BLAS")
@@ -249,7 +289,9 @@ def test_roofline_column_names_the_level_and_allocations_show_none(result):
     alloc = rows["synthetic/scratch/np.empty"]
     assert alloc["roofline"] is None and report._roofline(alloc) == "—"
     text = report.markdown(result)
-    line = next(line for line in text.splitlines() if "scratch: taifuse vs np.empty" in line and line.startswith("|"))
+    line = next(
+        line for line in text.splitlines() if "scratch: taifuse vs np.empty" in line and line.startswith("|")
+    )
     assert "GB/s" not in line and "—" in line
     assert not re.search(r"(?<![\d.])0 GB/s", text)
     # The method names the ceilings' sizes and the traffic model.
@@ -264,7 +306,18 @@ def test_results_json_keeps_the_keys_baseline_reads(result, tmp_path, monkeypatc
     timed = [r for r in saved["rows"] if r["kind"] in ("compare", "control") and r["value"] is not None]
     assert timed
     for row in saved["rows"]:
-        for key in ("id", "kind", "label", "value", "verdict", "low", "high", "n_processes", "unit", "roofline"):
+        for key in (
+            "id",
+            "kind",
+            "label",
+            "value",
+            "verdict",
+            "low",
+            "high",
+            "n_processes",
+            "unit",
+            "roofline",
+        ):
             assert key in row, (row["id"], key)
     for row in timed:
         assert row["samples"]["ratios"] and all(len(g) == 8 for g in row["samples"]["ratios"])

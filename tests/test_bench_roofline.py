@@ -80,7 +80,12 @@ def _roofline_results(ns_per_level: dict[str, float], array_bytes: dict[str, int
                 }
                 for level, ns in ns_per_level.items()
             },
-            "gemm": {"ns": [1e7] * 6, "shape": roofline.GEMM_SHAPE, "flops": 3e12, "code": roofline.GEMM_CODE},
+            "gemm": {
+                "ns": [1e7] * 6,
+                "shape": roofline.GEMM_SHAPE,
+                "flops": 3e12,
+                "code": roofline.GEMM_CODE,
+            },
         }
         for _ in range(processes)
     ]
@@ -162,7 +167,12 @@ def test_a_level_without_a_ceiling_gets_no_roofline():
 
 @pytest.mark.parametrize(
     ("reads", "writes"),
-    [(1, 1), (2, 1), (1, 0), (4, 3)],  # copy/GELU, add_relu, a reduction, an Adam step (p, g, m, v -> p, m, v)
+    [
+        (1, 1),
+        (2, 1),
+        (1, 0),
+        (4, 3),
+    ],  # copy/GELU, add_relu, a reduction, an Adam step (p, g, m, v -> p, m, v)
 )
 @pytest.mark.parametrize("level", ["L3", "DRAM"])
 def test_a_row_moving_its_traffic_as_fast_as_the_ceiling_is_at_100_percent(reads, writes, level):
@@ -189,7 +199,12 @@ def test_a_row_moving_its_traffic_as_fast_as_the_ceiling_is_at_100_percent(reads
 
 
 def test_ceiling_rows_report_traffic_level_and_size():
-    rows = {r["id"]: r for r in roofline.rows(_roofline_results({"L3": 2e5, "DRAM": 2.4e7}, {"L3": 8 * MIB, "DRAM": 256 * MIB}))}
+    rows = {
+        r["id"]: r
+        for r in roofline.rows(
+            _roofline_results({"L3": 2e5, "DRAM": 2.4e7}, {"L3": 8 * MIB, "DRAM": 256 * MIB})
+        )
+    }
     l3 = rows["roofline/copy-L3"]
     assert l3["kind"] == "roofline" and l3["cache_level"] == "L3" and l3["unit"] == "GB/s"
     assert l3["traffic_bytes"] == 3 * 8 * MIB and l3["bytes_moved"] == 2 * 8 * MIB
@@ -208,7 +223,9 @@ def test_allocation_and_first_call_rows_show_no_bandwidth():
     compare = next(r for r in rows if r["kind"] == "compare")
     assert compare["baseline_roofline"] is None and compare["value"] == pytest.approx(2.0, rel=1e-2)
     # The first call of a memory-bound case has no bandwidth either.
-    first = harness.case_rows(_case(16 * MIB, 8 * MIB), _runs(alloc, 1e4), _ceilings(), 0.05, control=False, caches=FLAT)
+    first = harness.case_rows(
+        _case(16 * MIB, 8 * MIB), _runs(alloc, 1e4), _ceilings(), 0.05, control=False, caches=FLAT
+    )
     assert next(r for r in first if r["kind"] == "first_call")["roofline"] is None
 
 
@@ -244,7 +261,9 @@ def test_measure_in_process_on_small_working_sets():
     result = roofline.measure({"L2": 256 * 1024}, samples=2)
     copy = result["copy"]["L2"]
     assert len(copy["ns"]) == 2 and all(t > 0 for t in copy["ns"])
-    assert copy["bytes_moved"] == 2 * copy["array_bytes"] == 256 * 1024 and copy["bytes_written"] == 128 * 1024
+    assert (
+        copy["bytes_moved"] == 2 * copy["array_bytes"] == 256 * 1024 and copy["bytes_written"] == 128 * 1024
+    )
     assert copy["reps"] >= 1 and result["gemm"]["flops"] == 2 * 4096 * 1024 * 768
 
 

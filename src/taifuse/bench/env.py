@@ -104,8 +104,15 @@ def _sysctl_caches() -> list[dict]:
         if not size:
             continue
         shared = {1: 1, 2: _sysctl("hw.perflevel0.cpusperl2") or cpus}.get(level, cpus)
-        caches.append({"level": level, "type": "Data" if level == 1 else "Unified", "bytes": size,
-                       "shared_cpu_list": "", "shared_cpus": shared})
+        caches.append(
+            {
+                "level": level,
+                "type": "Data" if level == 1 else "Unified",
+                "bytes": size,
+                "shared_cpu_list": "",
+                "shared_cpus": shared,
+            }
+        )
     return caches
 
 
@@ -414,7 +421,9 @@ def collect(
         "numpy_config": blas,
         # NOTE [ BLAS through threadpoolctl ]
         "blas_libraries": (
-            libraries if libraries is not None else "unknown (threadpoolctl is not installed: pip install 'taifuse[bench]')"
+            libraries
+            if libraries is not None
+            else "unknown (threadpoolctl is not installed: pip install 'taifuse[bench]')"
         ),
         "blas_kernel": numpy_lib["kernel"] if numpy_lib else None,
         "blas_env": blas_env,

@@ -254,11 +254,14 @@ def _warnings(env: dict) -> list[str]:
 def _blas_rows(env: dict) -> list[tuple[str, str]]:
     libraries = env.get("blas_libraries")
     if isinstance(libraries, list):
-        runtime = "; ".join(
-            f"{lib['library']} {lib['version']} ({lib['file']}): kernel {lib['kernel']}, "
-            f"{lib['threads']} threads ({lib['threading_layer']})"
-            for lib in libraries
-        ) or "none loaded that threadpoolctl recognises"
+        runtime = (
+            "; ".join(
+                f"{lib['library']} {lib['version']} ({lib['file']}): kernel {lib['kernel']}, "
+                f"{lib['threads']} threads ({lib['threading_layer']})"
+                for lib in libraries
+            )
+            or "none loaded that threadpoolctl recognises"
+        )
     else:
         runtime = str(libraries)
     blas_env = env.get("blas_env") or {}
@@ -491,7 +494,9 @@ def is_peer(row: dict) -> bool:
     if "peer" in base:
         return bool(base["peer"])
     imports = [line for line in str(base.get("code", "")).splitlines() if line.startswith("import ")]
-    return bool(base.get("same_result")) and not any(line.split()[1].startswith("taifuse") for line in imports)
+    return bool(base.get("same_result")) and not any(
+        line.split()[1].startswith("taifuse") for line in imports
+    )
 
 
 def peer_rows(result: dict) -> list[dict]:
@@ -502,7 +507,9 @@ def peer_rows(result: dict) -> list[dict]:
 def _ratio(row: dict) -> str:
     if row["value"] is None:
         return "—"
-    return _fmt(row["value"], row["unit"]) if row["unit"] == "x speedup" else f"{row['value']:.3g}x less memory"
+    return (
+        _fmt(row["value"], row["unit"]) if row["unit"] == "x speedup" else f"{row['value']:.3g}x less memory"
+    )
 
 
 def summary_markdown(result: dict, *, chart: str | None = None, drawn: bool = True) -> str:

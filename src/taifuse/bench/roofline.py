@@ -56,7 +56,9 @@ COPY_CODE = (
     "np.add(src[chunk], 0.0, out=dst[chunk]) for one contiguous chunk per CPU, each on its own thread, "
     "repeated {reps}x inside the thread per sample"
 )
-TRAFFIC_MODEL = "bytes read + 2 x bytes written (an ordinary store reads its cache line first: write-allocate)"
+TRAFFIC_MODEL = (
+    "bytes read + 2 x bytes written (an ordinary store reads its cache line first: write-allocate)"
+)
 DRAM = "DRAM"
 _MIB = 2**20
 _PASS_BYTES = 256 * _MIB  # a sample streams about this much working set: several ms at any level
@@ -211,14 +213,21 @@ def measure(levels: Mapping[str, int], samples: int, seed: int = 0) -> dict:
     m, k, n = GEMM_SHAPE
     return {
         "copy": copies,
-        "gemm": {"ns": _time_gemm(samples, seed + 1), "shape": GEMM_SHAPE, "flops": 2 * m * k * n, "code": GEMM_CODE},
+        "gemm": {
+            "ns": _time_gemm(samples, seed + 1),
+            "shape": GEMM_SHAPE,
+            "flops": 2 * m * k * n,
+            "code": GEMM_CODE,
+        },
     }
 
 
 # ----------------------------------------------------------------------------- rows
 
 
-def _rate_row(row_id: str, label: str, groups_ns: list[list[float]], amount: float, unit: str, extra: dict) -> Row:
+def _rate_row(
+    row_id: str, label: str, groups_ns: list[list[float]], amount: float, unit: str, extra: dict
+) -> Row:
     # A ceiling is what the machine can do, and other work on it only ever slows a pass: the value
     # is each process's fastest pass, the median over processes (the interval over processes too).
     # The spread of all samples still decides whether the row is "unstable".
@@ -271,7 +280,11 @@ def rows(results: list[dict]) -> list[dict]:
         "cache_level": cache_level(4 * (m * k + n * k + m * n)),
         "code": gemm["code"],
     }
-    out.append(_rate_row("roofline/gemm", "GEMM rate", [r["gemm"]["ns"] for r in results], gemm["flops"], "GFLOP/s", extra))
+    out.append(
+        _rate_row(
+            "roofline/gemm", "GEMM rate", [r["gemm"]["ns"] for r in results], gemm["flops"], "GFLOP/s", extra
+        )
+    )
     return [r.as_dict() for r in out]
 
 

@@ -306,7 +306,12 @@ class MemoryCase:
             verdict=NOT_A_COMPARISON,
             header=self._header(runs),
             candidate={"label": v.label, "code": v.full_code()},
-            extra={"peak_rss_mib": values, "peak_traced_mib": traced, "peak_pool_mib": pooled, "step_s": steps},
+            extra={
+                "peak_rss_mib": values,
+                "peak_traced_mib": traced,
+                "peak_pool_mib": pooled,
+                "step_s": steps,
+            },
         )
         if not values and traced:  # no /proc: tracemalloc is the measurement
             values = traced
@@ -334,7 +339,13 @@ class MemoryCase:
             unit="x less memory",
             header=self._header(runs_a + runs_b),
             candidate={"label": a, "code": va.full_code()},
-            baseline={"label": b, "code": vb.full_code(), "same_result": True, "note": vb.note, "peer": vb.peer},
+            baseline={
+                "label": b,
+                "code": vb.full_code(),
+                "same_result": True,
+                "note": vb.note,
+                "peer": vb.peer,
+            },
         )
         pa = [r["rss_peak_bytes"] for r in runs_a if r.get("rss_peak_bytes")]
         pb = [r["rss_peak_bytes"] for r in runs_b if r.get("rss_peak_bytes")]
