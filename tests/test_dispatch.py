@@ -75,6 +75,44 @@ def test_import_is_light_and_fast():
     assert own < 0.1, f"import taifuse took {own:.3f} s on top of NumPy (best of 3)"
 
 
+def test_subpackages_are_attributes_imported_on_first_use():
+    """Reported: ``import taifuse; taifuse.nn.Linear(3, 4)`` raised AttributeError (no attribute 'nn').
+
+    PEP 562: each subpackage is imported when first reached as an attribute, so ``import taifuse``
+    stays light (numba and taichi unimported) and fast.
+    """
+    code = f"""
+        import json, sys, time
+        t0 = time.perf_counter()
+        import taifuse
+        elapsed = time.perf_counter() - t0
+        heavy = sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules)
+        unloaded = [n for n in ("nn", "optim", "functional", "checkpoint") if "taifuse." + n not in sys.modules]
+        layer = taifuse.nn.Linear(3, 4)
+        names = ("nn", "optim", "functional", "checkpoint", "pool")
+        listed = sorted(set(dir(taifuse)) & set(names))
+        resolved = {{n: getattr(taifuse, n) is sys.modules["taifuse." + n] for n in names}}
+        print(json.dumps({{
+            "elapsed": elapsed, "heavy": heavy, "unloaded": unloaded, "listed": listed, "resolved": resolved,
+            "layer": type(layer).__name__, "checkpoint": callable(taifuse.checkpoint.checkpoint),
+            "tensor_is_function": callable(taifuse.tensor) and not isinstance(taifuse.tensor, type(sys)),
+            "missing": hasattr(taifuse, "no_such_module"),
+        }}))
+    """
+    runs = [_last_json(_run_python(code)) for _ in range(3)]
+    for run in runs:
+        assert run["heavy"] == [], f"import taifuse imported {run['heavy']}"
+        assert run["unloaded"] == ["nn", "optim", "functional", "checkpoint"], "imported before first use"
+        assert run["listed"] == ["checkpoint", "functional", "nn", "optim", "pool"]
+        assert all(run["resolved"].values()), run["resolved"]
+        assert run["layer"] == "Linear" and run["checkpoint"] and run["tensor_is_function"]
+        assert run["missing"] is False
+    # The import alone, NumPy included, timed inside the fresh process. Best of three: a busy
+    # 2-core CI machine adds noise, never speed.
+    best = min(run["elapsed"] for run in runs)
+    assert best < 0.5, f"import taifuse took {best:.3f} s (best of 3)"
+
+
 def test_backends_are_not_started_by_queries():
     code = f"""
         import json, sys

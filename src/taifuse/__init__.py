@@ -1,6 +1,8 @@
 """taifuse: fused neural-network kernels for Apple's Metal GPU (Taichi), with Numba CPU kernels.
 
 ``import taifuse`` imports NumPy only; Numba and Taichi are imported and started on first use.
+The subpackages (``taifuse.nn``, ``taifuse.optim``, ``taifuse.functional``, ``taifuse.checkpoint``,
+``taifuse.pool``, ...) are imported the first time they are reached as attributes.
 
 Example::
 
@@ -10,6 +12,10 @@ Example::
     >>> F.gelu(np.zeros(3, dtype=np.float32))
     array([0., 0., 0.], dtype=float32)
 """
+
+import importlib as _importlib
+import importlib.util as _importlib_util
+from types import ModuleType as _ModuleType
 
 from taifuse._random import manual_seed
 from taifuse.backends import available_backends, get_backend, set_backend, use_backend
@@ -33,3 +39,26 @@ __all__ = [
     "tensor",
     "use_backend",
 ]
+
+# Subpackages and modules reachable as ``taifuse.<name>`` without importing them at ``import
+# taifuse`` (PEP 562), which must stay light: nn, optim and functional import the autograd layer.
+# Names whose module does not exist (yet) are simply absent attributes. ``tensor`` is not here:
+# ``taifuse.tensor`` is the function (the NOTE above); ``taifuse.checkpoint`` is the module,
+# whose function is ``taifuse.checkpoint.checkpoint``, as ``torch.utils.checkpoint``.
+_LAZY_SUBMODULES = ("nn", "optim", "functional", "checkpoint", "pool", "amp", "profiler", "monitor")
+
+
+def __getattr__(name: str) -> _ModuleType:
+    if name in _LAZY_SUBMODULES:
+        try:
+            # Importing a submodule also binds it in this namespace, so this runs once per name.
+            return _importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the module exists, and something it imports is missing: say that
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    present = [n for n in _LAZY_SUBMODULES if _importlib_util.find_spec(f"{__name__}.{n}") is not None]
+    return sorted(set(globals()) | set(present))
