@@ -143,6 +143,21 @@ def test_matmul_matches_numpy(taichi, sa, sb, dtype):
     _close(got.numpy(), expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=["f32", "f16", "i32"])
+def test_fill_overwrites_every_element_nan_and_inf_too(taichi, dtype):
+    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+
+    host = np.array([[1, -2, 3], [4, 5, -6]], dtype=dtype)
+    if dtype != np.int32:
+        host[0, 1], host[1, 2] = np.nan, -np.inf
+    arr = taichi.from_numpy(host)
+    M.fill_(arr, 0.0)
+    np.testing.assert_array_equal(arr.numpy(), np.zeros((2, 3), dtype), strict=True)
+    M.fill_(arr.reshape(6), 2.0)  # through a view: the same storage
+    np.testing.assert_array_equal(arr.numpy(), np.full((2, 3), 2, dtype), strict=True)
+    M.fill_(taichi.empty((0, 3), dtype), 1.0)  # nothing to fill
+
+
 def test_layout_ops_and_pow(taichi):
     from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
 

@@ -572,6 +572,16 @@ class TaichiMath:
         TaichiMath._inplace(acc, a, OP_MUL)
 
     @staticmethod
+    def fill_(acc: Any, value: float) -> None:
+        """acc[...] = value, in place (``Tensor.zero_``; unlike ``mul_(acc, 0)``, NaN and inf become 0 too)."""
+        if not acc.size:
+            return
+        if acc.dtype.kind == "f":
+            kernels_for(acc.dtype).fill(_nd(acc), float(value), acc.size)
+        else:  # int32 class indices: a store, not arithmetic (NOTE [ No integer arithmetic ]); Taichi's own fill
+            _nd(acc).fill(int(value))
+
+    @staticmethod
     def item(a: Any) -> Any:
         return a.numpy().reshape(()).item()
 
