@@ -558,9 +558,11 @@ def test_one_launch_per_group_and_dtype_and_grads_land_in_place(grad_backend, mo
             term = (p * p).sum()
             loss = term if loss is None else loss + term
         loss.backward()
-        if host:
-            grad_buffer = params[0].grad._data.base
-            assert all(p.grad._data.base is grad_buffer for p in params)
+        if host:  # each gradient lies at its parameter's offset in the flat buffer the kernel reads
+            flat = opt._buckets[0][0].grad_flat()
+            start = flat.__array_interface__["data"][0]
+            addresses = [p.grad._data.__array_interface__["data"][0] for p in params]
+            assert addresses == [start + 4 * 64 * i for i in range(count)]
         opt.step()
     assert calls == ([count * 64] * 2 if host else [64] * (2 * count))
 
@@ -574,6 +576,74 @@ def test_replaced_parameter_data_and_foreign_grads_are_taken_back(grad_backend):
     np.testing.assert_array_equal(p.numpy(), np.full(4, 2.0, np.float32))
     opt.step()
     np.testing.assert_array_equal(p.numpy(), np.full(4, 1.0, np.float32))
+
+
+def _drop_grads(how: str, opt, params) -> None:
+    if how == "optimizer":
+        opt.zero_grad()
+    elif how == "module":
+        module = taifuse.nn.Module()
+        for i, p in enumerate(params):
+            setattr(module, f"p{i}", p)
+        module.zero_grad()
+    else:
+        for p in params:
+            p.grad = None
+
+
+@pytest.mark.parametrize("how", ["optimizer", "module", "assignment"])
+def test_a_kept_gradient_is_not_overwritten_by_the_next_backward(grad_backend, how):
+    """PyTorch's .grad is a tensor of its own: dropping it (zero_grad(), or p.grad = None) makes the
+    next backward create a new one, so a gradient the user kept, or an array or view of it, keeps
+    its values through later backward passes and steps (NOTE [ Gradient slots ] in tensor.py)."""
+    w, v = Parameter(np.ones(3, np.float32)), Parameter(np.ones(2, np.float32))
+    opt = optim.SGD([w, v], lr=0.1)
+    ((w * 2.0).sum() + (v * 3.0).sum()).backward()
+    g1 = w.grad
+    a1 = g1.numpy()
+    view = a1[1:]
+    opt.step()
+    _drop_grads(how, opt, [w, v])
+    ((w * 5.0).sum() + (v * 7.0).sum()).backward()
+    assert w.grad is not g1
+    np.testing.assert_array_equal(w.grad.numpy(), [5.0, 5.0, 5.0])
+    for kept in (g1.numpy(), a1, view):
+        assert (kept == 2.0).all(), kept
+    opt.step()
+    np.testing.assert_allclose(w.numpy(), [0.3, 0.3, 0.3], rtol=1e-6)
+    np.testing.assert_allclose(v.numpy(), 1.0 - 0.1 * (3.0 + 7.0), rtol=1e-6)
+    assert (g1.numpy() == 2.0).all() and (a1 == 2.0).all()
+    # Once nothing holds an old gradient, the next one lands in the optimizer's flat buffer again.
+    del g1, a1, view, kept
+    _drop_grads(how, opt, [w, v])
+    ((w * 4.0).sum() + (v * 1.0).sum()).backward()
+    if grad_backend.name != "taichi":
+        flat = opt._buckets[0][0].grad_flat()
+        assert np.shares_memory(w.grad.numpy(), flat) and np.shares_memory(v.grad.numpy(), flat)
+    opt.step()
+    np.testing.assert_allclose(w.numpy(), [-0.1, -0.1, -0.1], rtol=1e-5)
+
+
+def test_zero_grad_without_set_to_none_zeroes_in_place_like_torch(grad_backend):
+    """zero_grad(set_to_none=False) zeroes every existing gradient in place (a kept reference sees
+    the zeros and the next accumulation) and leaves a missing one missing, as torch.optim does."""
+    w, v = Parameter(np.ones(3, np.float32)), Parameter(np.ones(2, np.float32))
+    opt = optim.SGD([w, v], lr=0.1, momentum=0.5)
+    (w * 2.0).sum().backward()
+    g = w.grad
+    opt.zero_grad(set_to_none=False)
+    assert w.grad is g and v.grad is None
+    assert not g.numpy().any()
+    (w * 5.0).sum().backward()
+    assert w.grad is g
+    np.testing.assert_array_equal(g.numpy(), [5.0, 5.0, 5.0])
+    opt.step()
+    np.testing.assert_allclose(w.numpy(), [0.5, 0.5, 0.5], rtol=1e-6)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 1.0])  # no gradient: skipped, no state
+    assert v not in opt.state
+    g2 = w.grad
+    opt.zero_grad(set_to_none=False)
+    assert w.grad is g2 and not g2.numpy().any()
 
 
 def test_zero_grad(grad_backend):

@@ -281,6 +281,19 @@ def test_grad_setter_refuses_what_torch_refuses(grad_backend):
             p.grad = foreign
 
 
+def test_zero_(grad_backend):
+    """In place, NaN and infinity included (zero_grad(set_to_none=False) relies on it)."""
+    g = taifuse.tensor(np.array([np.nan, np.inf, -2.0], np.float32))
+    assert g.zero_() is g
+    np.testing.assert_array_equal(g.numpy(), [0.0, 0.0, 0.0])
+    w = taifuse.tensor([1.0], requires_grad=True)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        w.zero_()
+    with taifuse.no_grad():
+        w.zero_()
+    assert w.item() == 0.0
+
+
 def test_mixing_backends_raises():
     with taifuse.use_backend("numpy"):
         a = taifuse.tensor([1.0], requires_grad=True)

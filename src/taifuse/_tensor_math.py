@@ -151,6 +151,11 @@ class HostMath:
         np.multiply(acc, a, out=acc)
 
     @staticmethod
+    def fill_(acc: np.ndarray, value: float) -> None:
+        """acc[...] = value, in place (``Tensor.zero_``; unlike ``mul_(acc, 0)``, NaN and inf become 0 too)."""
+        acc.fill(value)
+
+    @staticmethod
     def item(a: np.ndarray) -> float | int:
         return a.reshape(()).item()
 
@@ -169,6 +174,17 @@ def math_for(backend: ModuleType) -> Any:
         f"Tensors on the {backend.NAME!r} backend are not implemented yet (it has no TENSOR_MATH); "
         "use the numba or numpy backend"
     )
+
+
+def fill_(m: Any, a: Any, value: float) -> None:
+    """``a[...] = value`` in place through ``m`` (a backend's tensor math)."""
+    fill = getattr(m, "fill_", None)
+    if fill is not None:
+        fill(a, value)
+    elif a.size:
+        # NOTE: the taichi backend's TaichiMath has no fill_ yet; its DeviceArray is filled the way
+        # the pool zeroes a leased one (BufferPool._fill), on the device, without a transfer.
+        a._ndarray().fill(value)
 
 
 def sum_to_shape(m: Any, grad: Any, shape: tuple[int, ...]) -> Any:

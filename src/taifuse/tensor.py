@@ -28,6 +28,7 @@ import functools
 import math
 import numbers
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -35,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from taifuse import backends
-from taifuse._tensor_math import math_for, sum_to_shape
+from taifuse._tensor_math import fill_, math_for, sum_to_shape
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
     from typing_extensions import Self
 
-__all__ = ["Function", "Tensor", "enable_grad", "is_grad_enabled", "no_grad", "tensor"]
+__all__ = ["Function", "GradSlot", "Tensor", "enable_grad", "is_grad_enabled", "no_grad", "tensor"]
 
 # ----------------------------------------------------------------------------- grad mode
 
@@ -410,6 +411,13 @@ class Tensor:
     def __imul__(self, other: Any) -> Self:
         return self._inplace(other, "mul_")
 
+    def zero_(self) -> Self:
+        """Fill with zeros in place (``optimizer.zero_grad(set_to_none=False)`` does this to ``.grad``)."""
+        if is_grad_enabled() and self.requires_grad:
+            raise RuntimeError("in-place zero_ on a tensor that requires grad; wrap it in taifuse.no_grad()")
+        fill_(math_for(self._be), self._data, 0.0)
+        return self
+
     def __neg__(self) -> Tensor:
         return _Neg.apply(self)
 
@@ -582,6 +590,63 @@ _SECOND_BACKWARD = (
 )
 
 
+# NOTE [ Gradient slots ]
+# An optimizer keeps a bucket's gradients side by side in one flat buffer, so that a step is one
+# kernel launch (NOTE [ Flat buffers ] in taifuse/optim/optimizer.py), and gives each of its leaves
+# a GradSlot: the leaf's place in that buffer. Autograd writes a leaf's first gradient straight
+# into the slot, so that the step needs no copy. But PyTorch's ``.grad`` is a tensor of its own:
+# once ``zero_grad()`` (or anyone) drops it, the next backward makes a new one, and a gradient the
+# user kept (``g = w.grad``, ``w.grad.numpy()``, any view of either) never changes again. So a slot
+# is *lent*: every gradient made in it is an array whose base is a fresh lease object, which every
+# view of that memory keeps alive (the memory is exported through ``__array_interface__``, as the
+# pool does: NOTE [ Buffer ownership ] in taifuse/pool.py), and the slot keeps only a weak
+# reference to the lease. While the lease lives, something may still read the old gradient: the
+# slot is not lent again, the next backward makes a gradient of its own as PyTorch would, and the
+# optimizer moves its bucket to a fresh flat buffer before it copies anything in. Once the lease is
+# gone (the usual loop: ``zero_grad()`` dropped the only reference), the slot is lent again, free.
+
+
+class _SlotLease:
+    """Owns one lent gradient's memory: every NumPy view of it keeps this object alive."""
+
+    def __init__(self, buffer: np.ndarray, interface: dict) -> None:
+        self.__array_interface__ = interface
+        self._buffer = buffer  # keeps the optimizer's flat buffer alive as long as the gradient
+
+
+class GradSlot:
+    """A leaf's place in an optimizer's flat gradient buffer (NOTE [ Gradient slots ]).
+
+    ``array`` is the place itself (a host view into the flat buffer, the leaf's shape). Autograd
+    asks :meth:`lend` for the memory of a leaf's first gradient; the optimizer asks :meth:`holds`
+    whether a ``.grad`` already lies in the slot and :meth:`in_use` whether it may write there.
+    """
+
+    __slots__ = ("_interface", "_lease", "array")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self._interface = dict(array.__array_interface__)
+        self._lease: weakref.ref | None = None
+
+    def in_use(self) -> bool:
+        """Whether a gradient lent from this slot may still be read by someone."""
+        return self._lease is not None and self._lease() is not None
+
+    def lend(self) -> np.ndarray | None:
+        """The slot's memory as an array for a new gradient, or None while the last one lives on."""
+        if self.in_use():
+            return None
+        lease = _SlotLease(self.array, self._interface)
+        self._lease = weakref.ref(lease)
+        return np.asarray(lease)
+
+    def holds(self, data: Any) -> bool:
+        """Whether ``data`` is the array of the gradient currently lent from this slot."""
+        lease = None if self._lease is None else self._lease()
+        return lease is not None and isinstance(data, np.ndarray) and data.base is lease
+
+
 def _accumulate_leaf(leaf: Tensor, grad: Any, m: Any, owned: bool = False) -> None:
     # owned: ``grad`` is a fresh array nothing else refers to (Function.owns_grads), so a leaf
     # without a gradient may keep it as is.
@@ -589,18 +654,19 @@ def _accumulate_leaf(leaf: Tensor, grad: Any, m: Any, owned: bool = False) -> No
         raise RuntimeError(
             f"internal error: gradient of shape {tuple(grad.shape)} for a leaf of shape {leaf.shape}"
         )
-    if leaf.grad is None:
+    if leaf._grad is None:
         # A copy: backward functions may hand the same array to several inputs, and .grad is
         # accumulated in place afterwards. An optimizer may have given the leaf a slot in its
-        # flat gradient buffer (NOTE [ Flat buffers ] in taifuse/optim/optimizer.py): copy there.
+        # flat gradient buffer: copy there when it is free (NOTE [ Gradient slots ]).
         slot = getattr(leaf, "_grad_slot", None)
-        if slot is not None and isinstance(slot, np.ndarray) and isinstance(grad, np.ndarray):
-            np.copyto(slot, grad)
-            leaf.grad = Tensor._wrap(slot, leaf._be)
+        lent = slot.lend() if slot is not None and isinstance(grad, np.ndarray) else None
+        if lent is not None:
+            np.copyto(lent, grad)
+            leaf._grad = Tensor._wrap(lent, leaf._be)
         else:
-            leaf.grad = Tensor._wrap(grad if owned else m.copy(grad), leaf._be)
+            leaf._grad = Tensor._wrap(grad if owned else m.copy(grad), leaf._be)
     else:
-        m.add_(leaf.grad._data, grad)
+        m.add_(leaf._grad._data, grad)
 
 
 def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:

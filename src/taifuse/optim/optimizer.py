@@ -4,16 +4,18 @@
 # On the host backends (numpy, numba) the optimizer gathers each parameter group's parameters of
 # one dtype into a *bucket*: one contiguous 1-D array for the parameters, one for the gradients
 # and one per state array (momentum, moments). Every Parameter's data becomes a C-contiguous view
-# into the parameter buffer (``p._data`` is rebound once, values unchanged), and its gradient slot
-# ``p._grad_slot`` a view into the gradient buffer: autograd copies a leaf's first gradient into
-# that slot instead of allocating (``tensor._accumulate_leaf``), so after ``backward()`` the
+# into the parameter buffer (``p._data`` is rebound once, values unchanged), and every Parameter
+# gets a ``GradSlot`` in the gradient buffer: autograd writes a leaf's first gradient into that
+# slot instead of allocating (NOTE [ Gradient slots ] in tensor.py), so after ``backward()`` the
 # gradients already lie side by side and a step is one kernel launch over the whole bucket, one
 # pass over memory, however many parameters it holds.
 #
 # Anything that bypasses that path still works, at the cost of a copy: a ``.grad`` assigned by hand
-# (or made by ``zero_grad(set_to_none=False)`` of a module) is copied into its slot, and a
-# parameter whose ``_data`` was replaced (``Module.load_state_dict``) is copied back into the
-# buffer and re-viewed, before the step.
+# is copied into its slot before the step, and a parameter whose ``_data`` was replaced
+# (``Module.load_state_dict``) is copied back into the buffer and re-viewed. A gradient kept by the
+# user across ``zero_grad()`` is never written to: while it lives, its slot is not lent again,
+# and when a gradient has to be copied into such a slot the bucket moves to a fresh gradient
+# buffer first (the kept gradients keep the old one alive).
 #
 # Parameters without a gradient are skipped, as PyTorch skips them (state untouched, no step
 # counted). Each bucket runs one launch per maximal run of consecutive parameters that have a
@@ -42,7 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from taifuse.tensor import Tensor, enable_grad
+from taifuse.tensor import GradSlot, Tensor, enable_grad
 
 _NEEDED = object()  # what the zeros factory returns when we only ask which state arrays exist
 
@@ -104,16 +106,23 @@ class _Bucket:
         self.arrays: dict[str, Any] = {}  # state name -> flat array (host) or array (single)
         if self.flat:
             self.param_buf = np.empty(self.size, self.dtype)
-            self.grad_buf = np.zeros(self.size, self.dtype)
-            self.param_views, self.grad_views = [], []
+            self.param_views = []
             for p, lo, hi in zip(params, self.bounds, self.bounds[1:]):
                 view = self.param_buf[lo:hi].reshape(p.shape)
                 np.copyto(view, p._data)
                 p._data = view
-                slot = self.grad_buf[lo:hi].reshape(p.shape)
-                p._grad_slot = slot
                 self.param_views.append(view)
-                self.grad_views.append(slot)
+            self._new_grad_buffer()
+
+    def _new_grad_buffer(self) -> None:
+        """A fresh flat gradient buffer and a slot in it for every parameter (NOTE [ Gradient slots ]
+        in tensor.py: gradients lent from the old buffer keep it alive for as long as they live)."""
+        self.grad_buf = np.zeros(self.size, self.dtype)
+        self.slots = []
+        for p, lo, hi in zip(self.params, self.bounds, self.bounds[1:]):
+            slot = GradSlot(self.grad_buf[lo:hi].reshape(p.shape))
+            p._grad_slot = slot
+            self.slots.append(slot)
 
     # -- arrays
 
@@ -155,9 +164,9 @@ class _Bucket:
                 if p._data is not view:  # replaced from outside: take its values back into the buffer
                     np.copyto(view, p._data)
                     p._data = view
-                if g is not None and g._data is not self.grad_views[i]:
-                    np.copyto(self.grad_views[i], g._data)
             has_grad.append(g is not None)
+        if self.flat:
+            self._gather_grads()
         runs: list[_Run] = []
         i, n = 0, len(self.params)
         while i < n:
@@ -170,6 +179,25 @@ class _Bucket:
             runs.append(_Run(self.bounds[i], self.bounds[j], i, j, self.steps[i]))
             i = j
         return runs
+
+    def _gather_grads(self) -> None:
+        """Copy into the flat buffer every gradient that does not already lie in its slot.
+
+        A slot whose last lent gradient is still alive elsewhere (a ``.grad`` the user kept) must
+        not be written: then the bucket moves to a fresh buffer first (NOTE [ Gradient slots ]).
+        """
+        foreign = [
+            i
+            for i, p in enumerate(self.params)
+            if p.grad is not None and not self.slots[i].holds(p.grad._data)
+        ]
+        if not foreign:
+            return
+        if any(self.slots[i].in_use() for i in foreign):
+            self._new_grad_buffer()
+            foreign = [i for i, p in enumerate(self.params) if p.grad is not None]
+        for i in foreign:
+            np.copyto(self.slots[i].array, self.params[i].grad._data)
 
     def ensure_arrays(self, init: Callable, hyper: NamedTuple) -> None:
         """Allocate (zeroed) every state array the hyperparameters call for that is not there yet."""
@@ -295,17 +323,17 @@ class Optimizer:
     # -- gradients
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset every parameter's gradient: to ``None`` (the default), or to zeros in place."""
-        for buckets in self._buckets:
-            for bucket in buckets:
-                for i, p in enumerate(bucket.params):
-                    if set_to_none:
-                        p.grad = None
-                    elif bucket.flat:
-                        bucket.grad_views[i].fill(0)
-                        p.grad = Tensor._wrap(bucket.grad_views[i], bucket.be)
-                    elif p.grad is not None:
-                        p.grad = Tensor._wrap(bucket.be.empty(p.shape, p.dtype), bucket.be)
+        """Reset every parameter's gradient, as ``torch.optim``: drop it (the default), or, with
+        ``set_to_none=False``, fill the existing ``.grad`` with zeros in place (a reference to it
+        sees the zeros; a parameter without a gradient keeps none)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     # -- the step
 
@@ -353,7 +381,7 @@ class Optimizer:
         for _, bucket, runs in plan:
             for run in runs:
                 for i in range(run.first, run.last):
-                    g = bucket.grad_views[i] if bucket.flat else bucket.params[i].grad._data
+                    g = bucket.slots[i].array if bucket.flat else bucket.params[i].grad._data
                     if not bucket.be.all_finite([g]):
                         raise ValueError(
                             f"{self._name}.step: the gradient of parameter {self._index_of(bucket.params[i])} "
