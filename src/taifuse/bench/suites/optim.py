@@ -50,9 +50,8 @@ def _taifuse(label: str, constructor: str, check_finite: bool, note: str = "") -
     prepare = f"""
 ps = [nn.Parameter(p) for p in params]
 opt = {constructor.format(extra=extra)}
-opt.zero_grad(set_to_none=False)  # gradient slots in the flat buffer, as backward() fills them
-for p, g in zip(ps, grads):
-    np.copyto(p.grad.numpy(), g)
+# d/dp sum(p * g) = g: backward() puts each gradient into its slot of the flat buffer, as in training
+sum((p * g).sum() for p, g in zip(ps, grads)).backward()
 """
     return Variant(label, "opt.step()", result="ps[0].numpy()", prepare=prepare, imports=_TAIFUSE, note=note)
 
