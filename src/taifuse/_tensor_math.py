@@ -176,17 +176,6 @@ def math_for(backend: ModuleType) -> Any:
     )
 
 
-def fill_(m: Any, a: Any, value: float) -> None:
-    """``a[...] = value`` in place through ``m`` (a backend's tensor math)."""
-    fill = getattr(m, "fill_", None)
-    if fill is not None:
-        fill(a, value)
-    elif a.size:
-        # NOTE: the taichi backend's TaichiMath has no fill_ yet; its DeviceArray is filled the way
-        # the pool zeroes a leased one (BufferPool._fill), on the device, without a transfer.
-        a._ndarray().fill(value)
-
-
 def sum_to_shape(m: Any, grad: Any, shape: tuple[int, ...]) -> Any:
     """Sum ``grad`` over the axes that broadcasting expanded, so that it has ``shape``.
 

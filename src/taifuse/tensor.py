@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from taifuse import backends
-from taifuse._tensor_math import fill_, math_for, sum_to_shape
+from taifuse._tensor_math import math_for, sum_to_shape
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
     from typing_extensions import Self
@@ -415,7 +415,7 @@ class Tensor:
         """Fill with zeros in place (``optimizer.zero_grad(set_to_none=False)`` does this to ``.grad``)."""
         if is_grad_enabled() and self.requires_grad:
             raise RuntimeError("in-place zero_ on a tensor that requires grad; wrap it in taifuse.no_grad()")
-        fill_(math_for(self._be), self._data, 0.0)
+        math_for(self._be).fill_(self._data, 0.0)
         return self
 
     def __neg__(self) -> Tensor:
