@@ -214,10 +214,97 @@ def test_matmul_shape_mismatch_names_shapes(grad_backend):
         a @ t64(1.0)
 
 
-def test_mixed_dtypes_raise(grad_backend):
-    other = np.dtype(np.float16 if grad_backend.name == "taichi" else np.float64)
-    with pytest.raises(TypeError, match=f"float32 and {other}"):
-        taifuse.tensor([1.0]) + taifuse.tensor([1.0], dtype=other)
+# NOTE [ Mixed dtypes ] in tensor.py: the rule these pin, and why.
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+
+
+def _mixed_cases(backend_name: str) -> list:
+    """(a, b, op, expected result dtype): a and b are (dtype, shape, Tensor or not); the dtype is torch's."""
+    cases = [
+        ((F32, (3,), True), (F16, (3,), True), "mul", F32),
+        ((F16, (2, 3), True), (F32, (3,), True), "add", F32),
+        ((F16, (3,), True), (F32, (3,), False), "sub", F32),  # a float32 array widens a float16 Tensor
+        ((F32, (2, 3), True), (F16, (3, 2), True), "matmul", F32),
+        ((F16, (3,), True), (F32, (), True), "div", F16),  # a 0-d Tensor does not widen a dimensioned one
+        ((F32, (3,), True), (np.dtype(np.int64), (3,), False), "mul", F32),  # integers take the float dtype
+    ]
+    if backend_name != "taichi":
+        cases += [
+            ((F32, (3,), True), (F64, (3,), True), "mul", F64),
+            ((F32, (3,), True), (F64, (3,), False), "add", F64),  # the float64 NumPy default promotes too
+            ((F64, (3,), False), (F32, (3,), True), "radd", F64),  # np_array + tensor
+            ((F32, (2, 3), True), (F64, (3, 2), False), "matmul", F64),
+            ((F32, (3,), True), (F64, (), True), "mul", F32),
+            ((F64, (), True), (F32, (3,), True), "sub", F32),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_mixed_float_dtypes_promote_like_torch(grad_backend, index):
+    """Binary ops compute in torch.result_type of their operands (Python numbers are weak), and each
+    input's gradient comes back in that input's dtype, as in PyTorch."""
+    cases = _mixed_cases(grad_backend.name)
+    if index >= len(cases):
+        pytest.skip("float64 cases: the taichi backend has no float64")
+    (da, sa, ta), (db, sb, tb), op, expected = cases[index]
+    rng = np.random.default_rng(index)
+    va = rng.uniform(0.5, 2.0, sa).astype(da)
+    vb = rng.uniform(0.5, 2.0, sb).astype(db) if db.kind == "f" else rng.integers(1, 4, sb).astype(db)
+    a = taifuse.tensor(va, requires_grad=da.kind == "f") if ta else va
+    b = taifuse.tensor(vb, requires_grad=db.kind == "f") if tb else vb
+    fn = {
+        "mul": lambda x, y: x * y,
+        "add": lambda x, y: x + y,
+        "sub": lambda x, y: x - y,
+        "div": lambda x, y: x / y,
+        "matmul": lambda x, y: x @ y,
+        "radd": lambda x, y: x + y,
+    }[op]
+    out = fn(a, b)
+    assert isinstance(out, Tensor) and out.dtype == expected, (op, out.dtype)
+    ref = fn(va.astype(np.float64), vb.astype(np.float64))
+    np.testing.assert_allclose(out.numpy().astype(np.float64), ref, rtol=2e-3 if expected == F16 else 1e-6)
+    out.sum().backward()
+    for t, d in ((a, da), (b, db)):
+        if isinstance(t, Tensor) and t.requires_grad:
+            assert t.grad is not None and t.grad.dtype == d and t.grad.shape == t.shape
+
+
+def test_mixed_dtypes_refuse_float64_on_taichi(grad_backend):
+    """The taichi backend has no float64 (Metal has none): a float64 operand raises TypeError rather than
+    being cast down."""
+    if grad_backend.name != "taichi":
+        pytest.skip("numpy and numba compute in float64")
+    x = taifuse.tensor([1.0, 2.0], requires_grad=True)
+    for other in (np.array([1.0, 2.0]), np.array(3.0)):
+        with pytest.raises(TypeError, match="float64"):
+            x * other
+        with pytest.raises(TypeError, match="float64"):
+            other + x
+
+
+def test_in_place_ops_keep_the_tensor_dtype_like_torch(grad_backend):
+    other = F16 if grad_backend.name == "taichi" else F64
+    a = taifuse.tensor(np.ones(3, np.float32))
+    a += taifuse.tensor(np.full(3, 0.5, other))
+    a *= np.full(3, 2.0)  # a float64 array: cast to the tensor's dtype, as torch's in-place ops do
+    assert a.dtype == F32
+    np.testing.assert_array_equal(a.numpy(), [3.0, 3.0, 3.0])
+    i = taifuse.tensor(np.ones(3, np.int64))
+    with pytest.raises(TypeError, match="can't be cast"):
+        i += taifuse.tensor(np.ones(3, np.float32))
+
+
+def test_backward_casts_its_gradient_to_the_output_dtype_like_torch(grad_backend):
+    x = taifuse.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    (x * 3.0).backward(np.array([1.0, 2.0, 3.0]))  # a float64 array
+    assert x.grad.dtype == F32
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 6.0, 9.0])
+    x.grad = None
+    (x * 3.0).backward(taifuse.tensor(np.ones(3, np.float16)))  # a Tensor of another dtype
+    assert x.grad.dtype == F32
+    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 3.0, 3.0])
 
 
 def test_bad_operands_raise(grad_backend):
@@ -310,7 +397,7 @@ def test_mixing_backends_raises():
 
 def test_numpy_interop(grad_backend):
     x = t64([1.0, 2.0])
-    y = np.array([10.0, 20.0]) + x  # NumPy defers to Tensor.__radd__
+    y = np.array([10.0, 20.0], x.dtype) + x  # NumPy defers to Tensor.__radd__
     assert isinstance(y, Tensor) and y.requires_grad
     y.sum().backward()
     np.testing.assert_array_equal(x.grad.numpy(), [1.0, 1.0])

@@ -176,6 +176,21 @@ def math_for(backend: ModuleType) -> Any:
     )
 
 
+def astype(m: Any, a: Any, dtype: Any) -> Any:
+    """A copy of array ``a`` in ``dtype``, through ``m`` (type promotion and its gradient: NOTE [ Mixed
+    dtypes ] in tensor.py)."""
+    dtype = np.dtype(dtype)
+    if isinstance(a, np.ndarray):
+        out = _buffer(a.shape, dtype)
+        np.copyto(out, a, casting="unsafe")
+        return out
+    cast = getattr(m, "astype", None)
+    if cast is not None:
+        return cast(a, dtype)
+    # NOTE: a device math without astype (TaichiMath for now) converts through the host: two transfers.
+    return m.asarray(a, dtype)
+
+
 def sum_to_shape(m: Any, grad: Any, shape: tuple[int, ...]) -> Any:
     """Sum ``grad`` over the axes that broadcasting expanded, so that it has ``shape``.
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from taifuse import backends
-from taifuse._tensor_math import math_for, sum_to_shape
+from taifuse._tensor_math import astype, math_for, sum_to_shape
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
     from typing_extensions import Self
@@ -186,6 +186,13 @@ class Tensor:
     Create one with :func:`tensor`. Attributes follow PyTorch: ``shape``, ``dtype``, ``ndim``,
     ``requires_grad``, ``grad`` (a Tensor, accumulated by :meth:`backward`), ``is_leaf``,
     ``grad_fn``.
+
+    dtypes follow PyTorch's type promotion (NOTE [ Mixed dtypes ]): ``a * b`` of float32 and
+    float16 is float32, of float32 and float64 (a Tensor or a NumPy array) float64, each input's
+    gradient in its own dtype; Python numbers take the Tensor's dtype, and a 0-d Tensor does not
+    widen a dimensioned one. Nothing is narrowed silently: on the ``taichi`` backend, which has no
+    float64, a float64 operand raises ``TypeError``. In-place ops keep the tensor's dtype and
+    ``backward(gradient)`` casts ``gradient`` to the output's dtype, as PyTorch does.
     """
 
     # NumPy defers to Tensor's reflected operators (np_array + tensor -> Tensor.__radd__).
@@ -350,8 +357,9 @@ class Tensor:
     # -- arithmetic
 
     def _binary(self, fn: type[Function], other: Any, reflected: bool = False) -> Tensor:
-        other = _operand(other, self, fn.__name__)
-        return fn.apply(other, self) if reflected else fn.apply(self, other)
+        op = fn.__name__.lstrip("_").lower()
+        a, b = (other, self) if reflected else (self, other)
+        return fn.apply(*_promoted(a, b, self, op))
 
     def __add__(self, other: Any) -> Tensor:
         return self._binary(_Add, other)
@@ -378,10 +386,10 @@ class Tensor:
         return self._binary(_Div, other, reflected=True)
 
     def __matmul__(self, other: Any) -> Tensor:
-        return _MatMul.apply(self, _operand(other, self, "matmul", scalars=False))
+        return _MatMul.apply(*_promoted(self, other, self, "matmul", scalars=False))
 
     def __rmatmul__(self, other: Any) -> Tensor:
-        return _MatMul.apply(_operand(other, self, "matmul", scalars=False), self)
+        return _MatMul.apply(*_promoted(other, self, self, "matmul", scalars=False))
 
     # NOTE [ In-place ops ]
     # ``p -= lr * p.grad`` updates the array in place, for optimizer steps under ``no_grad``. With
@@ -393,13 +401,31 @@ class Tensor:
             raise RuntimeError(
                 f"in-place {op} on a tensor that requires grad; wrap the update in taifuse.no_grad()"
             )
+        m = math_for(self._be)
+        if (
+            isinstance(other, np.ndarray)
+            and other.dtype.kind in "fiub"
+            and (self.dtype.kind == "f" or other.dtype.kind != "f")
+        ):
+            other = other.astype(self.dtype)  # the tensor's dtype, cast on the host before any upload
+        integral = isinstance(other, numbers.Integral)
         other = _operand(other, self, op)
-        value = other._data if isinstance(other, Tensor) else other
+        kind = other.dtype.kind if isinstance(other, Tensor) else ("i" if integral else "f")
+        if kind == "f" and self.dtype.kind != "f":
+            # As torch: the result of an in-place op must fit the tensor's dtype (NOTE [ Mixed dtypes ]).
+            raise TypeError(
+                f"in-place {op}: result type {other.dtype if isinstance(other, Tensor) else 'float'} can't "
+                f"be cast to the tensor's dtype {self.dtype}"
+            )
+        if isinstance(other, Tensor):
+            value = other._data if other.dtype == self.dtype else astype(m, other._data, self.dtype)
+        else:
+            value = other
         if np.broadcast_shapes(self.shape, _shape(value)) != self.shape:
             raise ValueError(
                 f"in-place {op}: operand of shape {_shape(value)} does not broadcast to {self.shape}"
             )
-        getattr(math_for(self._be), op)(self._data, value)
+        getattr(m, op)(self._data, value)
         return self
 
     def __iadd__(self, other: Any) -> Self:
@@ -494,33 +520,81 @@ def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:
 
 
 def _as_array_like(value: Any, like: Tensor, what: str) -> Any:
-    """``value`` (Tensor, NumPy array or number) as an array on ``like``'s backend with its dtype."""
+    """``value`` (Tensor, NumPy array or number) as an array on ``like``'s backend in ``like``'s dtype.
+
+    A value of another dtype is cast to it, as PyTorch casts a ``backward()`` gradient to the
+    output's dtype (NOTE [ Mixed dtypes ]).
+    """
     if isinstance(value, Tensor):
         if value._be is not like._be:
             raise TypeError(f"{what} lives on backend {value._be.NAME!r}, the tensor on {like._be.NAME!r}")
         if value.dtype != like.dtype:
-            raise TypeError(f"{what} has dtype {value.dtype} but the tensor has dtype {like.dtype}")
+            return astype(math_for(like._be), value._data, like.dtype)
         return value._data
     if isinstance(value, np.ndarray) or _is_scalar(value):
         return like._be.from_numpy(np.array(value, dtype=like.dtype, order="C"))
     raise TypeError(f"{what} should be a Tensor or numpy.ndarray, got {type(value).__name__}")
 
 
+# NOTE [ Mixed dtypes ]
+# Binary arithmetic (+ - * / @) follows PyTorch's type promotion, so that code ports unchanged and
+# nothing is narrowed behind the user's back. Operands of different dtypes compute in
+# ``torch.result_type`` of the two: float16 < float32 < float64; an integer operand takes the
+# float operand's dtype; a Python number (or NumPy scalar) is weak and takes the Tensor's dtype; a
+# 0-d Tensor does not widen a dimensioned one of the same kind (a NumPy array counts as
+# dimensioned, as torch treats it). The operand of the other dtype goes through a differentiable
+# cast (``_Cast``), so every input's gradient comes back in that input's own dtype, as in torch.
+# So a float32 Tensor times a float64 array is float64 on ``numpy`` and ``numba``; the ``taichi``
+# backend has no float64 (Metal has none), so there it raises ``TypeError`` instead of computing in
+# float32. Two places cast to a dtype a tensor fixes, as torch does: an in-place op (``a += b``)
+# keeps ``a``'s dtype (a float operand into an integer tensor raises), and ``backward(gradient)``
+# casts the gradient to the output's dtype.
+
+
+def _result_dtype(a: np.dtype, a_dimensioned: bool, b: np.dtype, b_dimensioned: bool) -> np.dtype:
+    """``torch.result_type`` of two operands of different dtypes (NOTE [ Mixed dtypes ])."""
+    if (a.kind == "f") != (b.kind == "f"):
+        return a if a.kind == "f" else b
+    if a_dimensioned != b_dimensioned:
+        return a if a_dimensioned else b
+    return np.promote_types(a, b)
+
+
+def _promoted(a: Any, b: Any, like: Tensor, op: str, scalars: bool = True) -> tuple[Any, Any]:
+    """The operands of binary op ``op`` (one of them ``like``), as Tensors of one dtype or numbers."""
+    ta, tb = _operand(a, like, op, scalars), _operand(b, like, op, scalars)
+    if not (isinstance(ta, Tensor) and isinstance(tb, Tensor)) or ta.dtype == tb.dtype:
+        return ta, tb
+    dims = [isinstance(v, np.ndarray) or t.ndim > 0 for v, t in ((a, ta), (b, tb))]
+    dtype = _result_dtype(ta.dtype, dims[0], tb.dtype, dims[1])
+    if dtype.kind == "f":
+        like._be.check_dtype(dtype, f"{op}: the result of dtypes {ta.dtype} and {tb.dtype}")
+    return tuple(t if t.dtype == dtype else _Cast.apply(t, dtype) for t in (ta, tb))  # type: ignore[return-value]
+
+
 def _operand(value: Any, like: Tensor, op: str, scalars: bool = True) -> Any:
-    """The other operand of a binary op: a Tensor, or a Python number kept as a number."""
+    """One operand of a binary op: a Tensor (a NumPy array becomes a constant one), or a Python
+    number kept as a number."""
     if isinstance(value, Tensor):
         if value._be is not like._be:
             raise TypeError(
                 f"{op}: tensors live on different backends ({like._be.NAME!r} and {value._be.NAME!r}); "
                 "create them under the same backend"
             )
-        if value.dtype != like.dtype:
-            raise TypeError(f"{op}: operands have dtypes {like.dtype} and {value.dtype}; convert one first")
         return value
     if scalars and _is_scalar(value):
-        return float(value)
+        # Weak, as in torch: a float for a float tensor, an integer stays one for an integer tensor.
+        return int(value) if like.dtype.kind != "f" and isinstance(value, numbers.Integral) else float(value)
     if isinstance(value, np.ndarray):
-        return Tensor._wrap(like._be.from_numpy(np.array(value, dtype=like.dtype, order="C")), like._be)
+        if value.dtype.kind in "biu":
+            # An integer array takes the float operand's dtype, as in torch; cast here, on the host.
+            arr = value.astype(like.dtype if like.dtype.kind == "f" else np.int64)
+        elif value.dtype.kind == "f":
+            like._be.check_dtype(value.dtype, f"{op}: operand")
+            arr = value
+        else:
+            raise TypeError(f"{op}: unsupported operand of dtype {value.dtype}")
+        return Tensor._wrap(like._be.from_numpy(np.ascontiguousarray(arr)), like._be)
     raise TypeError(f"{op}: unsupported operand of type {type(value).__name__}")
 
 
@@ -760,6 +834,19 @@ class _Div(Function):
             gb = m.neg(m.div(m.mul(g, self.a), m.mul(self.b, self.b)))
             gb = sum_to_shape(m, gb, _shape(self.b))
         return ga, gb
+
+
+class _Cast(Function):
+    """``a`` in another dtype; the gradient goes back in ``a``'s (NOTE [ Mixed dtypes ])."""
+
+    owns_grads = True  # the backward's cast is a new array
+
+    def forward(self, a: Any, dtype: np.dtype) -> Any:
+        self.in_dtype = a.dtype
+        return astype(self.m, a, dtype)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        return astype(self.m, g, self.in_dtype), None
 
 
 class _Neg(Function):
