@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit, prange
 
-from taifuse.backends._optim_reference import adam_scalars, compute_dtype, lerp_weight_is_small
+from taifuse.backends._optim_reference import AdamHyper, adam_coefficients, compute_dtype, in_precision
 
 _HELPER = {"cache": True, "nogil": True, "error_model": "numpy"}
 _PARALLEL = {**_HELPER, "parallel": True}
@@ -65,27 +65,25 @@ def _sgd_elem(p, g, sign, weight_decay, l2):
 
 
 @njit(**_HELPER, inline="always")
-def _adam_elem(p, g, m, v, s):
-    """One element's Adam moments; ``s`` = the scalars of ``_adam_scalars`` (float in compute precision)."""
-    _neg_step, _bc2, _eps, wd, decay, w, one_minus_w, small, beta2, one_minus_beta2, sign, l2, dec = s
-    g = g * sign
-    if l2:
-        g = g + wd * p
-    if dec:
-        p = p * decay
-    if small:
-        m = m + w * (g - m)
+def _adam_elem(p, g, m, v, c):
+    """One element's Adam moments; ``c``: ``_optim_reference.AdamCoefficients`` in compute precision."""
+    g = g * c.sign
+    if c.decoupled_decay:
+        p = p * c.decay
+    if c.l2:
+        g = g + c.weight_decay * p
+    if c.lerp_small:
+        m = m + c.lerp_weight * (g - m)
     else:
-        m = g - (g - m) * one_minus_w
-    v = v * beta2 + one_minus_beta2 * g * g
+        m = g - (g - m) * c.one_minus_lerp_weight
+    v = v * c.beta2 + c.one_minus_beta2 * g * g
     return p, m, v
 
 
 @njit(**_HELPER, inline="always")
-def _adam_apply(p, m, v_hat, s):
-    neg_step, bc2, eps = s[0], s[1], s[2]
-    denom = math.sqrt(v_hat) / bc2 + eps
-    return p + neg_step * m / denom
+def _adam_apply(p, m, v_hat, c):
+    denom = math.sqrt(v_hat) / c.bias_correction2_sqrt + c.eps
+    return p + c.neg_step_size * m / denom
 
 
 @njit(**_HELPER, inline="always")
@@ -127,22 +125,22 @@ def _sgd_momentum_span(p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_
 
 
 @njit(**_SPAN)
-def _adam_span(p, g, m, v, s):
+def _adam_span(p, g, m, v, c):
     for i in range(p.size):
-        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), s)
+        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), c)
         m[i] = _narrow(mi, m)
         v[i] = _narrow(vi, v)
-        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(v[i]), s), p)
+        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(v[i]), c), p)
 
 
 @njit(**_SPAN)
-def _adam_amsgrad_span(p, g, m, v, vmax, s):
+def _adam_amsgrad_span(p, g, m, v, vmax, c):
     for i in range(p.size):
-        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), s)
+        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), c)
         m[i] = _narrow(mi, m)
         v[i] = _narrow(vi, v)
         vmax[i] = _narrow(_nan_max(_widen(vmax[i]), _widen(v[i])), vmax)
-        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(vmax[i]), s), p)
+        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(vmax[i]), c), p)
 
 
 @njit(**_SPAN)
@@ -187,13 +185,13 @@ def _sgd_momentum_block(
 
 
 @njit(**_HELPER)
-def _adam_block(p, g, m, v, lo, hi, s):
-    _adam_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], s)
+def _adam_block(p, g, m, v, lo, hi, c):
+    _adam_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c)
 
 
 @njit(**_HELPER)
-def _adam_amsgrad_block(p, g, m, v, vmax, lo, hi, s):
-    _adam_amsgrad_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], vmax[lo:hi], s)
+def _adam_amsgrad_block(p, g, m, v, vmax, lo, hi, c):
+    _adam_amsgrad_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], vmax[lo:hi], c)
 
 
 @njit(**_HELPER)
@@ -229,17 +227,17 @@ def _sgd_momentum_parallel(
 
 
 @njit(**_PARALLEL)
-def _adam_parallel(p, g, m, v, s):
+def _adam_parallel(p, g, m, v, c):
     n = p.size
     for b in prange((n + _BLOCK - 1) // _BLOCK):
-        _adam_block(p, g, m, v, b * _BLOCK, min(n, (b + 1) * _BLOCK), s)
+        _adam_block(p, g, m, v, b * _BLOCK, min(n, (b + 1) * _BLOCK), c)
 
 
 @njit(**_PARALLEL)
-def _adam_amsgrad_parallel(p, g, m, v, vmax, s):
+def _adam_amsgrad_parallel(p, g, m, v, vmax, c):
     n = p.size
     for b in prange((n + _BLOCK - 1) // _BLOCK):
-        _adam_amsgrad_block(p, g, m, v, vmax, b * _BLOCK, min(n, (b + 1) * _BLOCK), s)
+        _adam_amsgrad_block(p, g, m, v, vmax, b * _BLOCK, min(n, (b + 1) * _BLOCK), c)
 
 
 @njit(**_PARALLEL)
@@ -292,27 +290,6 @@ def sgd_step(
         _sgd_momentum_block(p, g, buf, 0, p.size, *common, *extra)
 
 
-def _adam_scalars(param_dtype, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize) -> tuple:
-    ct = compute_dtype(param_dtype).type
-    step_size, bc2 = adam_scalars(step, lr, beta1, beta2)
-    w = 1.0 - beta1
-    return (
-        ct(-step_size),
-        ct(bc2),
-        ct(eps),
-        ct(weight_decay),
-        ct(1.0 - lr * weight_decay),
-        ct(w),
-        ct(1.0 - w),
-        lerp_weight_is_small(w),
-        ct(beta2),
-        ct(1.0 - beta2),
-        ct(-1.0 if maximize else 1.0),
-        weight_decay != 0 and not decoupled,
-        weight_decay != 0 and bool(decoupled),
-    )
-
-
 def adam_step(
     param: np.ndarray,
     grad: np.ndarray,
@@ -330,19 +307,20 @@ def adam_step(
     maximize: bool,
 ) -> None:
     """Adam / AdamW in one pass (see ``_optim_reference.adam_step``)."""
-    s = _adam_scalars(param.dtype, step, lr, beta1, beta2, eps, weight_decay, decoupled, maximize)
+    hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
+    c = in_precision(adam_coefficients(hyper, step), param.dtype)
     p, g, m, v = _flat(param), _flat(grad), _flat(exp_avg), _flat(exp_avg_sq)
     parallel = _parallel(p.size, transcendental=True)
     if amsgrad:
         vmax = _flat(max_exp_avg_sq)
         if parallel:
-            _adam_amsgrad_parallel(p, g, m, v, vmax, s)
+            _adam_amsgrad_parallel(p, g, m, v, vmax, c)
         else:
-            _adam_amsgrad_block(p, g, m, v, vmax, 0, p.size, s)
+            _adam_amsgrad_block(p, g, m, v, vmax, 0, p.size, c)
     elif parallel:
-        _adam_parallel(p, g, m, v, s)
+        _adam_parallel(p, g, m, v, c)
     else:
-        _adam_block(p, g, m, v, 0, p.size, s)
+        _adam_block(p, g, m, v, 0, p.size, c)
 
 
 def lion_step(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,11 +51,68 @@ def adam_scalars(step: int, lr: float, beta1: float, beta2: float) -> tuple[floa
     return lr / bias_correction1, math.sqrt(bias_correction2)
 
 
-def _lerp(a: np.ndarray, b: np.ndarray, weight: float, ct: np.dtype) -> np.ndarray:
-    w = ct.type(weight)
-    if lerp_weight_is_small(weight):
-        return a + w * (b - a)
-    return b - (b - a) * ct.type(1.0 - weight)
+class AdamHyper(NamedTuple):
+    """Adam's hyperparameters (``taifuse.optim`` validates them; the kernels take them as they are)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+    # AdamW is Adam with decoupled weight decay: p *= 1 - lr * wd instead of g += wd * p.
+    decoupled: bool
+
+
+class AdamCoefficients(NamedTuple):
+    """Every number an Adam step uses besides the arrays, derived once per step (in float64, as
+    PyTorch's host code; a kernel rounds each to its compute precision once: :func:`in_precision`)."""
+
+    neg_step_size: float  # -lr / (1 - beta1**step)
+    bias_correction2_sqrt: float  # sqrt(1 - beta2**step)
+    eps: float
+    weight_decay: float  # the L2 coefficient, used when l2
+    decay: float  # 1 - lr * weight_decay, used when decoupled_decay
+    lerp_weight: float  # 1 - beta1: m = lerp(m, g, lerp_weight)
+    one_minus_lerp_weight: float
+    lerp_small: bool  # which of torch's two lerp formulas (lerp_weight_is_small)
+    beta2: float
+    one_minus_beta2: float
+    sign: float  # -1 when maximizing
+    l2: bool  # Adam's weight decay: g += weight_decay * p
+    decoupled_decay: bool  # AdamW's: p *= decay
+
+
+def adam_coefficients(hyper: AdamHyper, step: int) -> AdamCoefficients:
+    """The coefficients of Adam's step number ``step`` (1-based) under ``hyper``."""
+    lr, beta1, beta2, eps, weight_decay = (
+        float(v) for v in (hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay)
+    )
+    step_size, bias_correction2_sqrt = adam_scalars(step, lr, beta1, beta2)
+    w = 1.0 - beta1
+    decays = weight_decay != 0
+    return AdamCoefficients(
+        neg_step_size=-step_size,
+        bias_correction2_sqrt=bias_correction2_sqrt,
+        eps=eps,
+        weight_decay=weight_decay,
+        decay=1.0 - lr * weight_decay,
+        lerp_weight=w,
+        one_minus_lerp_weight=1.0 - w,
+        lerp_small=lerp_weight_is_small(w),
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+        sign=-1.0 if hyper.maximize else 1.0,
+        l2=decays and not hyper.decoupled,
+        decoupled_decay=decays and bool(hyper.decoupled),
+    )
+
+
+def in_precision(coefficients: NamedTuple, dtype: np.dtype) -> NamedTuple:
+    """``coefficients`` with every float rounded to ``dtype``'s compute precision (flags kept)."""
+    ct = compute_dtype(dtype).type
+    return type(coefficients)(*(ct(v) if isinstance(v, float) else v for v in coefficients))
 
 
 # NOTE: non-finite values propagate through the kernels (as through PyTorch's); NumPy's warnings
@@ -133,17 +191,22 @@ def adam_step(
         p += -lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
     """
     ct = compute_dtype(param.dtype)
+    hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
+    c = in_precision(adam_coefficients(hyper, step), param.dtype)
     p = param.astype(ct)
     g = grad.astype(ct)
     if maximize:
         g = -g
-    if weight_decay != 0:
-        if decoupled:
-            p = p * ct.type(1.0 - lr * weight_decay)
-        else:
-            g = g + ct.type(weight_decay) * p
-    m = _lerp(exp_avg.astype(ct), g, 1.0 - beta1, ct)
-    v = exp_avg_sq.astype(ct) * ct.type(beta2) + ct.type(1.0 - beta2) * g * g
+    if c.decoupled_decay:
+        p = p * c.decay
+    if c.l2:
+        g = g + c.weight_decay * p
+    if c.lerp_small:  # torch's lerp(m, g, w): two formulas, by the size of w
+        m = exp_avg.astype(ct)
+        m = m + c.lerp_weight * (g - m)
+    else:
+        m = g - (g - exp_avg.astype(ct)) * c.one_minus_lerp_weight
+    v = exp_avg_sq.astype(ct) * c.beta2 + c.one_minus_beta2 * g * g
     exp_avg[...] = m
     exp_avg_sq[...] = v
     # NOTE: the rest reads the stored (for float16, rounded) moments, as PyTorch does.
@@ -152,9 +215,8 @@ def adam_step(
         assert max_exp_avg_sq is not None
         max_exp_avg_sq[...] = np.maximum(max_exp_avg_sq.astype(ct), v)
         v = max_exp_avg_sq.astype(ct)
-    step_size, bias_correction2_sqrt = adam_scalars(step, lr, beta1, beta2)
-    denom = np.sqrt(v) / ct.type(bias_correction2_sqrt) + ct.type(eps)
-    param[...] = p + ct.type(-step_size) * m / denom
+    denom = np.sqrt(v) / c.bias_correction2_sqrt + c.eps
+    param[...] = p + c.neg_step_size * m / denom
 
 
 @_QUIET

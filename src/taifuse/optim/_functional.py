@@ -16,6 +16,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from taifuse.backends._optim_reference import AdamHyper  # the spec's type, shared with the kernels
+
 Zeros = Callable[[], Any]  # makes a zeroed array the size and dtype of the run
 
 
@@ -63,18 +65,6 @@ def sgd_update(kernels: ModuleType, param: Any, grad: Any, state: SGDState, hype
 
 
 # ----------------------------------------------------------------------------- Adam and AdamW
-
-
-class AdamHyper(NamedTuple):
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    amsgrad: bool
-    maximize: bool
-    # AdamW is Adam with decoupled weight decay: p *= 1 - lr * wd instead of g += wd * p.
-    decoupled: bool
 
 
 class AdamState(NamedTuple):
