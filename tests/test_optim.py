@@ -934,6 +934,16 @@ def test_clip_grad_norm_sees_a_non_finite_value_in_any_parameter_like_torch(grad
         np.testing.assert_array_equal(p.grad.numpy(), tp.grad.numpy())
 
 
+def test_clip_grad_norm_scales_the_gradients_in_place(grad_backend):
+    """As torch's mul_: a reference to a gradient taken before clipping sees the clipped values."""
+    p = taifuse.tensor(np.zeros(2, np.float32), requires_grad=True)
+    p.grad = taifuse.tensor(np.array([3.0, 4.0], np.float32))
+    held = p.grad
+    optim.clip_grad_norm_([p], 1.0)
+    assert p.grad is held
+    np.testing.assert_allclose(held.numpy(), [0.6, 0.8], rtol=1e-5)
+
+
 def test_clip_grad_norm_bad_input(grad_backend):
     p = taifuse.tensor(np.zeros(2, np.float32), requires_grad=True)
     p.grad = taifuse.tensor(np.array([np.inf, 1.0], np.float32))

@@ -381,6 +381,29 @@ def test_zero_(grad_backend):
     assert w.item() == 0.0
 
 
+def test_copy_(grad_backend):
+    """In place, as torch.Tensor.copy_: broadcast, cast to the tensor's dtype, signed zeros and NaN kept."""
+    t = taifuse.tensor(np.ones((2, 3), np.float32))
+    data = t._data
+    src = np.array([-0.0, np.nan, -np.inf], np.float64)
+    assert t.copy_(src) is t and t._data is data
+    got = t.numpy()
+    assert got.dtype == np.float32 and np.signbit(got[:, 0]).all()
+    np.testing.assert_array_equal(got, np.broadcast_to(src.astype(np.float32), (2, 3)))
+    t.copy_(taifuse.tensor(np.full((2, 3), 0.5, np.float16)))
+    np.testing.assert_array_equal(t.numpy(), np.full((2, 3), 0.5, np.float32))
+    t.copy_(2.0)
+    np.testing.assert_array_equal(t.numpy(), np.full((2, 3), 2.0, np.float32))
+    with pytest.raises(ValueError, match="broadcast"):
+        t.copy_(np.ones(4, np.float32))
+    w = taifuse.tensor([1.0], requires_grad=True)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        w.copy_(2.0)
+    with taifuse.no_grad():
+        w.copy_(3.0)
+    assert w.item() == 3.0
+
+
 def test_mixing_backends_raises():
     with taifuse.use_backend("numpy"):
         a = taifuse.tensor([1.0], requires_grad=True)

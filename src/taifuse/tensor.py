@@ -197,6 +197,8 @@ class Tensor:
 
     # NumPy defers to Tensor's reflected operators (np_array + tensor -> Tensor.__radd__).
     __array_ufunc__ = None
+    # Where autograd may put this leaf's first gradient (set_grad_slot; NOTE [ Gradient slots ]).
+    _grad_slot: GradSlot | None = None
 
     def __init__(self, data: Any, requires_grad: bool = False, dtype: Any = None) -> None:
         be = backends.active()
@@ -436,6 +438,46 @@ class Tensor:
 
     def __imul__(self, other: Any) -> Self:
         return self._inplace(other, "mul_")
+
+    def copy_(self, src: Any) -> Self:
+        """Copy ``src`` into this tensor in place, as ``torch.Tensor.copy_``: a Tensor on this
+        backend, a NumPy array or a number, broadcast to this shape and cast to this dtype.
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> t = taifuse.tensor([1.0, 2.0])
+            >>> t.copy_(np.array([3.0, 4.0])).numpy()
+            array([3., 4.], dtype=float32)
+        """
+        if is_grad_enabled() and self.requires_grad:
+            raise RuntimeError("in-place copy_ on a tensor that requires grad; wrap it in taifuse.no_grad()")
+        m = math_for(self._be)
+        if isinstance(src, Tensor):
+            if src._be is not self._be:
+                raise TypeError(
+                    f"copy_: src lives on backend {src._be.NAME!r}, the tensor on {self._be.NAME!r}"
+                )
+            value = src._data if src.dtype == self.dtype else astype(m, src._data, self.dtype)
+        elif isinstance(src, np.ndarray) or _is_scalar(src):
+            value = np.asarray(src, dtype=self.dtype)
+            if not isinstance(self._data, np.ndarray):
+                value = self._be.from_numpy(np.ascontiguousarray(value))
+        else:
+            raise TypeError(
+                f"copy_: src should be a Tensor, numpy.ndarray or number, got {type(src).__name__}"
+            )
+        if np.broadcast_shapes(self.shape, _shape(value)) != self.shape:
+            raise ValueError(f"copy_: src of shape {_shape(value)} does not broadcast to {self.shape}")
+        if isinstance(self._data, np.ndarray):
+            np.copyto(self._data, value, casting="unsafe")
+        else:
+            # NOTE: a device math has no assignment kernel; -0.0 + x is x for every x (signed zeros
+            # and NaN included), so a fill and an add copy exactly.
+            m.fill_(self._data, -0.0)
+            m.add_(self._data, value)
+        return self
 
     def zero_(self) -> Self:
         """Fill with zeros in place (``optimizer.zero_grad(set_to_none=False)`` does this to ``.grad``)."""
@@ -721,6 +763,44 @@ class GradSlot:
         return lease is not None and isinstance(data, np.ndarray) and data.base is lease
 
 
+# NOTE [ Buffer hooks ]
+# The optimizers keep parameters and gradients in flat buffers (NOTE [ Flat buffers ] in
+# taifuse/optim/optimizer.py). These three functions are the only way code outside this module
+# places a tensor's storage or gradient there, so that a Tensor's invariants (C-contiguous data of
+# its shape and dtype on its backend; gradients lent, not shared) are kept here.
+
+
+def bind_storage(t: Tensor, view: np.ndarray) -> None:
+    """Make host array ``view`` (``t``'s shape and dtype, C-contiguous) the storage of ``t``, with
+    ``t``'s values copied in: an optimizer moves a parameter into its flat buffer this way."""
+    if not isinstance(t._data, np.ndarray) or not isinstance(view, np.ndarray):
+        raise TypeError(f"bind_storage: only host (NumPy) storage can be rebound, not {t.backend!r} arrays")
+    if view.shape != t.shape or view.dtype != t.dtype or not view.flags.c_contiguous:
+        raise ValueError(
+            f"bind_storage: a tensor of shape {t.shape} and dtype {t.dtype} needs C-contiguous storage of "
+            f"that shape and dtype, got {view.shape} {view.dtype}"
+        )
+    if t._data is not view:
+        np.copyto(view, t._data)
+        t._data = view
+
+
+def storage_is(t: Tensor, view: Any) -> bool:
+    """Whether ``view`` is still ``t``'s storage (code that replaced it, such as a module's
+    ``load_state_dict``, makes this False)."""
+    return t._data is view
+
+
+def set_grad_slot(t: Tensor, slot: GradSlot | None) -> None:
+    """Give leaf ``t`` a slot for its gradients (None: none), see NOTE [ Gradient slots ]."""
+    if slot is not None and (slot.array.shape != t.shape or slot.array.dtype != t.dtype):
+        raise ValueError(
+            f"set_grad_slot: a slot of shape {slot.array.shape} and dtype {slot.array.dtype} for a tensor of "
+            f"shape {t.shape} and dtype {t.dtype}"
+        )
+    t._grad_slot = slot
+
+
 def _accumulate_leaf(leaf: Tensor, grad: Any, m: Any, owned: bool = False) -> None:
     # owned: ``grad`` is a fresh array nothing else refers to (Function.owns_grads), so a leaf
     # without a gradient may keep it as is.
@@ -732,7 +812,7 @@ def _accumulate_leaf(leaf: Tensor, grad: Any, m: Any, owned: bool = False) -> No
         # A copy: backward functions may hand the same array to several inputs, and .grad is
         # accumulated in place afterwards. An optimizer may have given the leaf a slot in its
         # flat gradient buffer: copy there when it is free (NOTE [ Gradient slots ]).
-        slot = getattr(leaf, "_grad_slot", None)
+        slot = leaf._grad_slot
         lent = slot.lend() if slot is not None and isinstance(grad, np.ndarray) else None
         if lent is not None:
             np.copyto(lent, grad)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from taifuse.tensor import Tensor
+from taifuse.tensor import Tensor, no_grad
 
 
 def clip_grad_norm_(
@@ -71,12 +71,10 @@ def clip_grad_norm_(
     coef = float(max_norm) / (total + 1e-6)
     coef = coef if (coef < 1.0 or math.isnan(coef)) else 1.0  # a NaN norm makes NaN gradients, as in PyTorch
     # NOTE: infinity * 0 and NaN * x are NaN, silently, as in PyTorch (the caller asked for them).
-    with np.errstate(invalid="ignore", over="ignore"):
+    # In place, as PyTorch's mul_: a reference to a gradient sees the clipped values.
+    with np.errstate(invalid="ignore", over="ignore"), no_grad():
         for g in grads:
-            if be.is_array(np.empty(0)):  # host arrays: scale in place
-                g._data *= g._data.dtype.type(coef)
-            else:
-                g._data = be.from_numpy((be.to_numpy(g._data) * np.float32(coef)).astype(g.dtype))
+            g *= coef
     return Tensor._wrap(be.from_numpy(np.asarray(total, dtype=np.float32)), be)
 
 

@@ -4,11 +4,11 @@
 # On the host backends (numpy, numba) the optimizer gathers each parameter group's parameters of
 # one dtype into a *bucket*: one contiguous 1-D array for the parameters, one for the gradients
 # and one per state array (momentum, moments). Every Parameter's data becomes a C-contiguous view
-# into the parameter buffer (``p._data`` is rebound once, values unchanged), and every Parameter
-# gets a ``GradSlot`` in the gradient buffer: autograd writes a leaf's first gradient into that
-# slot instead of allocating (NOTE [ Gradient slots ] in tensor.py), so after ``backward()`` the
-# gradients already lie side by side and a step is one kernel launch over the whole bucket, one
-# pass over memory, however many parameters it holds.
+# into the parameter buffer (``tensor.bind_storage``, once, values unchanged), and every Parameter
+# gets a ``GradSlot`` in the gradient buffer (``tensor.set_grad_slot``): autograd writes a leaf's
+# first gradient into that slot instead of allocating (NOTE [ Gradient slots ] in tensor.py), so
+# after ``backward()`` the gradients already lie side by side and a step is one kernel launch over
+# the whole bucket, one pass over memory, however many parameters it holds.
 #
 # Anything that bypasses that path still works, at the cost of a copy: a ``.grad`` assigned by hand
 # is copied into its slot before the step, and a parameter whose ``_data`` was replaced
@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from taifuse.tensor import GradSlot, Tensor, enable_grad
+from taifuse.tensor import GradSlot, Tensor, bind_storage, enable_grad, set_grad_slot, storage_is
 
 _NEEDED = object()  # what the zeros factory returns when we only ask which state arrays exist
 
@@ -109,8 +109,7 @@ class _Bucket:
             self.param_views = []
             for p, lo, hi in zip(params, self.bounds, self.bounds[1:]):
                 view = self.param_buf[lo:hi].reshape(p.shape)
-                np.copyto(view, p._data)
-                p._data = view
+                bind_storage(p, view)
                 self.param_views.append(view)
             self._new_grad_buffer()
 
@@ -121,7 +120,7 @@ class _Bucket:
         self.slots = []
         for p, lo, hi in zip(self.params, self.bounds, self.bounds[1:]):
             slot = GradSlot(self.grad_buf[lo:hi].reshape(p.shape))
-            p._grad_slot = slot
+            set_grad_slot(p, slot)
             self.slots.append(slot)
 
     # -- arrays
@@ -159,11 +158,8 @@ class _Bucket:
                     raise ValueError(
                         f"gradient lives on backend {g._be.NAME!r}, its parameter on {self.be.NAME!r}"
                     )
-            if self.flat:
-                view = self.param_views[i]
-                if p._data is not view:  # replaced from outside: take its values back into the buffer
-                    np.copyto(view, p._data)
-                    p._data = view
+            if self.flat and not storage_is(p, self.param_views[i]):
+                bind_storage(p, self.param_views[i])  # replaced from outside: its values back into the buffer
             has_grad.append(g is not None)
         if self.flat:
             self._gather_grads()
