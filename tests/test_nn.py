@@ -123,6 +123,43 @@ def test_layer_norm_validates_as_functional(kwargs, exc_type, match):
 # ----------------------------------------------------------------------------- state
 
 
+def test_module_zero_grad_without_set_to_none_is_in_place_like_torch(grad_backend):
+    # torch.nn.Module.zero_grad(set_to_none=False) zeroes each existing .grad in place (a held
+    # gradient sees the zeros) and leaves a parameter without one without one.
+    model = _model()
+    loss = F.cross_entropy(model(taifuse.tensor(np.ones((2, 4), np.float32))), np.array([0, 2]))
+    loss.backward()
+    held = model[0].weight.grad
+    model[0].bias.grad = None
+    model.zero_grad(set_to_none=False)
+    assert model[0].weight.grad is held and not held.numpy().any()
+    assert model[0].bias.grad is None
+
+
+def test_load_state_dict_copies_in_place(grad_backend):
+    # As torch: the parameter objects and their storage stay, so an optimizer that placed them in
+    # its flat buffer keeps stepping the loaded values.
+    taifuse.manual_seed(1)
+    a = _model()
+    taifuse.manual_seed(2)
+    b = _model()
+    opt = taifuse.optim.SGD(b.parameters(), lr=0.5)
+    x = taifuse.tensor(np.ones((2, 4), np.float32))
+    F.cross_entropy(b(x), np.array([0, 2])).backward()
+    opt.step()
+    before = [p._data for p in b.parameters()]
+    b.load_state_dict(a.state_dict())
+    assert all(p._data is d for p, d in zip(b.parameters(), before))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        np.testing.assert_array_equal(pa.numpy(), pb.numpy(), err_msg=name)
+    opt.zero_grad()
+    F.cross_entropy(b(x), np.array([0, 2])).backward()
+    grads = {name: p.grad.numpy().copy() for name, p in b.named_parameters()}
+    opt.step()
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        np.testing.assert_allclose(pb.numpy(), pa.numpy() - 0.5 * grads[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 def test_state_dict_round_trip(grad_backend):
     taifuse.manual_seed(1)
     a = _model()

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from taifuse.tensor import Tensor
+from taifuse.tensor import Tensor, no_grad
 
 
 class Parameter(Tensor):
@@ -138,12 +138,13 @@ class Module:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of every parameter (to ``None``, or to zeros)."""
+        """Reset the gradients of every parameter: drop them (``set_to_none=True``), or zero the
+        existing ones in place and leave missing ones missing, as ``torch.nn.Module.zero_grad``."""
         for param in self.parameters():
-            if set_to_none or param.grad is None:
+            if set_to_none:
                 param.grad = None
-            else:
-                param.grad = Tensor._wrap(param._be.from_numpy(np.zeros(param.shape, param.dtype)), param._be)
+            elif param.grad is not None:
+                param.grad.zero_()
 
     # -- calling
 
@@ -208,8 +209,11 @@ class Module:
             if value.dtype.kind not in "fiu":
                 raise TypeError(f"load_state_dict: {name!r} should hold numbers, got dtype {value.dtype}")
             updates.append((param, value))
-        for param, value in updates:
-            param._data = param._be.from_numpy(np.array(value, dtype=param.dtype, order="C"))
+        # In place, as torch's load_state_dict: a parameter an optimizer placed in its flat
+        # buffer stays there, so the next step needs no copy back.
+        with no_grad():
+            for param, value in updates:
+                param.copy_(value)
         return IncompatibleKeys(missing, unexpected)
 
     def save(self, path: str | os.PathLike) -> None:
