@@ -88,6 +88,26 @@ def test_float32_approximation_error_dense_sweep(name):
     assert rel.max() <= REL_BOUND[name], f"{name}: max rel error {rel.max():.3g} at x={worst}"
 
 
+def test_gelu_derivative_float32_error_dense_sweep():
+    # gelu' has a float32 approximation of its own (NOTE [ Exact GELU derivative in float32 ] in
+    # _numba_backward): held to the forward's mixed bound everywhere, and to its relative bound in
+    # the negative tail, away from the derivative's zero at x = -0.75.
+    x = np.concatenate([sweep_float32(4099), np.linspace(-12, 12, 200_001, dtype=np.float32)])
+    got = np.empty_like(x)
+    nb.gelu_backward(x, np.ones_like(x), got, "none")
+    x64 = x.astype(np.float64)
+    erfc = np.vectorize(math.erfc, otypes=[np.float64])
+    with np.errstate(under="ignore"):
+        pdf = np.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)
+    want = 0.5 * erfc(-x64 / math.sqrt(2.0)) + x64 * pdf
+    err = np.abs(got - want)
+    mixed = err / np.maximum(1.0, np.abs(want))
+    assert mixed.max() <= MIXED_BOUND, f"max mixed error {mixed.max():.3g} at x={x[mixed.argmax()]}"
+    tail = (x < -1.0) & (np.abs(want) > 1e-30)
+    rel = err[tail] / np.abs(want[tail])
+    assert rel.max() <= REL_BOUND["gelu"], f"max rel error {rel.max():.3g} at x={x[tail][rel.argmax()]}"
+
+
 def test_exp2_float32_accuracy_and_ends():
     # gelu and gelu_tanh build exp from _exp2_f32; its own bound (rel 1.7e-7 measured) and the
     # ends the callers rely on: 2**-127 -> 0, 2**128 -> inf, integers exact.

@@ -6,7 +6,7 @@ for float32/float16, libm float64 math for float64, serial and parallel variants
 float64). ``numba_cpu`` re-exports these names, so the backend's table is one module.
 
 # NOTE [ Import order ]
-# This module uses numba_cpu's jitted helpers (loads/stores, exp, sigmoid, erfc) and numba_cpu
+# This module uses numba_cpu's jitted helpers (loads/stores, exp, sigmoid) and numba_cpu
 # re-exports this module's kernels: a cycle. The helpers are imported at the bottom, after every
 # kernel here is defined. Numba resolves a jitted function's globals when it compiles (first
 # call), not when it is decorated, so the kernels see them; and whichever module is imported
@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 # The jit options of numba_cpu (see the notes there): FMA contraction only, numpy error model.
 _FASTMATH = {"contract"}
@@ -30,7 +29,6 @@ _SERIAL = _HELPER
 _PARALLEL = {**_HELPER, "parallel": True}
 
 _BLOCK = 16384  # elements per parallel work item of elementwise kernels
-_GELU_CHUNK = 1024  # elements per scratch pass of the two-loop exact GELU derivative
 _COL_TILE = 256  # columns per work item of column sums (bias / weight gradients)
 
 
@@ -57,7 +55,6 @@ __all__ = [
 
 # ----------------------------------------------------------------------------- derivatives (float32 forms)
 
-_F32_INV_SQRT2 = np.float32(1.0 / math.sqrt(2.0))
 _F32_INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
 _F32_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
 _F32_GELU_CUBIC = np.float32(0.044715)
@@ -67,36 +64,49 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-# NOTE [ Exact GELU derivative in two loops ]
-# gelu'(v) = Phi(v) + v * phi(v). As one loop body (erfc polynomial, division and two exps) LLVM
-# left the loop scalar, and it was slow: the backward over 256 x 1024 float32 took ~7.4 ms on
-# one thread, where a loop of Phi alone took ~0.5 ms and of v * phi(v) alone ~0.25 ms. So the
-# kernels take it in two loops over the same span: the first stores Phi(v), the second adds
-# v * phi(v) and multiplies by the incoming gradient. Both vectorize (~0.8 ms for the backward),
-# and the result is bit-identical to the one-loop form (same operations, same order).
+# NOTE [ Exact GELU derivative in float32 ]
+# gelu'(v) = Phi(v) + v * phi(v). With a = |v|, phi(v) = exp(-a*a/2) / sqrt(2 pi) and the lower
+# tail q = Phi(-a) = t * S(t) * exp(-a*a/2), t = 1 / (4.2 + a): numba_cpu's forward form (NOTE
+# [ Exact GELU in float32 ] there) with 2**P(t) replaced by a polynomial S(t), so that one
+# exp(-a*a/2) serves both terms. S has degree 7, fitted as P was (relative error of q, a in
+# [0, 13.5]): max relative error 1.9e-7 in float64 arithmetic; 4.2 the best shift tried.
+_GELU_GRAD_T_SHIFT = np.float32(4.199999809265137)
+_GELU_GRAD_S = (
+    np.float32(0.3989841043949127),
+    np.float32(1.6694304943084717),
+    np.float32(6.934093475341797),
+    np.float32(17.46992301940918),
+    np.float32(178.42556762695312),
+    np.float32(-503.0119934082031),
+    np.float32(3984.1884765625),
+    np.float32(-5526.48095703125),
+)
+_F32_MINUS_HALF_LOG2E = np.float32(-math.log2(math.e) / 2)
 
 
 @njit(**_HELPER)
-def _gelu_cdf_f32(v):
-    # Phi(v) through erfc from the small side, as numba_cpu's gelu.
-    e = _half_erfc_f32(abs(v) * _F32_INV_SQRT2)
-    return e if v < 0 else np.float32(1.0) - e
+def _gelu_grad_f32(v):
+    # Phi(v) + v * phi(v) (NOTE [ Exact GELU derivative in float32 ]). NaN -> NaN; +-inf -> NaN
+    # (inf * phi(inf) = inf * 0), as the reference.
+    t = np.float32(1.0) / (_GELU_GRAD_T_SHIFT + abs(v))
+    s = _GELU_GRAD_S[7]
+    s = s * t + _GELU_GRAD_S[6]
+    s = s * t + _GELU_GRAD_S[5]
+    s = s * t + _GELU_GRAD_S[4]
+    s = s * t + _GELU_GRAD_S[3]
+    s = s * t + _GELU_GRAD_S[2]
+    s = s * t + _GELU_GRAD_S[1]
+    s = s * t + _GELU_GRAD_S[0]
+    w = (v * v) * _F32_MINUS_HALF_LOG2E
+    w = w if w > _EXP2_LO else _EXP2_LO  # noqa: FURB136  NaN -> _EXP2_LO; the NaN returns through t
+    g = _exp2_f32(w)  # exp(-v*v/2)
+    q = (t * s) * g
+    return (q if v < 0 else np.float32(1.0) - q) + v * (_F32_INV_SQRT_2PI * g)
 
 
 @njit(**_HELPER)
-def _gelu_pdf_term_f32(v):
-    # v * phi(v)
-    return v * _F32_INV_SQRT_2PI * _exp_neg_f32(np.float32(-0.5) * v * v)
-
-
-@njit(**_HELPER)
-def _gelu_cdf_f64(v):
-    return 0.5 * (1.0 + math.erf(v * _INV_SQRT2))
-
-
-@njit(**_HELPER)
-def _gelu_pdf_term_f64(v):
-    return v * _INV_SQRT_2PI * math.exp(-0.5 * v * v)
+def _gelu_grad_f64(v):
+    return 0.5 * (1.0 + math.erf(v * _INV_SQRT2)) + v * _INV_SQRT_2PI * math.exp(-0.5 * v * v)
 
 
 @njit(**_HELPER)
@@ -123,17 +133,6 @@ def _silu_grad(v):
     return s * (one + v * (one - s))
 
 
-def _compute_empty(n, like):
-    """A scratch vector of ``n`` elements in the compute precision of array ``like``."""
-    raise NotImplementedError("jitted code only")
-
-
-@overload(_compute_empty, jit_options=_HELPER)
-def _compute_empty_impl(n, like):
-    dtype = np.float64 if like.dtype == types.float64 else np.float32
-    return lambda n, like: np.empty(n, dtype)
-
-
 # Op codes of the elementwise backward span and the linear epilogue.
 _RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH = range(7)
 _ACT_CODES = {None: -1, "relu": _RELU, "gelu": _GELU, "gelu_tanh": _GELU_TANH, "silu": _SILU}
@@ -147,41 +146,37 @@ def _unary_backward_span(x, g, out, op, param, lo, hi):
     # One loop per op, so that each loop body is branch-free and vectorizes. Where the
     # derivative has a flat tail (gelu, gelu_tanh, silu, sigmoid), results below the smallest
     # normal number are flushed to zero (NOTE [ Subnormal gradients ]).
+    # NOTE: the loops run over slices indexed from 0. Indexed from `lo`, they ran ~4x slower in
+    # the parallel kernel than in the serial one (gelu and gelu_tanh, one thread, 256K float32;
+    # NOTE [ Spans, blocks and in-place kernels ] in numba_cpu).
+    xs, gs, os = x[lo:hi], g[lo:hi], out[lo:hi]
+    n = hi - lo
     if op == _RELU:
-        for i in range(lo, hi):
-            gv = _widen(g[i])
-            out[i] = _narrow(gv if _widen(x[i]) > 0 else _like(0.0, gv), out)
+        for i in range(n):
+            gv = _widen(gs[i])
+            os[i] = _narrow(gv if _widen(xs[i]) > 0 else _like(0.0, gv), out)
     elif op == _LEAKY_RELU:
-        for i in range(lo, hi):
-            gv = _widen(g[i])
+        for i in range(n):
+            gv = _widen(gs[i])
             # param is float64: the product rounds once into out, as in the reference.
-            out[i] = _narrow(gv if _widen(x[i]) > 0 else gv * param, out)
+            os[i] = _narrow(gv if _widen(xs[i]) > 0 else gv * param, out)
     elif op == _GELU:
-        # NOTE [ Exact GELU derivative in two loops ]; Phi goes through a compute-precision
-        # scratch, since `out` may be float16 bits.
-        # Chunks are taken as slices from 0: indexing from `lo` left the loops slow here.
-        phi = _compute_empty(min(_GELU_CHUNK, hi - lo), g)
-        for c0 in range(lo, hi, _GELU_CHUNK):
-            c1 = min(c0 + _GELU_CHUNK, hi)
-            xs, gs, os = x[c0:c1], g[c0:c1], out[c0:c1]
-            for i in range(c1 - c0):
-                phi[i] = _gelu_cdf(_widen(xs[i]))
-            for i in range(c1 - c0):
-                os[i] = _narrow(_flush(_widen(gs[i]) * (phi[i] + _gelu_pdf_term(_widen(xs[i])))), out)
+        for i in range(n):
+            os[i] = _narrow(_flush(_widen(gs[i]) * _gelu_grad(_widen(xs[i]))), out)
     elif op == _GELU_TANH:
-        for i in range(lo, hi):
-            out[i] = _narrow(_flush(_widen(g[i]) * _gelu_tanh_grad(_widen(x[i]))), out)
+        for i in range(n):
+            os[i] = _narrow(_flush(_widen(gs[i]) * _gelu_tanh_grad(_widen(xs[i]))), out)
     elif op == _SILU:
-        for i in range(lo, hi):
-            out[i] = _narrow(_flush(_widen(g[i]) * _silu_grad(_widen(x[i]))), out)
+        for i in range(n):
+            os[i] = _narrow(_flush(_widen(gs[i]) * _silu_grad(_widen(xs[i]))), out)
     elif op == _SIGMOID:
-        for i in range(lo, hi):
-            y = _widen(x[i])
-            out[i] = _narrow(_flush(_widen(g[i]) * y * (_like(1.0, y) - y)), out)
+        for i in range(n):
+            y = _widen(xs[i])
+            os[i] = _narrow(_flush(_widen(gs[i]) * y * (_like(1.0, y) - y)), out)
     else:  # _TANH
-        for i in range(lo, hi):
-            y = _widen(x[i])
-            out[i] = _narrow(_widen(g[i]) * (_like(1.0, y) - y * y), out)
+        for i in range(n):
+            y = _widen(xs[i])
+            os[i] = _narrow(_widen(gs[i]) * (_like(1.0, y) - y * y), out)
 
 
 @njit(**_SERIAL)
@@ -400,11 +395,8 @@ def _grad_pre_span(pre, g, op, gp):
             gv = _widen(g[c])
             gp[c] = _flush(gv) if _widen(pre[c]) > 0 else _like(0.0, gv)
     elif op == _GELU:
-        # NOTE [ Exact GELU derivative in two loops ]; gp is float32 or float64, never float16.
         for c in range(gp.size):
-            gp[c] = _gelu_cdf(_widen(pre[c]))
-        for c in range(gp.size):
-            gp[c] = _flush(_widen(g[c]) * (gp[c] + _gelu_pdf_term(_widen(pre[c]))))
+            gp[c] = _flush(_widen(g[c]) * _gelu_grad(_widen(pre[c])))
     elif op == _GELU_TANH:
         for c in range(gp.size):
             gp[c] = _flush(_widen(g[c]) * _gelu_tanh_grad(_widen(pre[c])))
@@ -872,13 +864,13 @@ def cross_entropy_backward(
 # Imported last: see NOTE [ Import order ] at the top.
 
 from taifuse.backends.numba_cpu import (
+    _EXP2_LO,
     _bits,
     _by_precision,
     _epilogue_parallel,
+    _exp2_f32,
     _exp_neg,
-    _exp_neg_f32,
     _flat,
-    _half_erfc_f32,
     _like,
     _maxnum,
     _narrow,
@@ -889,7 +881,6 @@ from taifuse.backends.numba_cpu import (
 )
 from taifuse.backends.numba_cpu import dropout as _dropout_forward
 
-_gelu_cdf = _by_precision(_gelu_cdf_f32, _gelu_cdf_f64)
+_gelu_grad = _by_precision(_gelu_grad_f32, _gelu_grad_f64)
 _flush = _by_precision(_flush_f32, _flush_f64)
-_gelu_pdf_term = _by_precision(_gelu_pdf_term_f32, _gelu_pdf_term_f64)
 _gelu_tanh_grad = _by_precision(_gelu_tanh_grad_f32, _gelu_tanh_grad_f64)
