@@ -64,43 +64,13 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-# NOTE [ Exact GELU derivative in float32 ]
-# gelu'(v) = Phi(v) + v * phi(v). With a = |v|, phi(v) = exp(-a*a/2) / sqrt(2 pi) and the lower
-# tail q = Phi(-a) = t * S(t) * exp(-a*a/2), t = 1 / (4.2 + a): numba_cpu's forward form (NOTE
-# [ Exact GELU in float32 ] there) with 2**P(t) replaced by a polynomial S(t), so that one
-# exp(-a*a/2) serves both terms. S has degree 7, fitted as P was (relative error of q, a in
-# [0, 13.5]): max relative error 1.9e-7 in float64 arithmetic; 4.2 the best shift tried.
-_GELU_GRAD_T_SHIFT = np.float32(4.199999809265137)
-_GELU_GRAD_S = (
-    np.float32(0.3989841043949127),
-    np.float32(1.6694304943084717),
-    np.float32(6.934093475341797),
-    np.float32(17.46992301940918),
-    np.float32(178.42556762695312),
-    np.float32(-503.0119934082031),
-    np.float32(3984.1884765625),
-    np.float32(-5526.48095703125),
-)
-_F32_MINUS_HALF_LOG2E = np.float32(-math.log2(math.e) / 2)
-
-
 @njit(**_HELPER)
 def _gelu_grad_f32(v):
-    # Phi(v) + v * phi(v) (NOTE [ Exact GELU derivative in float32 ]). NaN -> NaN; +-inf -> NaN
-    # (inf * phi(inf) = inf * 0), as the reference.
-    t = np.float32(1.0) / (_GELU_GRAD_T_SHIFT + abs(v))
-    s = _GELU_GRAD_S[7]
-    s = s * t + _GELU_GRAD_S[6]
-    s = s * t + _GELU_GRAD_S[5]
-    s = s * t + _GELU_GRAD_S[4]
-    s = s * t + _GELU_GRAD_S[3]
-    s = s * t + _GELU_GRAD_S[2]
-    s = s * t + _GELU_GRAD_S[1]
-    s = s * t + _GELU_GRAD_S[0]
-    w = (v * v) * _F32_MINUS_HALF_LOG2E
-    w = w if w > _EXP2_LO else _EXP2_LO  # noqa: FURB136  NaN -> _EXP2_LO; the NaN returns through t
-    g = _exp2_f32(w)  # exp(-v*v/2)
-    q = (t * s) * g
+    # Phi(v) + v * phi(v), with Phi(-|v|) as numba_cpu's gelu computes it (NOTE [ Exact GELU in
+    # float32 ] there), whose exp(-v*v/2) is phi's too. NaN -> NaN; +-inf -> NaN (inf * phi(inf)
+    # = inf * 0), as the reference.
+    g = _gauss_f32(v)
+    q = _tail_ratio_f32(v) * g
     return (q if v < 0 else np.float32(1.0) - q) + v * (_F32_INV_SQRT_2PI * g)
 
 
@@ -864,19 +834,19 @@ def cross_entropy_backward(
 # Imported last: see NOTE [ Import order ] at the top.
 
 from taifuse.backends.numba_cpu import (
-    _EXP2_LO,
     _bits,
     _by_precision,
     _epilogue_parallel,
-    _exp2_f32,
     _exp_neg,
     _flat,
+    _gauss_f32,
     _like,
     _maxnum,
     _narrow,
     _parallel,
     _sigmoid,
     _sigmoid_f32,
+    _tail_ratio_f32,
     _widen,
 )
 from taifuse.backends.numba_cpu import dropout as _dropout_forward

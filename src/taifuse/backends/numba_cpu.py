@@ -277,14 +277,14 @@ def _by_precision(f32_impl, f64_impl):
 #   tanh       abs 2.7e-7  mixed 2.7e-7  rel 2.9e-7
 #   sigmoid    abs 8.9e-8  mixed 8.9e-8  rel 1.4e-7
 #   silu       abs 1.3e-6 (at x = 13.8, 1.3 ulp of y)  mixed 1.2e-7  rel 1.7e-7
-#   gelu       abs 3.8e-7  mixed 1.4e-7  rel 7.1e-6 (deep tail, |y| ~ 1e-30)
+#   gelu       abs 3.8e-7  mixed 1.5e-7  rel 7.6e-6 (deep tail, |y| ~ 1e-30)
 #   gelu_tanh  abs 5.2e-7  mixed 1.3e-7  rel 9.0e-6 (deep tail, as gelu)
 #   gelu'      abs 3.5e-7  (_numba_backward's _gelu_grad_f32; relative error as gelu's, except
 #              near its zero at x = -0.75)
 # gelu and gelu_tanh as they are now, through _exp2_f32: measured over every 64th bit pattern
 # plus 2M (gelu: 4M, on [-14, 14]) points on [-12, 12]. Their relative error grows with x*x in
-# the negative tail (the rounding of the exponent, ~x*x/2 in magnitude): gelu 6.1e-7 for x >= 0,
-# 9.6e-7 on [-3, 0), 2.0e-6 on [-6, -3), 4.1e-6 on [-9, -6), 7.1e-6 on [-12, -9); gelu' 6.9e-7,
+# the negative tail (the rounding of the exponent, ~x*x/2 in magnitude): gelu 6.5e-7 for x >= 0,
+# 7.8e-7 on [-3, 0), 2.1e-6 on [-6, -3), 3.8e-6 on [-9, -6), 7.6e-6 on [-12, -9); gelu' 6.9e-7,
 # -, 2.0e-6, 3.8e-6, 7.5e-6 on the same ranges.
 # tests/test_numba_kernels.py asserts mixed <= 1e-6 and relative bounds over a sparser sweep.
 
@@ -445,55 +445,63 @@ def _exp2_f32(w):
 # gelu(v) = v * Phi(v), with the standard normal CDF taken from its small side: Phi(v) = q for
 # v < 0 and 1 - q otherwise, q = Phi(-a), a = |v|. Going through q (not 1 + erf) keeps gelu's
 # negative tail accurate in relative terms: 1 + erf(x) cancels in float32 below x = -3. q is
-#     q = t * 2**(P(t) - a*a * log2(e) / 2),  t = 1 / (3 + a),
-# exp(-a*a/2) carrying the tail's decay and t * 2**P(t) the slowly varying rest (q ~ exp(-a*a/2) /
-# (a sqrt(2 pi)) for large a): one division, a degree-7 polynomial and one _exp2_f32. P was
-# fitted to log2(q / t) + a*a * log2(e) / 2 on a in [0, 13.5] (beyond, q * a is below float32's
-# normals) by least squares iterated to minimax, with float32 coefficients rounded one at a time
-# and the rest refitted: max relative error of q 2.4e-7 in float64 arithmetic, and the shift
-# 3 the best of those tried for degree 7. Numerical Recipes' erfcc, used before (t = 1 / (1 +
-# z/2), degree 9, fitted for every z), had 1.2e-7 but cost two more multiply-adds and a multiply
-# per element; measured over 16K float32 elements in cache on one thread of a 2-core AMD EPYC
-# (Zen 4), shared machine, fastest tenth of 40 interleaved rounds: 0.56 -> 0.46 ns per element.
-# The backward (_numba_backward's _gelu_grad_f32) needs exp(-a*a/2) on its own as well and uses
-# the same t with the polynomial moved out of the exponent.
-_GELU_T_SHIFT = np.float32(3.0)
-_GELU_P = (
-    np.float32(-1.3252257108688354),
-    np.float32(4.295834541320801),
-    np.float32(5.87623929977417),
-    np.float32(-7.10503625869751),
-    np.float32(85.98683166503906),
-    np.float32(-471.0027770996094),
-    np.float32(910.5072631835938),
-    np.float32(-620.6419677734375),
+#     q = t * S(t) * exp(-a*a/2),  t = 1 / (4.2 + a),
+# exp(-a*a/2) carrying the tail's decay and t * S(t) = q * exp(a*a/2) the slowly varying rest
+# (~ 1 / (a sqrt(2 pi)) for large a): one division, a degree-7 polynomial and one _exp2_f32.
+# S was fitted for the relative error of q on a in [0, 13.5] (beyond, q is 0 in float32: see
+# _gauss_f32) by least squares iterated to minimax, with float32 coefficients rounded one at a
+# time and the rest refitted: max relative error 1.9e-7 in float64 arithmetic; 4.2 the best
+# shift of those tried for degree 7. gelu' (_numba_backward) shares exp(-a*a/2) with phi(v).
+# Speed (16K float32 in cache, one thread of a shared 2-core AMD EPYC (Zen 4), fastest tenth of
+# 40 interleaved rounds, ns per element): Numerical Recipes' erfcc as used before (t = 1 / (1 +
+# z/2), erfc = t * exp(P(t) - z*z) with P of degree 9) 0.56; the same form with t = 1 / (3 + a)
+# and degree 7, 0.46; this one 0.40. It has one multiply more than the second, but its two
+# chains (t, S and exp) are independent: the others put the polynomial in the exponent, so
+# each element's exp waited for its division and polynomial, and the loop ran at the latency of
+# that chain rather than at the core's multiply-add throughput.
+_GELU_T_SHIFT = np.float32(4.199999809265137)
+_GELU_S = (
+    np.float32(0.3989841043949127),
+    np.float32(1.6694304943084717),
+    np.float32(6.934093475341797),
+    np.float32(17.46992301940918),
+    np.float32(178.42556762695312),
+    np.float32(-503.0119934082031),
+    np.float32(3984.1884765625),
+    np.float32(-5526.48095703125),
 )
-_F32_HALF_LOG2E = np.float32(math.log2(math.e) / 2)
+_F32_MINUS_HALF_LOG2E = np.float32(-math.log2(math.e) / 2)
 
 
 @njit(**_HELPER)
-def _normal_lower_tail_f32(v):
-    # Phi(-|v|) (NOTE [ Exact GELU in float32 ]); NaN -> NaN, +-inf -> 0. The exponent falls
-    # below -127 from |v| = 13.2 (q < 5e-40), where 2**w and so q become 0.
+def _tail_ratio_f32(v):
+    # Phi(-|v|) * exp(v*v/2) = t * S(t) (NOTE [ Exact GELU in float32 ]); NaN -> NaN, +-inf -> 0.
     t = _F32_ONE / (_GELU_T_SHIFT + abs(v))
-    p = _GELU_P[7]
-    p = p * t + _GELU_P[6]
-    p = p * t + _GELU_P[5]
-    p = p * t + _GELU_P[4]
-    p = p * t + _GELU_P[3]
-    p = p * t + _GELU_P[2]
-    p = p * t + _GELU_P[1]
-    p = p * t + _GELU_P[0]
-    w = p - (v * v) * _F32_HALF_LOG2E
-    w = w if w > _EXP2_LO else _EXP2_LO  # noqa: FURB136  NaN -> _EXP2_LO; the NaN returns through t
-    return t * _exp2_f32(w)
+    s = _GELU_S[7]
+    s = s * t + _GELU_S[6]
+    s = s * t + _GELU_S[5]
+    s = s * t + _GELU_S[4]
+    s = s * t + _GELU_S[3]
+    s = s * t + _GELU_S[2]
+    s = s * t + _GELU_S[1]
+    s = s * t + _GELU_S[0]
+    return t * s
+
+
+@njit(**_HELPER)
+def _gauss_f32(v):
+    # exp(-v*v/2); 0 from |v| = 13.2 (2**-127 and below), and for NaN (the callers' NaN comes
+    # through _tail_ratio_f32 or v itself).
+    w = (v * v) * _F32_MINUS_HALF_LOG2E
+    w = w if w > _EXP2_LO else _EXP2_LO  # noqa: FURB136  NaN -> _EXP2_LO
+    return _exp2_f32(w)
 
 
 @njit(**_HELPER)
 def _gelu_f32(v):
     # v * Phi(v), Phi taken from the small side. gelu(+inf) = inf * 1; gelu(-inf) = -inf * 0 = NaN,
     # as torch and the reference.
-    q = _normal_lower_tail_f32(v)
+    q = _tail_ratio_f32(v) * _gauss_f32(v)
     return v * (q if v < 0 else _F32_ONE - q)
 
 
