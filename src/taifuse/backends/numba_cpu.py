@@ -80,8 +80,15 @@ _TRANSCENDENTAL_DISCOUNT = 2
 # parallel step took 11.6 ms too, but that environment variable would also govern PyTorch's
 # OpenMP runtime in the same process (it made PyTorch's own step ~25% slower), so taifuse leaves
 # the environment alone. An epilogue therefore goes parallel only when halving its own time could
-# outweigh that cost: from 4M elements (a serial exact-GELU epilogue takes ~0.6 ns per element
-# alone, ~2 ns right after a product).
+# outweigh that cost: from 4M elements (a serial exact-GELU epilogue took ~0.6 ns per element
+# alone, ~2 ns right after a product, with the erfc form gelu had then).
+# NOTE: measured since on a shared 2-core AMD EPYC (Zen 4) with the current gelu, the serial
+# epilogue costs 0.43-0.53 ns per element alone and right after a product, and there the parallel
+# one lost at this threshold: x (5462, 1024) @ w (768, 1024).T + b with gelu, 4.2M elements,
+# 1.24x the bare product's time parallel against 1.04x serial (median of 12 ABAB rounds), and
+# linear_act_backward at (4096, 768) -> 1024, 4M elements, 1.28x the two products' time against
+# 1.03x: the parallel epilogue itself ran 3-4x slower than the serial one there, beside
+# OpenBLAS's spinning worker. The threshold is kept until it is measured where it was set.
 _EPILOGUE_PARALLEL_MIN = 1 << 22
 
 
