@@ -10,8 +10,8 @@ the same run ("met" when the whole interval satisfies it, "not met" when none of
 * AdamW and Lion at least 75% of the copy bandwidth measured in the same run (from the bytes a
   step must move: parameters, gradients and state read, parameters and state written).
 
-Both are reported for the default step (which first checks that the gradients are finite) and,
-as their own rows, for ``check_finite=False``.
+Both are reported for the default step (``check_finite=False``, as torch.optim) and, as their own
+rows, for the optional checked step (``check_finite=True``: one more read of every gradient).
 
 Run: ``python benchmarks/bench_optim.py [--quick] [--out DIR]`` (needs torch: the ``compare`` extra).
 """
@@ -60,12 +60,12 @@ def goals(result: dict) -> list[dict]:
         )
         for label, variant_row in (
             ("default", row),
-            ("no finite check", rows.get(f"{case}/taifuse, no finite check")),
+            ("finite check", rows.get(f"{case}/taifuse, finite check")),
         ):
             if variant_row is None:
                 continue
-            # The candidate of the "no finite check" row is still the default step; its baseline is
-            # the unchecked step, so take the baseline's roofline there. Each is traffic against the
+            # The candidate of the "finite check" row is still the default step; its baseline is
+            # the checked step, so take the baseline's roofline there. Each is traffic against the
             # copy ceiling of the step's cache level (roofline.py).
             r = variant_row.get("roofline") if label == "default" else variant_row.get("baseline_roofline")
             if not r:

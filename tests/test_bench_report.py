@@ -323,3 +323,19 @@ def test_results_json_keeps_the_keys_baseline_reads(result, tmp_path, monkeypatc
         assert row["samples"]["ratios"] and all(len(g) == 8 for g in row["samples"]["ratios"])
     ceilings = saved["method"]["ceilings"]
     assert set(ceilings["copy_gbps"]) == {"L3", "DRAM"} and "write-allocate" in ceilings["traffic_model"]
+
+
+def test_peers_and_the_optimizer_candidate_in_the_real_suites():
+    # PyTorch's training step imports a harness helper (taifuse.bench.suites.training): still a
+    # peer, so the summary shows it. The optimizer suite's candidate is the default step
+    # (check_finite=False, as torch.optim); the checked step is the taifuse-variant baseline.
+    from taifuse.bench.suites import load_cases
+
+    cases = {c.id: c for c in load_cases(["training", "optim"], quick=True, compare_torch=True)}
+    mlp = next(c for i, c in cases.items() if i.startswith("training/mlp_step"))
+    assert next(b for b in mlp.baselines if b.label == "torch").peer
+    adamw = cases["optim/AdamW step, 10x(1000, 512)"]
+    assert "check_finite=False" in adamw.candidate.prepare
+    checked = next(b for b in adamw.baselines if b.label == "taifuse, finite check")
+    assert "check_finite=True" in checked.prepare and not checked.peer
+    assert next(b for b in adamw.baselines if b.label == "torch fused").peer

@@ -55,8 +55,9 @@ class Variant:
     def peer(self) -> bool:
         """Whether this is another library's implementation of the same function (NumPy's,
         PyTorch's): a row against it compares taifuse with a peer. A bound (``same_result=False``)
-        or a variant of taifuse itself (pool off, no finite check) is not one."""
-        return self.same_result and not any(m.split(".")[0] == "taifuse" for m in self.modules)
+        or a variant of taifuse itself (pool off, finite check) is not one. ``taifuse.bench``'s
+        own modules are the harness's helpers (a peer's training loop may import one), not taifuse."""
+        return self.same_result and not any(_is_taifuse_code(m) for m in self.modules)
 
     def available(self) -> bool:
         """Whether every module the variant imports is installed (checked without importing)."""
@@ -169,3 +170,8 @@ def check_outputs(expected: Any, actual: Any, rtol: float, atol: float) -> dict:
     if not report["ok"]:
         report["reason"] = f"not allclose (rtol={rtol}, atol={atol})"
     return report
+
+
+def _is_taifuse_code(module: str) -> bool:
+    """Whether ``module`` is taifuse's own computing code (not the bench harness's helpers)."""
+    return module.split(".")[0] == "taifuse" and not module.startswith("taifuse.bench")

@@ -495,7 +495,8 @@ def is_peer(row: dict) -> bool:
         return bool(base["peer"])
     imports = [line for line in str(base.get("code", "")).splitlines() if line.startswith("import ")]
     return bool(base.get("same_result")) and not any(
-        line.split()[1].startswith("taifuse") for line in imports
+        line.split()[1].startswith("taifuse") and not line.split()[1].startswith("taifuse.bench")
+        for line in imports
     )
 
 
