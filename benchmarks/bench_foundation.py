@@ -20,20 +20,15 @@ Run: ``python benchmarks/bench_foundation.py [--quick] [--out DIR]`` (needs torc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import taifuse.bench
 from taifuse.bench import report
-from taifuse.bench.suites import load_cases
+from taifuse.bench.suites import load_cases, pick
 
 GELU_CASE = "elementwise/gelu(approximate='tanh')"
 LINEAR_CASE = "linear/linear(activation='gelu')"
 
-
-def _pick(cases, case_id: str, labels: set[str]):
-    case = next(c for c in cases if c.id == case_id)
-    return dataclasses.replace(case, baselines=tuple(b for b in case.baselines if b.label in labels))
 
 
 def _linear_times(lin_mm: dict, lin_torch: dict, lin_torch_mm: dict | None) -> str:
@@ -132,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = load_cases(["elementwise", "linear"], quick=True, compare_torch=True)
     chosen = [
-        _pick(cases, GELU_CASE, {"torch", "copy bound"}),
-        _pick(cases, LINEAR_CASE, {"bare matmul", "torch", "torch bare matmul"}),
+        pick(cases, GELU_CASE, {"torch", "copy bound"}),
+        pick(cases, LINEAR_CASE, {"bare matmul", "torch", "torch bare matmul"}),
     ]
     plan = taifuse.bench.QUICK if args.quick else taifuse.bench.GOALS
     result = taifuse.bench.run(

@@ -22,21 +22,16 @@ Run: ``python benchmarks/bench_gelu.py [--quick] [--out DIR]`` (needs torch: the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import taifuse.bench
 from taifuse.bench import report
-from taifuse.bench.suites import load_cases
+from taifuse.bench.suites import load_cases, pick
 
 GELU_CASE = "elementwise/gelu(approximate='none')"
 LINEAR_CASE = "linear/linear(activation='gelu')"
 BACKWARD_CASE = "linear/linear backward(activation='gelu')"
 
-
-def _pick(cases, case_id: str, labels: set[str]):
-    case = next(c for c in cases if c.id == case_id)
-    return dataclasses.replace(case, baselines=tuple(b for b in case.baselines if b.label in labels))
 
 
 def _ms(row: dict) -> str:
@@ -127,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = load_cases(["elementwise", "linear"], quick=True, compare_torch=True)
     chosen = [
-        _pick(cases, GELU_CASE, {"torch"}),
-        _pick(cases, LINEAR_CASE, {"bare matmul", "torch"}),
-        _pick(cases, BACKWARD_CASE, {"bare products", "torch"}),
+        pick(cases, GELU_CASE, {"torch"}),
+        pick(cases, LINEAR_CASE, {"bare matmul", "torch"}),
+        pick(cases, BACKWARD_CASE, {"bare products", "torch"}),
     ]
     plan = taifuse.bench.QUICK if args.quick else taifuse.bench.GOALS
     result = taifuse.bench.run(

@@ -5,6 +5,7 @@ Adding a suite is a file in this package and one line in :data:`SUITES`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from taifuse.bench.case import Case
@@ -38,6 +39,12 @@ def load_cases(
         if name in wanted:
             cases.extend(importlib.import_module(module).cases(quick=quick, compare_torch=compare_torch))
     return cases
+
+
+def pick(cases: list[Case], case_id: str, labels: set[str]) -> Case:
+    """The case ``case_id`` of ``cases`` with only the baselines labelled ``labels`` (for the goal scripts)."""
+    case = next(c for c in cases if c.id == case_id)
+    return dataclasses.replace(case, baselines=tuple(b for b in case.baselines if b.label in labels))
 
 
 def find_case(case_id: str, *, quick: bool, compare_torch: bool) -> Case:
