@@ -366,11 +366,11 @@ def test_kernel_table_matches_reference(name):
     module = backends.get_module(name)  # ModuleNotFoundError here means a backend module is missing
     ref = backends.get_module("numpy")
     assert module.NAME == name
-    missing = [
-        k for k in backends.KERNEL_NAMES + backends.OPTIM_KERNEL_NAMES + backends.ARRAY_API if not hasattr(module, k)
-    ]
+    # Forward, backward and optimizer kernels alike: one table, the same names and signatures.
+    kernels = backends.KERNEL_NAMES + backends.BACKWARD_KERNEL_NAMES + backends.OPTIM_KERNEL_NAMES
+    missing = [k for k in kernels + backends.ARRAY_API if not hasattr(module, k)]
     assert not missing, f"backend {name} lacks {missing}"
-    for kernel in backends.KERNEL_NAMES + backends.OPTIM_KERNEL_NAMES:
+    for kernel in kernels:
         got = _shape_of(inspect.signature(getattr(module, kernel)))
         want = _shape_of(inspect.signature(getattr(ref, kernel)))
         assert got == want, f"{name}.{kernel}{inspect.signature(getattr(module, kernel))} differs from the reference"
