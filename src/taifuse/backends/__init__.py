@@ -26,6 +26,12 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+# The kernel tables' names live with the op codes in _spec.py (signatures: the reference backend).
+from taifuse.backends._spec import ARRAY_API as ARRAY_API
+from taifuse.backends._spec import BACKWARD_KERNEL_NAMES as BACKWARD_KERNEL_NAMES
+from taifuse.backends._spec import KERNEL_NAMES as KERNEL_NAMES
+from taifuse.backends._spec import OPTIM_KERNEL_NAMES as OPTIM_KERNEL_NAMES
+
 BACKENDS = ("numpy", "numba", "taichi")
 TAICHI_ARCHES = ("metal", "vulkan", "cuda", "cpu")
 
@@ -36,52 +42,6 @@ _MODULES = {
 }
 _REQUIRES = {"numpy": "numpy", "numba": "numba", "taichi": "taichi"}
 _FALLBACK = {"taichi": "numba", "numba": "numpy"}
-
-# Kernels every backend exports (forward ops). Signatures are documented in reference.py,
-# which is the specification.
-KERNEL_NAMES = (
-    "gelu",
-    "relu",
-    "leaky_relu",
-    "silu",
-    "sigmoid",
-    "tanh",
-    "add_relu",
-    "mul_relu",
-    "affine",
-    "linear_act",
-    "softmax",
-    "log_softmax",
-    "layer_norm",
-    "dropout",
-)
-# Kernels of the autograd layer (tensor.py): a backward per differentiable op, and the losses with
-# theirs. Signatures in reference.py's "Backward and loss kernels" section.
-BACKWARD_KERNEL_NAMES = (
-    "gelu_backward",
-    "relu_backward",
-    "leaky_relu_backward",
-    "silu_backward",
-    "sigmoid_backward",
-    "tanh_backward",
-    "add_relu_backward",
-    "mul_relu_backward",
-    "affine_backward",
-    "linear_act_backward",
-    "softmax_backward",
-    "log_softmax_backward",
-    "layer_norm_backward",
-    "dropout_backward",
-    "mse_loss",
-    "mse_loss_backward",
-    "cross_entropy",
-    "cross_entropy_backward",
-)
-# Fused optimizer update kernels (taifuse.optim). Signatures in _optim_reference.py, which
-# reference.py re-exports.
-OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite")
-# Array helpers every backend exports.
-ARRAY_API = ("NAME", "init", "describe", "check_dtype", "is_array", "from_numpy", "to_numpy", "empty")
 
 
 class BackendUnavailable(RuntimeError):
