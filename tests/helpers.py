@@ -268,7 +268,7 @@ def _ref_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 
 def reference(op: str, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 result, scale) of ``taifuse.functional.<op>(*args, **kwargs)`` per backends/reference.py."""
+    """(float64 result, scale) of ``taifuse.functional.<op>(*args, **kwargs)`` per backends/reference."""
     if op in ("gelu", "relu", "leaky_relu", "silu", "sigmoid", "tanh"):
         return _ref_unary(op, *args, **kwargs)
     if op in ("add_relu", "mul_relu"):

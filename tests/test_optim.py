@@ -23,7 +23,7 @@ import pytest
 
 import taifuse
 from taifuse import optim
-from taifuse.backends import _optim_reference as R
+from taifuse.backends.reference import optim as R
 from taifuse.nn import Parameter
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None

@@ -1,6 +1,6 @@
 """The Numba backend's fused optimizer kernels (``taifuse.backends.OPTIM_KERNEL_NAMES``).
 
-Same signatures and semantics as ``_optim_reference.py``, which specifies them. One call is one
+Same signatures and semantics as ``reference/optim.py``, which specifies them. One call is one
 pass over memory: every element's parameter, gradient and state are loaded once, updated in
 registers and stored once. Conventions of ``numba_cpu``: float16 arrays arrive as their uint16
 bit view and compute in float32, float64 computes in float64, inputs above the parallel threshold
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit, prange
 
-from taifuse.backends._optim_reference import AdamHyper, adam_coefficients, compute_dtype, in_precision
+from taifuse.backends.reference.optim import AdamHyper, adam_coefficients, compute_dtype, in_precision
 
 _HELPER = {"cache": True, "nogil": True, "error_model": "numpy"}
 _PARALLEL = {**_HELPER, "parallel": True}
@@ -66,7 +66,7 @@ def _sgd_elem(p, g, sign, weight_decay, l2):
 
 @njit(**_HELPER, inline="always")
 def _adam_elem(p, g, m, v, c):
-    """One element's Adam moments; ``c``: ``_optim_reference.AdamCoefficients`` in compute precision."""
+    """One element's Adam moments; ``c``: ``reference.optim.AdamCoefficients`` in compute precision."""
     g = g * c.sign
     if c.decoupled_decay:
         p = p * c.decay
@@ -271,7 +271,7 @@ def sgd_step(
     maximize: bool,
     first_step: bool,
 ) -> None:
-    """SGD with momentum in one pass (see ``_optim_reference.sgd_step``)."""
+    """SGD with momentum in one pass (see ``reference.optim.sgd_step``)."""
     ct = compute_dtype(param.dtype).type
     p, g = _flat(param), _flat(grad)
     common = (ct(-lr), ct(-1.0 if maximize else 1.0), ct(weight_decay), weight_decay != 0)
@@ -306,7 +306,7 @@ def adam_step(
     amsgrad: bool,
     maximize: bool,
 ) -> None:
-    """Adam / AdamW in one pass (see ``_optim_reference.adam_step``)."""
+    """Adam / AdamW in one pass (see ``reference.optim.adam_step``)."""
     hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
     c = in_precision(adam_coefficients(hyper, step), param.dtype)
     p, g, m, v = _flat(param), _flat(grad), _flat(exp_avg), _flat(exp_avg_sq)
@@ -332,7 +332,7 @@ def lion_step(
     beta2: float,
     weight_decay: float,
 ) -> None:
-    """Lion in one pass (see ``_optim_reference.lion_step``)."""
+    """Lion in one pass (see ``reference.optim.lion_step``)."""
     ct = compute_dtype(param.dtype).type
     s = (
         ct(-lr),

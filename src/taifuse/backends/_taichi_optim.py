@@ -1,6 +1,6 @@
 """The Taichi backend's fused optimizer kernels (``taifuse.backends.OPTIM_KERNEL_NAMES``).
 
-Same signatures and semantics as ``_optim_reference.py``, on :class:`~taifuse.backends.taichi_gpu.DeviceArray`
+Same signatures and semantics as ``reference/optim.py``, on :class:`~taifuse.backends.taichi_gpu.DeviceArray`
 flat buffers: parameters, gradients and optimizer state stay on the device, and one step is one
 kernel launch over the whole run, with no host copy. The only value that comes back to the host
 is the 4-byte answer of :func:`all_finite`, one per step (counted by ``taichi_gpu.transfer_stats``).
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from taifuse.backends._optim_reference import adam_scalars, lerp_weight_is_small
+from taifuse.backends.reference.optim import adam_scalars, lerp_weight_is_small
 
 __all__ = ["adam_step", "all_finite", "lion_step", "optim_kernels", "sgd_step"]
 
@@ -161,7 +161,7 @@ def _tg():
 def sgd_step(
     param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step
 ):
-    """SGD with momentum in one kernel launch (see ``_optim_reference.sgd_step``)."""
+    """SGD with momentum in one kernel launch (see ``reference.optim.sgd_step``)."""
     tg = _tg()
     n = param.size
     if n == 0:
@@ -193,7 +193,7 @@ def adam_step(
     amsgrad,
     maximize,
 ):
-    """Adam / AdamW in one kernel launch (see ``_optim_reference.adam_step``)."""
+    """Adam / AdamW in one kernel launch (see ``reference.optim.adam_step``)."""
     tg = _tg()
     n = param.size
     if n == 0:
@@ -211,7 +211,7 @@ def adam_step(
 
 
 def lion_step(param, grad, exp_avg, lr, beta1, beta2, weight_decay):
-    """Lion in one kernel launch (see ``_optim_reference.lion_step``)."""
+    """Lion in one kernel launch (see ``reference.optim.lion_step``)."""
     tg = _tg()
     n = param.size
     if n == 0:

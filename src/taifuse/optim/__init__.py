@@ -4,7 +4,7 @@
 ``zero_grad(set_to_none=True)``, ``state_dict`` / ``load_state_dict`` in PyTorch's layout). A
 group's parameters, gradients and state live in flat buffers so that one step is one kernel launch
 per group and dtype (NOTE [ Flat buffers ] in ``optimizer.py``); the update rules are the pure
-functions of ``_functional.py`` over the kernels specified in ``backends/_optim_reference.py``.
+functions of ``_functional.py`` over the kernels specified in ``backends/reference/optim.py``.
 """
 
 from taifuse.optim import lr_scheduler

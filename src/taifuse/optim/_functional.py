@@ -4,7 +4,7 @@ Each optimizer is a pair: ``*_init`` makes its state (flat arrays the size of a 
 parameters, plus a step count), and ``*_update`` runs one fused step through a backend's kernel
 table and returns the new state. The arrays are updated in place by the kernel (they are the
 optimizer's flat buffers); the returned state carries the new step count. The math itself is
-specified once, in ``taifuse.backends._optim_reference``, and implemented by every backend.
+specified once, in ``taifuse.backends.reference.optim``, and implemented by every backend.
 
 Hyperparameters are NamedTuples too, so an update is a function of (kernels, param, grad, state,
 hyper) and nothing else; the optimizer classes only hold hyperparameters and state.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from taifuse.backends._optim_reference import AdamHyper  # the spec's type, shared with the kernels
+from taifuse.backends.reference.optim import AdamHyper  # the spec's type, shared with the kernels
 
 Zeros = Callable[[], Any]  # makes a zeroed array the size and dtype of the run
 
