@@ -437,16 +437,12 @@ def test_docs_examples_run():
     """docs/checkpointing.md's examples (tests/test_docs.py runs docstrings and the README only)."""
     from taifuse import backends
 
-    saved = (backends._override, backends._override_arch)
-    try:
+    # The examples switch to the numpy backend: hand the next test what it had.
+    with backends.preserved_choice():
         result = doctest.testfile(
             str(Path(__file__).resolve().parents[1] / "docs" / "checkpointing.md"),
             module_relative=False,
             optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
         )
-    finally:
-        # The examples switch to the numpy backend: hand the next test what it had.
-        backends._override, backends._override_arch = saved
-        backends._active = backends._active_name = None
     assert result.attempted > 0
     assert result.failed == 0, "an example in docs/checkpointing.md failed (see stdout)"

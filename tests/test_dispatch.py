@@ -27,10 +27,8 @@ HEAVY_MODULES = ("numba", "llvmlite", "taichi", "torch")
 @pytest.fixture(autouse=True)
 def _restore_dispatch():
     """Tests here switch backends; leave the dispatcher as it was for the tests that follow."""
-    saved = (backends._override, backends._override_arch)
-    yield
-    backends._override, backends._override_arch = saved
-    backends._active = backends._active_name = None  # re-resolved (and re-initialised) on next use
+    with backends.preserved_choice():  # re-resolved (and re-initialised) on next use
+        yield
 
 
 def _run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

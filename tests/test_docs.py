@@ -43,13 +43,9 @@ MODULES = _modules_with_examples()
 
 def _run_doctests(module_name: str) -> None:
     module = importlib.import_module(module_name)
-    saved = (backends._override, backends._override_arch)
-    try:
+    # Examples may switch backends (set_backend's does): hand the next test what it had.
+    with backends.preserved_choice():
         result = doctest.testmod(module, optionflags=FLAGS, report=True)
-    finally:
-        # Examples may switch backends (set_backend's does): hand the next test what it had.
-        backends._override, backends._override_arch = saved
-        backends._active = backends._active_name = None
     assert result.attempted > 0
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {module_name} (see stdout)"
 
@@ -67,12 +63,8 @@ def test_docstring_examples(module_name):
 
 def test_readme_example_runs(backend):
     backend.activate()
-    saved = (backends._override, backends._override_arch)
-    try:
+    with backends.preserved_choice():
         result = doctest.testfile(str(ROOT / "README.md"), module_relative=False, optionflags=FLAGS)
-    finally:
-        backends._override, backends._override_arch = saved
-        backends._active = backends._active_name = None
     assert result.attempted > 0, "the README should have a runnable >>> example"
     assert result.failed == 0, "the README example failed (see stdout)"
 

@@ -243,6 +243,25 @@ def use_backend(name: str, *, arch: str | None = None) -> Iterator[None]:
                 _active, _active_name = None, None
 
 
+@contextlib.contextmanager
+def preserved_choice() -> Iterator[None]:
+    """Context manager: on exit, the process's backend choice is what it was on entry.
+
+    For tests, doctests and benchmarks that call :func:`set_backend`: the choice made before the
+    block is put back and re-resolved (and its backend re-initialised) at next use, so a block
+    that switched Taichi's arch leaves nothing behind.
+    """
+    global _override, _override_arch, _active, _active_name
+    with _lock:
+        saved = (_override, _override_arch)
+    try:
+        yield
+    finally:
+        with _lock:
+            _override, _override_arch = saved
+            _active, _active_name = None, None
+
+
 def get_module(name: str) -> ModuleType:
     """Import (without selecting) a backend module by name, for tests and benchmarks."""
     if name not in BACKENDS:
