@@ -1,13 +1,10 @@
 """Differentiable versions of the ``taifuse.functional`` ops, for Tensor arguments.
 
-Each op is a :class:`taifuse.tensor.Function`: its forward runs the functional op (or, where the
-backward needs more than the output, the forward kernel directly) on the tensors' arrays and keeps
-what the backward needs; its backward calls the backend's hand-written backward kernel (the
-``*_backward`` kernels, specified in ``taifuse.backends.reference``). ``taifuse.functional``
-sends a call here when any argument is a Tensor.
-
-The losses :func:`mse_loss` and :func:`cross_entropy` live here for NumPy arguments too (the
-functional module forwards them), since their kernels are autograd-layer kernels.
+Each op is a :class:`taifuse.tensor.Function`: its forward runs the array path
+(``taifuse._array_ops``) on the tensors' arrays and keeps what the backward needs; its backward
+calls the backend's hand-written backward kernel (the ``*_backward`` kernels, specified in
+``taifuse.backends.reference``). ``taifuse.functional`` sends a call here when any array argument
+is a Tensor, through the function named after the op, which takes the op's public arguments.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from taifuse import _array_ops as A
 from taifuse import _random, backends, pool
-from taifuse import functional as F
 from taifuse._tensor_math import sum_to_shape
 from taifuse.tensor import Function, Tensor, _common_backend
 
@@ -28,10 +25,9 @@ from taifuse.tensor import Function, Tensor, _common_backend
 
 
 def kernels(be: ModuleType) -> ModuleType:
-    """The module holding ``be``'s backward and loss kernels (``BACKWARD_KERNEL_NAMES``)."""
-    if hasattr(be, "linear_act_backward"):
-        return be
-    raise NotImplementedError(f"the {be.NAME!r} backend has no backward kernels yet")
+    """The table holding ``be``'s backward and loss kernels (``BACKWARD_KERNEL_NAMES``): the
+    backend's own, as for its forward kernels (the kernel-table test checks every backend's)."""
+    return be
 
 
 def _check_active(be: ModuleType, op: str) -> None:
@@ -49,8 +45,42 @@ def _empty(be: ModuleType, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     return pool.empty(be, tuple(shape), np.dtype(dtype))
 
 
-def _stats_dtype(dtype: np.dtype) -> np.dtype:
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+def _tensor_arg(value: Any, op: str, argname: str, like: Tensor | None = None) -> Tensor:
+    """A floating-point Tensor argument (a NumPy array becomes a constant Tensor)."""
+    if isinstance(value, np.ndarray):
+        be = backends.active() if like is None else like._be
+        A.check_float_array(value.dtype, be, op, argname)
+        # NOTE: not np.ascontiguousarray, which turns a 0-d array into shape (1,).
+        value = Tensor._wrap(be.from_numpy(np.asarray(value, order="C")), be)
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{op}: {argname} should be a Tensor or numpy.ndarray, got {type(value).__name__}")
+    if value.dtype.kind != "f":
+        raise TypeError(f"{op}: {argname} should be floating-point, got dtype {value.dtype}")
+    value._be.check_dtype(value.dtype, f"{op}: {argname}")
+    if like is not None and value.dtype != like.dtype:
+        raise TypeError(f"{op}: {argname} has dtype {value.dtype} but the input has dtype {like.dtype}")
+    return value
+
+
+def _constants(op: str, names: tuple[str, ...], *values: Any) -> tuple[Any, ...]:
+    """The NumPy arrays among a Tensor op's array arguments (``names``, in the order of its public
+    signature) as constant Tensors, on the first argument's backend when it is a Tensor.
+
+    This is the one place where they are brought to the backend, as Tensor arithmetic treats a
+    NumPy operand, so that the forward and what it saves for the backward hold only backend
+    arrays. On a device backend a NumPy argument would otherwise send the forward's result to the
+    host and reach the backward kernels as host memory.
+    """
+    like = values[0] if isinstance(values[0], Tensor) else None
+    return tuple(
+        _tensor_arg(v, op, name, like=like) if isinstance(v, np.ndarray) else v
+        for name, v in zip(names, values)
+    )
+
+
+def _no_out(op: str, out: Any) -> None:
+    if out is not None:
+        raise TypeError(f"{op}: out= is not supported with Tensor arguments")
 
 
 class _Op(Function):
@@ -76,7 +106,7 @@ class _FromInput(_Op):
 
     def forward(self, x: Any, *params: Any) -> Any:
         self.x, self.params = x, params
-        return getattr(F, self.op)(x, *params)
+        return getattr(A, self.op)(x, *params)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         gi = _empty(self.be, self.x.shape, self.x.dtype)
@@ -107,7 +137,7 @@ class _FromOutput(_Op):
     op = ""
 
     def forward(self, x: Any) -> Any:
-        self.y = getattr(F, self.op)(x)
+        self.y = getattr(A, self.op)(x)
         return self.y
 
     def backward(self, g: Any) -> tuple[Any, ...]:
@@ -125,9 +155,39 @@ class _Tanh(_FromOutput):
     op = "tanh"
 
 
+def gelu(x: Tensor, approximate: str, out: Any) -> Tensor:
+    _no_out("gelu", out)
+    return _Gelu.apply(x, approximate)
+
+
+def relu(x: Tensor, out: Any) -> Tensor:
+    _no_out("relu", out)
+    return _Relu.apply(x)
+
+
+def leaky_relu(x: Tensor, negative_slope: float, out: Any) -> Tensor:
+    _no_out("leaky_relu", out)
+    return _LeakyRelu.apply(x, negative_slope)
+
+
+def silu(x: Tensor, out: Any) -> Tensor:
+    _no_out("silu", out)
+    return _Silu.apply(x)
+
+
+def sigmoid(x: Tensor, out: Any) -> Tensor:
+    _no_out("sigmoid", out)
+    return _Sigmoid.apply(x)
+
+
+def tanh(x: Tensor, out: Any) -> Tensor:
+    _no_out("tanh", out)
+    return _Tanh.apply(x)
+
+
 class _AddRelu(_Op):
     def forward(self, a: Any, b: Any) -> Any:
-        self.y = F.add_relu(a, b)
+        self.y = A.add_relu(a, b)
         self.shapes = (tuple(a.shape), tuple(b.shape))
         return self.y
 
@@ -140,7 +200,7 @@ class _AddRelu(_Op):
 
 class _MulRelu(_Op):
     def forward(self, a: Any, b: Any) -> Any:
-        out = F.mul_relu(a, b)  # validates, and broadcasts a copy for its own kernel
+        out = A.mul_relu(a, b)  # validates, and broadcasts a copy for its own kernel
         self.shapes = (tuple(a.shape), tuple(b.shape))
         self.a = self.m.broadcast_to(a, tuple(out.shape))
         self.b = self.m.broadcast_to(b, tuple(out.shape))
@@ -158,9 +218,21 @@ class _MulRelu(_Op):
         )
 
 
+def add_relu(a: Any, b: Any, out: Any) -> Tensor:
+    a, b = _constants("add_relu", ("a", "b"), a, b)
+    _no_out("add_relu", out)
+    return _AddRelu.apply(a, b)
+
+
+def mul_relu(a: Any, b: Any, out: Any) -> Tensor:
+    a, b = _constants("mul_relu", ("a", "b"), a, b)
+    _no_out("mul_relu", out)
+    return _MulRelu.apply(a, b)
+
+
 class _Affine(_Op):
     def forward(self, x: Any, scale: Any, bias: Any) -> Any:
-        out = F.affine(x, scale, bias)
+        out = A.affine(x, scale, bias)
         self.x = x
         features = x.shape[-1]
         self.scale = (
@@ -190,6 +262,12 @@ class _Affine(_Op):
         return gx, gs, gb
 
 
+def affine(x: Any, scale: Any, bias: Any, out: Any) -> Tensor:
+    x, scale, bias = _constants("affine", ("x", "scale", "bias"), x, scale, bias)
+    _no_out("affine", out)
+    return _Affine.apply(x, scale, bias)
+
+
 # ----------------------------------------------------------------------------- linear
 
 _SPLIT_ACTIVATION = frozenset(("gelu", "gelu_tanh", "silu"))
@@ -213,9 +291,9 @@ class _Linear(_Op):
     def forward(self, x: Any, w: Any, b: Any, activation: str | None) -> Any:
         self.x, self.w, self.activation, self.has_bias = x, w, activation, b is not None
         if activation in _SPLIT_ACTIVATION and self.needs_any():
-            out, self.pre = F._linear_keep_pre(x, w, b, activation)
+            out, self.pre = A.linear_keep_pre(x, w, b, activation)
             return out
-        out = F.linear(x, w, b, activation)
+        out = A.linear(x, w, b, activation)
         self.pre = out if activation == "relu" else None
         return out
 
@@ -245,21 +323,22 @@ class _Linear(_Op):
         return gx, gw, gb, None
 
 
+def linear(x: Any, weight: Any, bias: Any, activation: str | None, out: Any) -> Tensor:
+    x, weight, bias = _constants("linear", ("x", "weight", "bias"), x, weight, bias)
+    _no_out("linear", out)
+    A.check_activation(activation)
+    return _Linear.apply(x, weight, bias, activation)
+
+
 # ----------------------------------------------------------------------------- row reductions
-
-
-def _view3(shape: tuple[int, ...], dim: int) -> tuple[int, int, int]:
-    full = shape if shape else (1,)
-    d = dim % len(full)
-    return math.prod(full[:d]), full[d], math.prod(full[d + 1 :])
 
 
 class _SoftmaxLike(_Op):
     op = ""
 
     def forward(self, x: Any, dim: int) -> Any:
-        self.y = getattr(F, self.op)(x, dim)
-        self.view = _view3(tuple(x.shape), dim)
+        self.y = getattr(A, self.op)(x, dim)
+        self.view = A.softmax_view(tuple(x.shape), dim)
         return self.y
 
     def backward(self, g: Any) -> tuple[Any, ...]:
@@ -279,21 +358,26 @@ class _LogSoftmax(_SoftmaxLike):
     op = "log_softmax"
 
 
+def softmax(x: Tensor, dim: int, out: Any) -> Tensor:
+    _no_out("softmax", out)
+    return _Softmax.apply(x, dim)
+
+
+def log_softmax(x: Tensor, dim: int, out: Any) -> Tensor:
+    _no_out("log_softmax", out)
+    return _LogSoftmax.apply(x, dim)
+
+
 class _LayerNorm(_Op):
     def forward(self, x: Any, weight: Any, bias: Any, norm_shape: tuple[int, ...], eps: float) -> Any:
-        be = self.be
         features = math.prod(norm_shape)
         rows = x.size // features if features else 0
         self.x2 = x.reshape(rows, features)
         self.w = None if weight is None else weight.reshape(features)
         self.has_bias = bias is not None
-        out = _empty(be, x.shape, x.dtype)
-        self.mean = _empty(be, (rows,), _stats_dtype(x.dtype))
-        self.rstd = _empty(be, (rows,), _stats_dtype(x.dtype))
         self.param_shape = norm_shape
-        if x.size:
-            b = None if bias is None else bias.reshape(features)
-            be.layer_norm(self.x2, self.w, b, eps, out.reshape(rows, features), self.mean, self.rstd)
+        out = _empty(self.be, x.shape, x.dtype)
+        self.mean, self.rstd = A.layer_norm_rows(self.be, x, weight, bias, norm_shape, eps, out)
         return out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
@@ -319,20 +403,17 @@ class _LayerNorm(_Op):
         )
 
 
-def _layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: float) -> Tensor:
-    norm_shape, eps = F._layer_norm_args(normalized_shape, eps)
+def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: float, out: Any) -> Tensor:
+    x, weight, bias = _constants("layer_norm", ("x", "weight", "bias"), x, weight, bias)
+    _no_out("layer_norm", out)
+    norm_shape, eps = A.layer_norm_args(normalized_shape, eps)
     x = _tensor_arg(x, "layer_norm", "x")
-    k = len(norm_shape)
-    if k == 0 or x.ndim < k or x.shape[x.ndim - k :] != norm_shape:
-        raise ValueError(
-            f"layer_norm: normalized_shape {norm_shape} should match the trailing dimensions of x {x.shape}"
-        )
+    A.check_layer_norm_input(x.shape, norm_shape)
     params = []
     for argname, value in (("weight", weight), ("bias", bias)):
         if value is not None:
             value = _tensor_arg(value, "layer_norm", argname, like=x)
-            if value.shape != norm_shape:
-                raise ValueError(f"layer_norm: {argname} should have shape {norm_shape}, got {value.shape}")
+            A.check_layer_norm_param(argname, value.shape, norm_shape)
         params.append(value)
     return _LayerNorm.apply(x, params[0], params[1], norm_shape, eps)
 
@@ -355,10 +436,9 @@ class _Dropout(_Op):
         return gi, None
 
 
-def _dropout(x: Any, p: float, training: bool) -> Tensor:
-    p = F._check_finite_number(p, "dropout", "p")
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout: p should be in [0, 1], got {p}")
+def dropout(x: Any, p: float, training: bool, out: Any) -> Tensor:
+    _no_out("dropout", out)
+    p = A.dropout_p(p)
     x = _tensor_arg(x, "dropout", "x")
     if not training or p == 0.0:
         return x
@@ -367,44 +447,11 @@ def _dropout(x: Any, p: float, training: bool) -> Tensor:
 
 # ----------------------------------------------------------------------------- losses
 
-_REDUCTIONS = ("none", "mean", "sum")
-
-
-def _check_reduction(reduction: Any, op: str) -> str:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{op}: reduction should be one of {_REDUCTIONS}, got {reduction!r}")
-    return reduction
-
-
-def _tensor_arg(value: Any, op: str, argname: str, like: Tensor | None = None) -> Tensor:
-    """A floating-point Tensor argument (a NumPy array becomes a constant Tensor)."""
-    if isinstance(value, np.ndarray):
-        be = backends.active() if like is None else like._be
-        arr = value
-        if arr.dtype.kind != "f":
-            raise TypeError(f"{op}: {argname} should be a floating-point array, got dtype {arr.dtype}")
-        # Checked here, so that a refused dtype is named as this argument, not as from_numpy's.
-        be.check_dtype(arr.dtype, f"{op}: {argname}")
-        # NOTE: not np.ascontiguousarray, which turns a 0-d array into shape (1,).
-        value = Tensor._wrap(be.from_numpy(np.asarray(arr, order="C")), be)
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{op}: {argname} should be a Tensor or numpy.ndarray, got {type(value).__name__}")
-    if value.dtype.kind != "f":
-        raise TypeError(f"{op}: {argname} should be floating-point, got dtype {value.dtype}")
-    value._be.check_dtype(value.dtype, f"{op}: {argname}")
-    if like is not None and value.dtype != like.dtype:
-        raise TypeError(f"{op}: {argname} has dtype {value.dtype} but the input has dtype {like.dtype}")
-    return value
-
 
 class _MseLoss(_Op):
     def forward(self, x: Any, t: Any, reduction: str) -> Any:
         self.x, self.t, self.reduction = x, t, reduction
-        out = _empty(self.be, x.shape if reduction == "none" else (1,), x.dtype)
-        if x.size:
-            kernels(self.be).mse_loss(x, t, out, reduction)
-        elif reduction != "none":  # PyTorch: the mean of nothing is nan, the sum 0
-            out = self.m.full((1,), math.nan if reduction == "mean" else 0.0, x.dtype)
+        out = A.mse_loss_forward(self.be, x, t, reduction)
         return out if reduction == "none" else out.reshape(())
 
     def backward(self, g: Any) -> tuple[Any, ...]:
@@ -416,32 +463,24 @@ class _MseLoss(_Op):
         return (gi if self.needs_grad[0] else None), gt, None
 
 
-def mse_loss(input: Any, target: Any, reduction: str = "mean") -> Any:
+def mse_loss(input: Any, target: Any, reduction: str) -> Tensor:
     """Mean squared error; see ``taifuse.functional.mse_loss``."""
-    reduction = _check_reduction(reduction, "mse_loss")
-    host = not isinstance(input, Tensor) and not isinstance(target, Tensor)
+    reduction = A.check_reduction(reduction, "mse_loss")
     x = _tensor_arg(input, "mse_loss", "input")
     t = _tensor_arg(target, "mse_loss", "target", like=x)
     if x.shape != t.shape:
         raise ValueError(f"mse_loss: input {x.shape} and target {t.shape} should have the same shape")
-    out = _MseLoss.apply(x, t, reduction)
-    return out.numpy() if host else out
+    return _MseLoss.apply(x, t, reduction)
 
 
 class _CrossEntropy(_Op):
     def forward(self, logits: Any, target: Any, reduction: str) -> Any:
-        be = self.be
         self.vector = logits.ndim == 1
         rows, classes = (1, logits.shape[0]) if self.vector else logits.shape
         self.logits = logits.reshape(rows, classes)
         self.target = target.reshape(rows)
         self.reduction = reduction
-        self.lse = _empty(be, (rows,), _stats_dtype(logits.dtype))
-        out = _empty(be, (rows,) if reduction == "none" else (1,), logits.dtype)
-        if rows:
-            kernels(be).cross_entropy(self.logits, self.target, out, reduction, self.lse)
-        elif reduction != "none":
-            out = self.m.full((1,), math.nan if reduction == "mean" else 0.0, logits.dtype)
+        out, self.lse = A.cross_entropy_forward(self.be, self.logits, self.target, reduction)
         return out.reshape(()) if reduction != "none" or self.vector else out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
@@ -460,33 +499,20 @@ def _class_indices(target: Any, rows: int | None, classes: int, be: ModuleType) 
             )
         if not isinstance(target._data, np.ndarray):
             # A device-resident target is used as is: a host range check would copy it back every
-            # step (NOTE [ Class indices on the device ] in backends/_taichi_backward.py).
-            if target.dtype.kind not in "iu":
-                raise TypeError(
-                    f"cross_entropy: target should hold integer class indices, got dtype {target.dtype}"
-                )
-            if target.shape != (() if rows is None else (rows,)):
-                raise ValueError(
-                    f"cross_entropy: target should have shape {() if rows is None else (rows,)}, got {target.shape}"
-                )
+            # step (NOTE [ Class indices on the device ] in backends/taichi/backward.py).
+            A.check_class_indices(target.dtype, target.shape, rows)
             return target._data
         host = target.numpy()
     else:
         host = np.asarray(target)
-    if host.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: target should hold integer class indices, got dtype {host.dtype}")
-    expected = () if rows is None else (rows,)
-    if host.shape != expected:
-        raise ValueError(f"cross_entropy: target should have shape {expected}, got {host.shape}")
-    if host.size and (host.min() < 0 or host.max() >= classes):
-        bad = host[(host < 0) | (host >= classes)].flat[0]
-        raise ValueError(f"cross_entropy: target holds class index {bad}, outside [0, {classes})")
-    return be.from_numpy(np.ascontiguousarray(host, dtype=np.int64))
+    return A.class_indices(host, rows, classes, be)
 
 
-def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
-    """Cross entropy from logits and class indices; see ``taifuse.functional.cross_entropy``."""
-    reduction = _check_reduction(reduction, "cross_entropy")
+def cross_entropy(logits: Any, target: Any, reduction: str) -> Any:
+    """Cross entropy from logits and class indices; see ``taifuse.functional.cross_entropy``.
+
+    NumPy logits with a Tensor target give a NumPy loss, as NumPy logits always do."""
+    reduction = A.check_reduction(reduction, "cross_entropy")
     host = not isinstance(logits, Tensor)
     x = _tensor_arg(logits, "cross_entropy", "logits")
     if x.ndim not in (1, 2):
@@ -495,41 +521,3 @@ def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
     t = _class_indices(target, rows, x.shape[-1], x._be)
     out = _CrossEntropy.apply(x, t, reduction)
     return out.numpy() if host else out
-
-
-# ----------------------------------------------------------------------------- dispatch
-
-_SIMPLE = {
-    "gelu": _Gelu,
-    "relu": _Relu,
-    "leaky_relu": _LeakyRelu,
-    "silu": _Silu,
-    "sigmoid": _Sigmoid,
-    "tanh": _Tanh,
-    "add_relu": _AddRelu,
-    "mul_relu": _MulRelu,
-    "affine": _Affine,
-    "softmax": _Softmax,
-    "log_softmax": _LogSoftmax,
-}
-
-
-def _linear(x: Any, weight: Any, bias: Any = None, activation: str | None = None) -> Tensor:
-    if activation not in F.ACTIVATIONS:
-        raise ValueError(f"linear: activation should be one of {F.ACTIVATIONS}, got {activation!r}")
-    return _Linear.apply(x, weight, bias, activation)
-
-
-def call(op: str, out: Any, *args: Any, **kwargs: Any) -> Tensor:
-    """Run functional op ``op`` with Tensor arguments, recording it for autograd."""
-    if out is not None:
-        raise TypeError(f"{op}: out= is not supported with Tensor arguments")
-    if op in _SIMPLE:
-        return _SIMPLE[op].apply(*args, **kwargs)
-    if op == "linear":
-        return _linear(*args, **kwargs)
-    if op == "layer_norm":
-        return _layer_norm(*args, **kwargs)
-    if op == "dropout":
-        return _dropout(*args, **kwargs)
-    raise NotImplementedError(f"{op} has no autograd version")

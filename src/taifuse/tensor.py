@@ -14,7 +14,7 @@ Arithmetic (``+ - * / @``, ``sum``, ``mean``, ``reshape``, ``.T``) goes through
 Example::
 
     >>> import taifuse
-    >>> taifuse.set_backend("numpy")  # Tensors run on the host backends (numpy, numba) for now
+    >>> taifuse.set_backend("numpy")
     >>> x = taifuse.tensor([1.0, 2.0, 3.0], requires_grad=True)
     >>> y = (x * x).sum()
     >>> y.backward()

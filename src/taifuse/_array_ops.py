@@ -1,0 +1,582 @@
+"""The array path of the ``taifuse.functional`` ops: what an op does to arrays.
+
+:class:`_Call` converts an op's array arguments onto the active backend, checks ``out=`` (NOTE
+[ out= overlap ]) and hands the result back as the caller's type; the validators below are each
+op's argument checks, written once for this path, the autograd layer (``taifuse._autograd_ops``,
+whose Functions run these functions on the tensors' arrays) and the ``nn`` layers; the per-op
+functions allocate from the pool and call the active backend's kernels.
+
+This module never imports ``taifuse.tensor``: a Tensor is routed to its autograd Function by
+``taifuse.functional`` before anything here runs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from taifuse import _random, backends, pool
+from taifuse._tensor_math import math_for
+from taifuse.backends._spec import ACTIVATIONS
+
+_APPROXIMATIONS = ("none", "tanh")
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+# ----------------------------------------------------------------------------- argument handling
+
+
+class _Call:
+    """One op call: converts inputs onto the backend and results back to the caller's type."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.be: ModuleType = backends.active()
+        self.host_io = False  # any NumPy input means results go back to NumPy
+        self.inputs: list[tuple[str, Any]] = []  # (argname, the caller's array), for out()'s overlap check
+
+    def array(self, value: Any, argname: str, *, dtype: np.dtype | None = None):
+        """Validate one array argument and return it as a contiguous backend array."""
+        be = self.be
+        if isinstance(value, np.ndarray):
+            self.host_io = True
+            arr = value
+        elif be.is_array(value):
+            arr = value
+        elif _is_foreign_device_array(value):
+            raise TypeError(
+                f"{self.op}: {argname} lives on another backend ({type(value).__name__}) but the active "
+                f"backend is {be.NAME!r}; convert it with .numpy() first"
+            )
+        else:
+            raise TypeError(f"{self.op}: {argname} should be a numpy.ndarray, got {type(value).__name__}")
+        self.inputs.append((argname, value))
+        check_float_array(arr.dtype, be, self.op, argname, like=dtype)
+        if isinstance(arr, np.ndarray):
+            return be.from_numpy(arr)
+        return arr
+
+    def out(self, out: Any, shape: tuple[int, ...], dtype: np.dtype, *, in_place: tuple[str, ...] = ()):
+        """Validate a caller's ``out=`` buffer, or allocate the result.
+
+        ``in_place`` names the inputs that ``out`` may be itself (NOTE [ out= overlap ]); call it
+        after every input went through :meth:`array`.
+        """
+        if out is None:
+            return pool.empty(self.be, shape, dtype)
+        if not (isinstance(out, np.ndarray) or self.be.is_array(out)):
+            raise TypeError(f"{self.op}: out should be a numpy.ndarray, got {type(out).__name__}")
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"{self.op}: out should have shape {tuple(shape)}, got {tuple(out.shape)}")
+        if out.dtype != dtype:
+            raise TypeError(f"{self.op}: out should have dtype {dtype}, got {out.dtype}")
+        if isinstance(out, np.ndarray) and not out.flags.c_contiguous:
+            raise ValueError(f"{self.op}: out should be C-contiguous")
+        if isinstance(out, np.ndarray) and not out.flags.writeable:
+            raise ValueError(f"{self.op}: out is read-only")
+        self._check_overlap(out, in_place)
+        if isinstance(out, np.ndarray) and not self.be.is_array(out):
+            # A device backend computes into its own buffer; result() copies that into `out`.
+            return pool.empty(self.be, shape, dtype)
+        return out
+
+    def _check_overlap(self, out: Any, in_place: tuple[str, ...]) -> None:
+        # NOTE [ out= overlap ]
+        # out= may share memory with an input only by being that input itself (the same memory,
+        # shape and strides), and only for the inputs an op reads element by element, or row by
+        # row, before writing that element or row: x of the elementwise and row ops, a and b of
+        # add_relu and mul_relu. Any other overlap (out overlapping linear's weight or bias,
+        # layer_norm's weight or bias, affine's scale or bias, or a shifted view of x) is a
+        # ValueError naming the argument, on every backend, as PyTorch rejects partial overlap.
+        # Not "compute as if there were no overlap": that needs a hidden copy of the input, and
+        # kernels that read a parameter after writing part of out (numba's linear epilogue reads
+        # bias for every row) return wrong numbers on one backend and right ones on another.
+        for argname, value in self.inputs:
+            if not _shares_memory(out, value):
+                continue
+            if argname in in_place and _same_view(out, value):
+                continue
+            if argname in in_place:
+                raise ValueError(
+                    f"{self.op}: out overlaps {argname} without being {argname} itself; out may be "
+                    f"{argname} (an in-place update) or share no memory with it"
+                )
+            raise ValueError(
+                f"{self.op}: out must not overlap {argname} (they share memory); give out a buffer of its own"
+            )
+
+    def result(self, value: Any, out: Any = None):
+        """Hand ``value`` (a backend array) back as the caller's type, into ``out`` if given."""
+        if isinstance(out, np.ndarray):
+            if value is not out:
+                np.copyto(out, self.be.to_numpy(value))
+            return out
+        if out is not None:
+            return out
+        return self.be.to_numpy(value) if self.host_io else value
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.shares_memory(a, b)
+    # A device array (the taichi backend's DeviceArray) is a view of a whole flat storage from its start
+    # (reshape is its only view), so two share memory exactly when they share that storage.
+    storage = getattr(a, "_storage", None)
+    return storage is not None and storage is getattr(b, "_storage", None)
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` (sharing memory) are the same elements in the same places."""
+    if isinstance(a, np.ndarray):
+        same_start = a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        return same_start and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _is_foreign_device_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "numpy")
+
+
+def _reshape(arr, shape: tuple[int, ...]):
+    return arr.reshape(shape)
+
+
+def _stats_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype of the per-row statistics (layer_norm's mean and rstd, cross_entropy's lse)."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+# ----------------------------------------------------------------------------- validators
+
+
+def check_float_array(
+    dtype: np.dtype, be: ModuleType, op: str, argname: str, like: np.dtype | None = None
+) -> None:
+    """An array argument's dtype: floating-point, one ``be`` computes in, and ``like`` if given."""
+    if dtype.kind != "f":
+        raise TypeError(f"{op}: {argname} should be a floating-point array, got dtype {dtype}")
+    # Checked here, so that a refused dtype is named as this argument, not as from_numpy's.
+    be.check_dtype(dtype, f"{op}: {argname}")
+    if like is not None and dtype != like:
+        raise TypeError(f"{op}: {argname} has dtype {dtype} but the input has dtype {like}")
+
+
+def check_finite_number(value: Any, op: str, argname: str) -> float:
+    """A real, finite number argument as a float (``op`` is the op's or the layer's name)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {argname} should be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: {argname} should be finite, got {value}")
+    return value
+
+
+def normalize_dim(dim: Any, ndim: int, op: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{op}: dim should be an int, got {type(dim).__name__}")
+    lo, hi = -max(ndim, 1), max(ndim, 1) - 1
+    if not lo <= dim <= hi:
+        raise ValueError(f"{op}: dim should be in [{lo}, {hi}] for a {ndim}-D input, got {dim}")
+    return int(dim) % max(ndim, 1)
+
+
+def check_approximate(approximate: Any) -> None:
+    if approximate not in _APPROXIMATIONS:
+        raise ValueError(f"gelu: approximate should be one of {_APPROXIMATIONS}, got {approximate!r}")
+
+
+def check_activation(activation: Any) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear: activation should be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def layer_norm_args(normalized_shape: Any, eps: Any, op: str = "layer_norm") -> tuple[tuple[int, ...], float]:
+    """Validate layer_norm's ``normalized_shape`` and ``eps``: the one check, for the Tensor path
+    and ``nn.LayerNorm`` (which passes its own name as ``op``) too."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = (int(normalized_shape),)
+    # NOTE: not int(n) for each n, which would accept "4" and 4.5; PyTorch takes only integers here.
+    if (
+        not isinstance(normalized_shape, Sequence)
+        or isinstance(normalized_shape, (str, bytes))
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in normalized_shape)
+    ):
+        raise TypeError(
+            f"{op}: normalized_shape should be an int or a sequence of ints, got {normalized_shape!r}"
+        )
+    eps = check_finite_number(eps, op, "eps")
+    if eps < 0:
+        raise ValueError(f"{op}: eps should be non-negative, got {eps}")
+    return tuple(int(n) for n in normalized_shape), eps
+
+
+def check_layer_norm_input(shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> None:
+    """``normalized_shape`` must be the trailing dimensions of x."""
+    k = len(norm_shape)
+    if k == 0 or len(shape) < k or tuple(shape[len(shape) - k :]) != norm_shape:
+        raise ValueError(
+            f"layer_norm: normalized_shape {norm_shape} should match the trailing dimensions of x {shape}"
+        )
+
+
+def check_layer_norm_param(argname: str, shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> None:
+    if shape != norm_shape:
+        raise ValueError(f"layer_norm: {argname} should have shape {norm_shape}, got {shape}")
+
+
+def dropout_p(p: Any) -> float:
+    """dropout's ``p``: a number in [0, 1]."""
+    p = check_finite_number(p, "dropout", "p")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout: p should be in [0, 1], got {p}")
+    return p
+
+
+def check_reduction(reduction: Any, op: str) -> str:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction should be one of {_REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+def check_class_indices(dtype: np.dtype, shape: tuple[int, ...], rows: int | None) -> None:
+    """cross_entropy's ``target``: integers, ``(rows,)``, or ``()`` for a vector of logits (``rows`` None)."""
+    if dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: target should hold integer class indices, got dtype {dtype}")
+    expected = () if rows is None else (rows,)
+    if shape != expected:
+        raise ValueError(f"cross_entropy: target should have shape {expected}, got {shape}")
+
+
+def class_indices(host: np.ndarray, rows: int | None, classes: int, be: ModuleType) -> Any:
+    """cross_entropy's ``target`` (host data), checked, as ``be``'s int64 class indices."""
+    check_class_indices(host.dtype, host.shape, rows)
+    if host.size and (host.min() < 0 or host.max() >= classes):
+        bad = host[(host < 0) | (host >= classes)].flat[0]
+        raise ValueError(f"cross_entropy: target holds class index {bad}, outside [0, {classes})")
+    return be.from_numpy(np.ascontiguousarray(host, dtype=np.int64))
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def _unary(op: str, x: Any, out: Any, kernel_args: tuple = ()) -> Any:
+    call = _Call(op)
+    xa = call.array(x, "x")
+    o = call.out(out, tuple(xa.shape), xa.dtype, in_place=("x",))
+    if xa.size:
+        getattr(call.be, op)(xa, o, *kernel_args)
+    return call.result(o, out)
+
+
+def gelu(x: Any, approximate: str = "none", out: Any = None) -> Any:
+    check_approximate(approximate)
+    return _unary("gelu", x, out, (approximate,))
+
+
+def relu(x: Any, out: Any = None) -> Any:
+    return _unary("relu", x, out)
+
+
+def leaky_relu(x: Any, negative_slope: float = 0.01, out: Any = None) -> Any:
+    slope = check_finite_number(negative_slope, "leaky_relu", "negative_slope")
+    return _unary("leaky_relu", x, out, (slope,))
+
+
+def silu(x: Any, out: Any = None) -> Any:
+    return _unary("silu", x, out)
+
+
+def sigmoid(x: Any, out: Any = None) -> Any:
+    return _unary("sigmoid", x, out)
+
+
+def tanh(x: Any, out: Any = None) -> Any:
+    return _unary("tanh", x, out)
+
+
+def _binary(op: str, a: Any, b: Any, out: Any) -> Any:
+    call = _Call(op)
+    aa = call.array(a, "a")
+    ba = call.array(b, "b", dtype=aa.dtype)
+    try:
+        shape = np.broadcast_shapes(tuple(aa.shape), tuple(ba.shape))
+    except ValueError:
+        raise ValueError(
+            f"{op}: shapes of a {tuple(aa.shape)} and b {tuple(ba.shape)} cannot be broadcast together"
+        ) from None
+    aa, ba = _broadcast(call, aa, shape), _broadcast(call, ba, shape)
+    o = call.out(out, shape, aa.dtype, in_place=("a", "b"))
+    if math.prod(shape):
+        getattr(call.be, op)(aa, ba, o)
+    return call.result(o, out)
+
+
+def _broadcast(call: _Call, arr, shape: tuple[int, ...]):
+    if tuple(arr.shape) == tuple(shape):
+        return arr
+    # NOTE: broadcasting materialises the expanded operand (through the host on device backends);
+    # the fused kernels take equal shapes. Per-feature scale/bias is what `affine` is for.
+    host = np.ascontiguousarray(np.broadcast_to(call.be.to_numpy(arr), shape))
+    return call.be.from_numpy(host)
+
+
+def add_relu(a: Any, b: Any, out: Any = None) -> Any:
+    return _binary("add_relu", a, b, out)
+
+
+def mul_relu(a: Any, b: Any, out: Any = None) -> Any:
+    return _binary("mul_relu", a, b, out)
+
+
+def affine(x: Any, scale: Any, bias: Any, out: Any = None) -> Any:
+    call = _Call("affine")
+    xa = call.array(x, "x")
+    if xa.ndim == 0:
+        raise ValueError("affine: x should have at least 1 dimension, got a 0-d array")
+    features = xa.shape[-1]
+    params = []
+    for argname, value in (("scale", scale), ("bias", bias)):
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            # Not call.array: a number is no NumPy input and must not send a device result to the host.
+            arr = call.be.from_numpy(np.full((features,), value, dtype=xa.dtype))
+        else:
+            arr = call.array(value, argname, dtype=xa.dtype)
+        if tuple(arr.shape) != (features,):
+            raise ValueError(
+                f"affine: {argname} should have shape ({features},) to match x.shape[-1], got {tuple(arr.shape)}"
+            )
+        params.append(arr)
+    o = call.out(out, tuple(xa.shape), xa.dtype, in_place=("x",))
+    if xa.size:
+        rows = xa.size // features
+        call.be.affine(_reshape(xa, (rows, features)), params[0], params[1], _reshape(o, (rows, features)))
+    return call.result(o, out)
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+def linear(x: Any, weight: Any, bias: Any = None, activation: str | None = None, out: Any = None) -> Any:
+    call, xa, wa, ba = _linear_args(x, weight, bias, activation)
+    o = call.out(out, _linear_shape(xa, wa), xa.dtype)  # no in_place: each output reads a whole row of x
+    _linear_kernel(call.be, xa, wa, ba, activation, o)
+    return call.result(o, out)
+
+
+def linear_keep_pre(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[Any, Any]:
+    """``(activation(pre), pre)`` with ``pre = x @ weight.T + bias``, on backend arrays or NumPy.
+
+    The forward of autograd's linear, which keeps ``pre`` for the backward (NOTE [ Linear saves
+    the pre-activation ] in ``_autograd_ops``): one product and one fused pass that writes both,
+    with the values of ``linear(x, weight, bias)`` followed by the activation op.
+    """
+    call, xa, wa, ba = _linear_args(x, weight, bias, activation)
+    shape = _linear_shape(xa, wa)
+    o, pre = pool.empty(call.be, shape, xa.dtype), pool.empty(call.be, shape, xa.dtype)
+    _linear_kernel(call.be, xa, wa, ba, activation, o, pre)
+    return call.result(o), call.result(pre)
+
+
+def _linear_args(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[_Call, Any, Any, Any]:
+    """Validate linear's arguments; the call and x, weight, bias as backend arrays."""
+    check_activation(activation)
+    call = _Call("linear")
+    xa = call.array(x, "x")
+    wa = call.array(weight, "weight", dtype=xa.dtype)
+    if wa.ndim != 2:
+        raise ValueError(
+            f"linear: weight should be 2-D (out_features, in_features), got shape {tuple(wa.shape)}"
+        )
+    if xa.ndim == 0:
+        raise ValueError("linear: x should have at least 1 dimension, got a 0-d array")
+    out_features, in_features = wa.shape
+    if xa.shape[-1] != in_features:
+        raise ValueError(
+            f"linear: x has {xa.shape[-1]} features (x.shape[-1]) but weight expects {in_features} "
+            f"(weight.shape[1]); shapes x {tuple(xa.shape)}, weight {tuple(wa.shape)}"
+        )
+    ba = None
+    if bias is not None:
+        ba = call.array(bias, "bias", dtype=xa.dtype)
+        if tuple(ba.shape) != (out_features,):
+            raise ValueError(f"linear: bias should have shape ({out_features},), got {tuple(ba.shape)}")
+    return call, xa, wa, ba
+
+
+def _linear_shape(xa: Any, wa: Any) -> tuple[int, ...]:
+    return tuple(xa.shape[:-1]) + (wa.shape[0],)
+
+
+def _linear_kernel(
+    be: ModuleType, xa: Any, wa: Any, ba: Any, activation: str | None, o: Any, pre: Any = None
+) -> None:
+    out_features, in_features = wa.shape
+    rows = math.prod(xa.shape[:-1])
+    if rows and out_features:
+        be.linear_act(
+            _reshape(xa, (rows, in_features)),
+            wa,
+            ba,
+            activation,
+            _reshape(o, (rows, out_features)),
+            **({} if pre is None else {"pre": _reshape(pre, (rows, out_features))}),
+        )
+
+
+# ----------------------------------------------------------------------------- row reductions
+
+
+def _softmax_like(op: str, x: Any, dim: int, out: Any) -> Any:
+    call = _Call(op)
+    xa = call.array(x, "x")
+    shape = tuple(xa.shape)
+    d = normalize_dim(dim, len(shape), op)
+    o = call.out(out, shape, xa.dtype, in_place=("x",))
+    if xa.size:
+        view = softmax_view(shape, d)
+        getattr(call.be, op)(_reshape(xa, view), _reshape(o, view))
+    return call.result(o, out)
+
+
+def softmax_view(shape: tuple[int, ...], dim: int) -> tuple[int, int, int]:
+    """The (before, along, after) 3-D view the softmax kernels take for a reduction over ``dim``."""
+    full = shape if shape else (1,)
+    d = dim % len(full)
+    return math.prod(full[:d]), full[d], math.prod(full[d + 1 :])
+
+
+def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
+    return _softmax_like("softmax", x, dim, out)
+
+
+def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
+    return _softmax_like("log_softmax", x, dim, out)
+
+
+def layer_norm(
+    x: Any, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5, out: Any = None
+) -> Any:
+    norm_shape, eps = layer_norm_args(normalized_shape, eps)
+    call = _Call("layer_norm")
+    xa = call.array(x, "x")
+    check_layer_norm_input(tuple(xa.shape), norm_shape)
+    params = []
+    for argname, value in (("weight", weight), ("bias", bias)):
+        if value is None:
+            params.append(None)
+            continue
+        arr = call.array(value, argname, dtype=xa.dtype)
+        check_layer_norm_param(argname, tuple(arr.shape), norm_shape)
+        params.append(arr)
+    o = call.out(out, tuple(xa.shape), xa.dtype, in_place=("x",))
+    layer_norm_rows(call.be, xa, params[0], params[1], norm_shape, eps, o)
+    return call.result(o, out)
+
+
+def layer_norm_rows(
+    be: ModuleType, x: Any, weight: Any, bias: Any, norm_shape: tuple[int, ...], eps: float, out: Any
+) -> tuple[Any, Any]:
+    """The layer_norm kernel on validated backend arrays, over rows of ``prod(norm_shape)``
+    features; returns the per-row ``(mean, rstd)`` it wrote, which autograd keeps."""
+    features = math.prod(norm_shape)
+    rows = x.size // features if features else 0
+    stats_dtype = _stats_dtype(x.dtype)
+    mean, rstd = pool.empty(be, (rows,), stats_dtype), pool.empty(be, (rows,), stats_dtype)
+    if x.size:
+        be.layer_norm(
+            _reshape(x, (rows, features)),
+            None if weight is None else _reshape(weight, (features,)),
+            None if bias is None else _reshape(bias, (features,)),
+            eps,
+            _reshape(out, (rows, features)),
+            mean,
+            rstd,
+        )
+    return mean, rstd
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def dropout(x: Any, p: float = 0.5, training: bool = True, out: Any = None) -> Any:
+    p = dropout_p(p)
+    if not training or p == 0.0:
+        if out is None:
+            _Call("dropout").array(x, "x")  # still validate the input
+            return x
+        return _unary("dropout", x, out, (0.0, 0))  # p = 0 keeps every element: a copy into out
+    seed = _random.next_seed()
+    return _unary("dropout", x, out, (p, seed))
+
+
+# ----------------------------------------------------------------------------- losses
+# The losses take NumPy arrays here (NumPy in, NumPy out); Tensors, and a NumPy array beside a
+# Tensor, go to their autograd Functions.
+
+
+def _loss_array(call: _Call, value: Any, argname: str, *, dtype: np.dtype | None = None) -> Any:
+    if not isinstance(value, np.ndarray):
+        raise TypeError(
+            f"{call.op}: {argname} should be a Tensor or numpy.ndarray, got {type(value).__name__}"
+        )
+    return call.array(value, argname, dtype=dtype)
+
+
+def mse_loss(input: Any, target: Any, reduction: str = "mean") -> Any:
+    reduction = check_reduction(reduction, "mse_loss")
+    call = _Call("mse_loss")
+    x = _loss_array(call, input, "input")
+    t = _loss_array(call, target, "target", dtype=x.dtype)
+    if tuple(x.shape) != tuple(t.shape):
+        raise ValueError(
+            f"mse_loss: input {tuple(x.shape)} and target {tuple(t.shape)} should have the same shape"
+        )
+    out = mse_loss_forward(call.be, x, t, reduction)
+    return call.result(out if reduction == "none" else _reshape(out, ()))
+
+
+def mse_loss_forward(be: ModuleType, x: Any, t: Any, reduction: str) -> Any:
+    """The mse_loss kernel on validated backend arrays: the loss, of shape ``(1,)`` when reduced."""
+    if not x.size and reduction != "none":
+        return _reduction_of_nothing(be, reduction, x.dtype)
+    out = pool.empty(be, tuple(x.shape) if reduction == "none" else (1,), x.dtype)
+    if x.size:
+        be.mse_loss(x, t, out, reduction)
+    return out
+
+
+def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
+    reduction = check_reduction(reduction, "cross_entropy")
+    call = _Call("cross_entropy")
+    x = _loss_array(call, logits, "logits")
+    if x.ndim not in (1, 2):
+        raise ValueError(f"cross_entropy: logits should be (N, C) or (C,), got shape {tuple(x.shape)}")
+    rows = None if x.ndim == 1 else x.shape[0]
+    classes = x.shape[-1]
+    t = class_indices(np.asarray(target), rows, classes, call.be)
+    rows = 1 if rows is None else rows
+    out, _ = cross_entropy_forward(call.be, _reshape(x, (rows, classes)), _reshape(t, (rows,)), reduction)
+    return call.result(_reshape(out, ()) if reduction != "none" or x.ndim == 1 else out)
+
+
+def cross_entropy_forward(be: ModuleType, logits: Any, target: Any, reduction: str) -> tuple[Any, Any]:
+    """The cross_entropy kernel on validated backend arrays, logits ``(N, C)`` and target ``(N,)``:
+    the loss (``(N,)`` for ``'none'``, else ``(1,)``) and the per-row logsumexp the backward reads."""
+    rows = logits.shape[0]
+    lse = pool.empty(be, (rows,), _stats_dtype(logits.dtype))
+    if not rows and reduction != "none":
+        return _reduction_of_nothing(be, reduction, logits.dtype), lse
+    out = pool.empty(be, (rows,) if reduction == "none" else (1,), logits.dtype)
+    if rows:
+        be.cross_entropy(logits, target, out, reduction, lse)
+    return out, lse
+
+
+def _reduction_of_nothing(be: ModuleType, reduction: str, dtype: np.dtype) -> Any:
+    # PyTorch: the mean of nothing is nan, the sum 0.
+    return math_for(be).full((1,), math.nan if reduction == "mean" else 0.0, dtype)
