@@ -33,7 +33,7 @@ def test_backward_case_in_both_modes_at_the_parallel_size():
     for quick in (False, True):
         assert BACKWARD in {c.id for c in load_cases(["linear"], quick=quick)}
     # N x M at 4M outputs, the size where the parallel and serial epilogues were measured against
-    # each other (NOTE [ Serial epilogue between BLAS calls ] in numba_cpu).
+    # each other (NOTE [ Serial epilogue between BLAS calls ] in backends/numba/_jit.py).
     assert linear.BWD_BATCH * linear.BWD_OUT >= 1 << 22
 
 

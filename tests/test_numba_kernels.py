@@ -15,9 +15,11 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from taifuse.backends import numba_cpu as nb
+from taifuse.backends import numba as nb
 from taifuse.backends import reference as ref
-from taifuse.backends._numba_backward import _COL_TILE
+from taifuse.backends.numba import _jit as nb_jit
+from taifuse.backends.numba import forward as nb_forward
+from taifuse.backends.numba._jit import _COL_TILE
 
 DTYPES = (np.float16, np.float32, np.float64)
 # |got - want| <= atol + rtol * |want| against the float64 reference, per storage dtype.
@@ -51,7 +53,7 @@ def sweep_float32(step: int, limit: float = 1e4) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- float32 accuracy
 
-# Bounds asserted below; the measured maxima are in NOTE [ float32 error bounds ] in numba_cpu.py.
+# Bounds asserted below; the measured maxima are in NOTE [ float32 error bounds ] in numba/_jit.py.
 # "mixed" error = |err| / max(1, |true|) everywhere; relative error where |true| > 1e-30.
 MIXED_BOUND = 1e-6
 REL_BOUND = {"tanh": 1e-6, "sigmoid": 1e-6, "silu": 1e-6, "gelu": 5e-5, "gelu_tanh": 5e-5}
@@ -89,9 +91,9 @@ def test_float32_approximation_error_dense_sweep(name):
 
 
 def test_gelu_derivative_float32_error_dense_sweep():
-    # gelu' has a float32 approximation of its own (NOTE [ Exact GELU derivative in float32 ] in
-    # _numba_backward): held to the forward's mixed bound everywhere, and to its relative bound in
-    # the negative tail, away from the derivative's zero at x = -0.75.
+    # gelu' has a float32 approximation of its own (_gelu_grad_f32 in numba/backward.py; NOTE [ Exact
+    # GELU in float32 ] in numba/_jit.py): held to the forward's mixed bound everywhere, and to its
+    # relative bound in the negative tail, away from the derivative's zero at x = -0.75.
     x = np.concatenate([sweep_float32(4099), np.linspace(-12, 12, 200_001, dtype=np.float32)])
     got = np.empty_like(x)
     nb.gelu_backward(x, np.ones_like(x), got, "none")
@@ -114,7 +116,7 @@ def test_exp2_float32_accuracy_and_ends():
     @numba.njit(error_model="numpy", fastmath={"contract"})
     def exp2_all(w, out):
         for i in range(w.size):
-            out[i] = nb._exp2_f32(w[i])
+            out[i] = nb_jit._exp2_f32(w[i])
 
     w = np.linspace(-126, 127, 1_000_001, dtype=np.float32)
     got = np.empty_like(w)
@@ -132,18 +134,18 @@ def test_exp2_float32_accuracy_and_ends():
 
 
 def test_spans_ask_llvm_for_512_bit_vectors():
-    # NOTE [ 512-bit vectors ] in numba_cpu: the attribute must reach the function the span is
+    # NOTE [ 512-bit vectors ] in numba/_jit.py: the attribute must reach the function the span is
     # inlined into (a compile error here would mean LLVM rejected it).
     @numba.njit(error_model="numpy")
     def double(x, out):
-        nb._unary_span(x, out, nb._LEAKY_RELU, 2.0)
+        nb_forward._unary_span(x, out, nb_jit._LEAKY_RELU, 2.0)
 
     x = np.array([-1.0, 2.0], np.float32)
     out = np.empty_like(x)
     double(x, out)
     assert out.tolist() == [-2.0, 2.0]
     ir = next(iter(double.inspect_llvm().values()))
-    assert nb._PREFER_512 in ir
+    assert nb_jit._PREFER_512 in ir
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -188,7 +190,7 @@ def test_float16_widen_is_exact_for_every_bit_pattern():
     @numba.njit
     def widen_all(bits, out):
         for i in range(bits.size):
-            out[i] = nb._widen(bits[i])
+            out[i] = nb_jit._widen(bits[i])
 
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     got = np.empty(bits.size, np.float32)
@@ -203,7 +205,7 @@ def test_float16_narrow_rounds_like_numpy():
     @numba.njit
     def narrow_all(x, out):
         for i in range(x.size):
-            out[i] = nb._narrow(x[i], out)
+            out[i] = nb_jit._narrow(x[i], out)
 
     rng = np.random.default_rng(1)
     halfway = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -226,7 +228,7 @@ def test_hash32_bit_identical_to_reference():
     @numba.njit
     def hash_all(v, out):
         for i in range(v.size):
-            out[i] = nb._hash32(v[i])
+            out[i] = nb_forward._hash32(v[i])
 
     rng = np.random.default_rng(2)
     v = np.concatenate(
@@ -249,9 +251,9 @@ def test_dropout_bit_identical_serial_and_parallel(dtype, p):
     ref.dropout(x, want, p, 0xDEADBEEF)
     key = np.uint32(ref.dropout_key(0xDEADBEEF))
     threshold = np.uint32(ref.dropout_threshold(p))
-    for kernel in (nb._dropout_serial, nb._dropout_parallel):
+    for kernel in (nb_forward._dropout_serial, nb_forward._dropout_parallel):
         got = np.empty_like(x)
-        kernel(nb._bits(x), nb._bits(got), key, threshold, float(ref.dropout_scale(p)))
+        kernel(nb_jit._bits(x), nb_jit._bits(got), key, threshold, float(ref.dropout_scale(p)))
         np.testing.assert_array_equal(got == 0, want == 0)
         if dtype == np.float16:  # float64 -> float32 -> float16 can differ from one rounding by an ulp
             assert_close(got, want, dtype)
@@ -265,9 +267,9 @@ def test_dropout_bit_identical_serial_and_parallel(dtype, p):
 @pytest.fixture
 def force_path(monkeypatch):
     def force(parallel: bool) -> None:
-        monkeypatch.setattr(nb, "_parallel", lambda size, transcendental=False: parallel)
+        monkeypatch.setattr(nb_jit, "_parallel", lambda size, transcendental=False: parallel)
         # Linear's epilogues also wait for a size threshold (NOTE [ Serial epilogue between BLAS calls ]).
-        monkeypatch.setattr(nb, "_EPILOGUE_PARALLEL_MIN", 0)
+        monkeypatch.setattr(nb_jit, "_EPILOGUE_PARALLEL_MIN", 0)
 
     return force
 
@@ -314,7 +316,7 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
     ref.affine(x2, scale, bias, want)
     assert_close(got, want, dtype, scale=10.0)
 
-    for shape in [(15, 4099, 1), (3, 5, 4099), (2, 7, nb._STRIDED_TILE + 3)]:
+    for shape in [(15, 4099, 1), (3, 5, 4099), (2, 7, nb_jit._STRIDED_TILE + 3)]:
         xs = x.reshape(-1)[: math.prod(shape)].reshape(shape)
         for name in ("softmax", "log_softmax"):
             got, want = np.empty_like(xs), np.empty_like(xs)
@@ -340,7 +342,7 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
 def test_linear_act_both_paths(dtype, parallel, activation, force_path, monkeypatch):
     force_path(parallel)
     # A small float16 chunk forces several row chunks through the float32 scratch.
-    monkeypatch.setattr(nb, "_F16_LINEAR_CHUNK_BYTES", 4 * 40 * (37 + 29))
+    monkeypatch.setattr(nb_forward, "_F16_LINEAR_CHUNK_BYTES", 4 * 40 * (37 + 29))
     x = _inputs((131, 37), dtype, scale=1.0)
     w = (_inputs((29, 37), dtype, seed=1, scale=1.0) / 6).astype(dtype)
     for b in (_inputs(29, dtype, seed=2, scale=1.0), None):
@@ -384,9 +386,9 @@ def test_parallel_threshold_and_describe():
     assert info["threading_layer"] in ("omp", "tbb", "workqueue")
     assert info["threads"] == numba.get_num_threads()
     threshold = info["parallel_min_elements"]
-    assert nb._parallel(threshold) and not nb._parallel(threshold - 1)
+    assert nb_jit._parallel(threshold) and not nb_jit._parallel(threshold - 1)
     if threshold < 2**62:
-        assert nb._parallel(threshold // nb._TRANSCENDENTAL_DISCOUNT, transcendental=True)
+        assert nb_jit._parallel(threshold // nb_jit._TRANSCENDENTAL_DISCOUNT, transcendental=True)
 
 
 @pytest.mark.parametrize("name", ["relu", "gelu", "dropout", "add_relu"])

@@ -26,7 +26,7 @@ needs_numba = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reas
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_numba_linear_act_with_out_overlapping_bias(dtype):
     # Reported: x = w = ones((2, 3)), bias = out[0] gave [[6, 6], [9, 9]] on numba, [[13, 23]] * 2 on numpy.
-    from taifuse.backends import numba_cpu as nb
+    from taifuse.backends import numba as nb
 
     x = w = np.ones((2, 3), dtype)
     results = {}
@@ -42,7 +42,7 @@ def test_numba_linear_act_with_out_overlapping_bias(dtype):
 @needs_numba
 @pytest.mark.parametrize("param", ["weight", "bias"])
 def test_numba_layer_norm_with_out_overlapping_a_parameter(param):
-    from taifuse.backends import numba_cpu as nb
+    from taifuse.backends import numba as nb
 
     x = np.array([[1, 2, 4], [3, 0, 1], [1, 1, 2]], f32)
     results = {}

@@ -37,7 +37,7 @@ TAICHI_ARCHES = ("metal", "vulkan", "cuda", "cpu")
 
 _MODULES = {
     "numpy": "taifuse.backends.reference",
-    "numba": "taifuse.backends.numba_cpu",
+    "numba": "taifuse.backends.numba",
     "taichi": "taifuse.backends.taichi_gpu",
 }
 _REQUIRES = {"numpy": "numpy", "numba": "numba", "taichi": "taichi"}

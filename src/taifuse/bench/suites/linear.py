@@ -121,7 +121,7 @@ def _case(activation: str, compare_torch: bool) -> Case:
 
 
 # The backward case: (N, K) -> (N, M) with N x M = 4M, where the epilogue runs parallel
-# (NOTE [ Serial epilogue between BLAS calls ] in numba_cpu).
+# (NOTE [ Serial epilogue between BLAS calls ] in backends/numba/_jit.py).
 BWD_BATCH, BWD_IN, BWD_OUT = 4096, 768, 1024
 
 

@@ -1,62 +1,97 @@
 """The Numba backend's fused optimizer kernels (``taifuse.backends.OPTIM_KERNEL_NAMES``).
 
-Same signatures and semantics as ``reference/optim.py``, which specifies them. One call is one
-pass over memory: every element's parameter, gradient and state are loaded once, updated in
-registers and stored once. Conventions of ``numba_cpu``: float16 arrays arrive as their uint16
-bit view and compute in float32, float64 computes in float64, inputs above the parallel threshold
-run on every thread in blocks of ``_BLOCK`` elements.
+Same signatures and semantics as ``backends/reference/optim.py``, which specifies them. One call
+is one pass over memory: every element's parameter, gradient and state are loaded once, updated
+in registers and stored once. Conventions of ``_jit``: float16 arrays arrive as their uint16 bit
+view and compute in float32, float64 computes in float64, inputs above the parallel threshold run
+on every thread in blocks of ``_BLOCK`` elements.
 
-No fast-math flags: without FMA contraction the float32 arithmetic rounds exactly as the NumPy
-reference's, so the two agree to the last bit on the same operation order (the tests compare
-100-step trajectories), and these loops vectorize without it.
+No fast-math flags (``_EXACT`` in ``_jit``): without FMA contraction the float32 arithmetic rounds
+exactly as the NumPy reference's, so the two agree to the last bit on the same operation order
+(the tests compare 100-step trajectories), and these loops vectorize without it.
 
 Each update is one scalar function (``_sgd_elem``, ``_adam_elem``, ``_lion_elem``); the loops
 around it differ only in which state arrays they load and store, so that no store is conditional
 inside a loop (a conditional store would keep LLVM from vectorizing it).
-
-# NOTE [ Import order ]: as in ``_numba_backward``, this module uses numba_cpu's helpers and
-# numba_cpu re-exports this module's kernels; the helpers are imported at the bottom.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
 
+from taifuse.backends.numba import _jit
+from taifuse.backends.numba._jit import (
+    _BLOCK,
+    _EXACT,
+    _EXACT_INLINE,
+    _EXACT_PARALLEL,
+    _REASSOC,
+    _REASSOC_PARALLEL,
+    _bounds,
+    _count,
+    _flat,
+    _like,
+    _narrow,
+    _widen,
+)
 from taifuse.backends.reference.optim import AdamHyper, adam_coefficients, compute_dtype, in_precision
 
-_HELPER = {"cache": True, "nogil": True, "error_model": "numpy"}
-_PARALLEL = {**_HELPER, "parallel": True}
-# A sum of (x - x) is NaN exactly when some x is NaN or infinite, in any order of summation, so
-# reassociating it (which lets LLVM vectorize the reduction) cannot change the answer.
-_FINITE = {**_HELPER, "fastmath": {"reassoc"}}
-_FINITE_PARALLEL = {**_FINITE, "parallel": True}
-_SPAN = {**_HELPER, "inline": "always"}
+# Serial or parallel: asked of _jit at each call, as in forward.py.
 
-_BLOCK = 16384  # elements per parallel work item
 
-__all__ = ["adam_step", "all_finite", "lion_step", "sgd_step"]
+class LionCoefficients(NamedTuple):
+    """Every number a Lion step uses besides the arrays, derived once per call in float64 (as
+    ``adam_coefficients``); :func:`in_precision` rounds each to the compute precision once.
+
+    NOTE: the kernels take it as an argument, so Numba's cache index names this class by its
+    module path: after moving it, delete the stale ``optim.*.nbi`` files next to this module.
+    """
+
+    neg_lr: float  # -lr
+    decay: float  # 1 - lr * weight_decay, used when decays
+    decays: bool  # weight_decay != 0: p *= decay (decoupled, as AdamW's)
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+
+
+def lion_coefficients(lr: float, beta1: float, beta2: float, weight_decay: float) -> LionCoefficients:
+    """The coefficients of a Lion step (``reference.optim.lion_step`` computes the same inline)."""
+    lr, beta1, beta2, weight_decay = (float(v) for v in (lr, beta1, beta2, weight_decay))
+    return LionCoefficients(
+        neg_lr=-lr,
+        decay=1.0 - lr * weight_decay,
+        decays=weight_decay != 0,
+        beta1=beta1,
+        one_minus_beta1=1.0 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+    )
 
 
 # ----------------------------------------------------------------------------- the update math
 
 
-@njit(**_HELPER, inline="always")
+@njit(**_EXACT_INLINE)
 def _nan_max(a, b):
     """max(a, b) that propagates a NaN from either side, as ``np.maximum``."""
     return a if (a > b or math.isnan(a)) else b
 
 
-@njit(**_HELPER, inline="always")
-def _sign(c, one):
-    """-1, 0 or +1 (and NaN for NaN), as ``np.sign``; ``one`` is 1 in c's precision."""
+@njit(**_EXACT_INLINE)
+def _sign(c):
+    """-1, 0 or +1 in c's precision (and NaN for NaN), as ``np.sign``."""
+    one = _like(1.0, c)
     return one if c > 0 else (-one if c < 0 else c)
 
 
-@njit(**_HELPER, inline="always")
+@njit(**_EXACT_INLINE)
 def _sgd_elem(p, g, sign, weight_decay, l2):
     d = g * sign
     if l2:
@@ -64,7 +99,7 @@ def _sgd_elem(p, g, sign, weight_decay, l2):
     return d
 
 
-@njit(**_HELPER, inline="always")
+@njit(**_EXACT_INLINE)
 def _adam_elem(p, g, m, v, c):
     """One element's Adam moments; ``c``: ``reference.optim.AdamCoefficients`` in compute precision."""
     g = g * c.sign
@@ -80,29 +115,30 @@ def _adam_elem(p, g, m, v, c):
     return p, m, v
 
 
-@njit(**_HELPER, inline="always")
+@njit(**_EXACT_INLINE)
 def _adam_apply(p, m, v_hat, c):
     denom = math.sqrt(v_hat) / c.bias_correction2_sqrt + c.eps
     return p + c.neg_step_size * m / denom
 
 
-@njit(**_HELPER, inline="always")
-def _lion_elem(p, g, m, s):
-    neg_lr, decay, dec, beta1, one_minus_beta1, beta2, one_minus_beta2, one = s
-    if dec:
-        p = p * decay
-    p = p + neg_lr * _sign(m * beta1 + one_minus_beta1 * g, one)
-    m = m * beta2 + one_minus_beta2 * g
+@njit(**_EXACT_INLINE)
+def _lion_elem(p, g, m, c):
+    """One element's Lion update; ``c``: :class:`LionCoefficients` in compute precision."""
+    if c.decays:
+        p = p * c.decay
+    p = p + c.neg_lr * _sign(m * c.beta1 + c.one_minus_beta1 * g)
+    m = m * c.beta2 + c.one_minus_beta2 * g
     return p, m
 
 
 # ----------------------------------------------------------------------------- spans and blocks
-# A span loops over whole 1-D slices indexed from 0 (numba_cpu's NOTE on spans: with an unknown
-# start index Numba's negative-index wraparound hides the addresses from LLVM and the loop does
-# not vectorize). A block slices [lo, hi) out of every array and runs the span on the slices.
+# A span loops over whole 1-D slices indexed from 0 (NOTE [ Spans, blocks and in-place kernels ]
+# in _jit.py: with an unknown start index Numba's negative-index wraparound hides the addresses
+# from LLVM and the loop does not vectorize). A block slices [lo, hi) out of every array and runs
+# the span on the slices.
 
 
-@njit(**_SPAN)
+@njit(**_EXACT_INLINE)
 def _sgd_plain_span(p, g, neg_lr, sign, weight_decay, l2):
     for i in range(p.size):
         pi = _widen(p[i])
@@ -110,7 +146,7 @@ def _sgd_plain_span(p, g, neg_lr, sign, weight_decay, l2):
         p[i] = _narrow(pi + neg_lr * d, p)
 
 
-@njit(**_SPAN)
+@njit(**_EXACT_INLINE)
 def _sgd_momentum_span(p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_minus_damp, nesterov, first):
     for i in range(p.size):
         pi = _widen(p[i])
@@ -124,7 +160,7 @@ def _sgd_momentum_span(p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_
         p[i] = _narrow(pi + neg_lr * step, p)
 
 
-@njit(**_SPAN)
+@njit(**_EXACT_INLINE)
 def _adam_span(p, g, m, v, c):
     for i in range(p.size):
         pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), c)
@@ -133,7 +169,7 @@ def _adam_span(p, g, m, v, c):
         p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(v[i]), c), p)
 
 
-@njit(**_SPAN)
+@njit(**_EXACT_INLINE)
 def _adam_amsgrad_span(p, g, m, v, vmax, c):
     for i in range(p.size):
         pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), c)
@@ -143,15 +179,15 @@ def _adam_amsgrad_span(p, g, m, v, vmax, c):
         p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(vmax[i]), c), p)
 
 
-@njit(**_SPAN)
-def _lion_span(p, g, m, s):
+@njit(**_EXACT_INLINE)
+def _lion_span(p, g, m, c):
     for i in range(p.size):
-        pi, mi = _lion_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), s)
+        pi, mi = _lion_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), c)
         p[i] = _narrow(pi, p)
         m[i] = _narrow(mi, m)
 
 
-@njit(**_FINITE, inline="always")
+@njit(**_REASSOC, inline="always")
 def _nonfinite_span(x):
     acc = _widen(x[0]) - _widen(x[0])
     for i in range(1, x.size):
@@ -160,12 +196,12 @@ def _nonfinite_span(x):
     return acc
 
 
-@njit(**_HELPER)
+@njit(**_EXACT)
 def _sgd_plain_block(p, g, lo, hi, neg_lr, sign, weight_decay, l2):
     _sgd_plain_span(p[lo:hi], g[lo:hi], neg_lr, sign, weight_decay, l2)
 
 
-@njit(**_HELPER)
+@njit(**_EXACT)
 def _sgd_momentum_block(
     p, g, buf, lo, hi, neg_lr, sign, weight_decay, l2, momentum, one_minus_damp, nesterov, first
 ):
@@ -184,22 +220,22 @@ def _sgd_momentum_block(
     )
 
 
-@njit(**_HELPER)
+@njit(**_EXACT)
 def _adam_block(p, g, m, v, lo, hi, c):
     _adam_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c)
 
 
-@njit(**_HELPER)
+@njit(**_EXACT)
 def _adam_amsgrad_block(p, g, m, v, vmax, lo, hi, c):
     _adam_amsgrad_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], vmax[lo:hi], c)
 
 
-@njit(**_HELPER)
-def _lion_block(p, g, m, lo, hi, s):
-    _lion_span(p[lo:hi], g[lo:hi], m[lo:hi], s)
+@njit(**_EXACT)
+def _lion_block(p, g, m, lo, hi, c):
+    _lion_span(p[lo:hi], g[lo:hi], m[lo:hi], c)
 
 
-@njit(**_FINITE)
+@njit(**_REASSOC)
 def _nonfinite_sum(x, lo, hi):
     return _nonfinite_span(x[lo:hi])
 
@@ -207,52 +243,58 @@ def _nonfinite_sum(x, lo, hi):
 # ----------------------------------------------------------------------------- parallel drivers
 
 
-@njit(**_PARALLEL)
+@njit(**_EXACT_PARALLEL)
 def _sgd_plain_parallel(p, g, neg_lr, sign, weight_decay, l2):
     n = p.size
-    for b in prange((n + _BLOCK - 1) // _BLOCK):
-        _sgd_plain_block(p, g, b * _BLOCK, min(n, (b + 1) * _BLOCK), neg_lr, sign, weight_decay, l2)
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        _sgd_plain_block(p, g, lo, hi, neg_lr, sign, weight_decay, l2)
 
 
-@njit(**_PARALLEL)
+@njit(**_EXACT_PARALLEL)
 def _sgd_momentum_parallel(
     p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_minus_damp, nesterov, first
 ):
     n = p.size
-    for b in prange((n + _BLOCK - 1) // _BLOCK):
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
         _sgd_momentum_block(
-            p, g, buf, b * _BLOCK, min(n, (b + 1) * _BLOCK), neg_lr, sign, weight_decay, l2,
+            p, g, buf, lo, hi, neg_lr, sign, weight_decay, l2,
             momentum, one_minus_damp, nesterov, first,
         )  # fmt: skip
 
 
-@njit(**_PARALLEL)
+@njit(**_EXACT_PARALLEL)
 def _adam_parallel(p, g, m, v, c):
     n = p.size
-    for b in prange((n + _BLOCK - 1) // _BLOCK):
-        _adam_block(p, g, m, v, b * _BLOCK, min(n, (b + 1) * _BLOCK), c)
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        _adam_block(p, g, m, v, lo, hi, c)
 
 
-@njit(**_PARALLEL)
+@njit(**_EXACT_PARALLEL)
 def _adam_amsgrad_parallel(p, g, m, v, vmax, c):
     n = p.size
-    for b in prange((n + _BLOCK - 1) // _BLOCK):
-        _adam_amsgrad_block(p, g, m, v, vmax, b * _BLOCK, min(n, (b + 1) * _BLOCK), c)
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        _adam_amsgrad_block(p, g, m, v, vmax, lo, hi, c)
 
 
-@njit(**_PARALLEL)
-def _lion_parallel(p, g, m, s):
+@njit(**_EXACT_PARALLEL)
+def _lion_parallel(p, g, m, c):
     n = p.size
-    for b in prange((n + _BLOCK - 1) // _BLOCK):
-        _lion_block(p, g, m, b * _BLOCK, min(n, (b + 1) * _BLOCK), s)
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        _lion_block(p, g, m, lo, hi, c)
 
 
-@njit(**_FINITE_PARALLEL)
+@njit(**_REASSOC_PARALLEL)
 def _nonfinite_sum_parallel(x):
     n = x.size
     acc = 0.0
-    for b in prange((n + _BLOCK - 1) // _BLOCK):
-        acc += np.float64(_nonfinite_sum(x, b * _BLOCK, min(n, (b + 1) * _BLOCK)))
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        acc += np.float64(_nonfinite_sum(x, lo, hi))
     return acc
 
 
@@ -275,7 +317,7 @@ def sgd_step(
     ct = compute_dtype(param.dtype).type
     p, g = _flat(param), _flat(grad)
     common = (ct(-lr), ct(-1.0 if maximize else 1.0), ct(weight_decay), weight_decay != 0)
-    parallel = _parallel(p.size)
+    parallel = _jit._parallel(p.size)
     if momentum == 0:
         if parallel:
             _sgd_plain_parallel(p, g, *common)
@@ -310,7 +352,7 @@ def adam_step(
     hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
     c = in_precision(adam_coefficients(hyper, step), param.dtype)
     p, g, m, v = _flat(param), _flat(grad), _flat(exp_avg), _flat(exp_avg_sq)
-    parallel = _parallel(p.size, transcendental=True)
+    parallel = _jit._parallel(p.size, transcendental=True)
     if amsgrad:
         vmax = _flat(max_exp_avg_sq)
         if parallel:
@@ -333,22 +375,12 @@ def lion_step(
     weight_decay: float,
 ) -> None:
     """Lion in one pass (see ``reference.optim.lion_step``)."""
-    ct = compute_dtype(param.dtype).type
-    s = (
-        ct(-lr),
-        ct(1.0 - lr * weight_decay),
-        weight_decay != 0,
-        ct(beta1),
-        ct(1.0 - beta1),
-        ct(beta2),
-        ct(1.0 - beta2),
-        ct(1.0),
-    )
+    c = in_precision(lion_coefficients(lr, beta1, beta2, weight_decay), param.dtype)
     p, g, m = _flat(param), _flat(grad), _flat(exp_avg)
-    if _parallel(p.size):
-        _lion_parallel(p, g, m, s)
+    if _jit._parallel(p.size):
+        _lion_parallel(p, g, m, c)
     else:
-        _lion_block(p, g, m, 0, p.size, s)
+        _lion_block(p, g, m, 0, p.size, c)
 
 
 def all_finite(arrays: Sequence[np.ndarray]) -> bool:
@@ -357,11 +389,7 @@ def all_finite(arrays: Sequence[np.ndarray]) -> bool:
         if x.size == 0:
             continue
         xf = _flat(x)
-        total = _nonfinite_sum_parallel(xf) if _parallel(xf.size) else _nonfinite_sum(xf, 0, xf.size)
+        total = _nonfinite_sum_parallel(xf) if _jit._parallel(xf.size) else _nonfinite_sum(xf, 0, xf.size)
         if math.isnan(total):
             return False
     return True
-
-
-# See NOTE [ Import order ] above: numba_cpu re-exports this module's kernels at its end.
-from taifuse.backends.numba_cpu import _flat, _narrow, _parallel, _widen

@@ -1,16 +1,9 @@
 """The Numba backend's backward and loss kernels (``taifuse.backends.BACKWARD_KERNEL_NAMES``).
 
-Same signatures and semantics as the "Backward and loss kernels" section of ``reference.py``,
-which specifies them; same conventions as ``numba_cpu`` (float16 as uint16 bits, float32 math
-for float32/float16, libm float64 math for float64, serial and parallel variants, sums in
-float64). ``numba_cpu`` re-exports these names, so the backend's table is one module.
-
-# NOTE [ Import order ]
-# This module uses numba_cpu's jitted helpers (loads/stores, exp, sigmoid) and numba_cpu
-# re-exports this module's kernels: a cycle. The helpers are imported at the bottom, after every
-# kernel here is defined. Numba resolves a jitted function's globals when it compiles (first
-# call), not when it is decorated, so the kernels see them; and whichever module is imported
-# first, the other finds everything it needs already defined.
+Same signatures and semantics as ``backends/reference/backward.py``, which specifies them; the
+conventions of ``_jit`` (float16 as uint16 bits, float32 math for float32/float16, libm float64
+math for float64, serial and parallel variants, sums in float64). The derivatives reuse the
+forward's float32 pieces from ``_jit``; ``dropout_backward`` is the forward dropout kernel.
 """
 
 from __future__ import annotations
@@ -20,54 +13,63 @@ import math
 import numpy as np
 from numba import njit, prange
 
-# The jit options of numba_cpu (see the notes there): FMA contraction only, numpy error model.
-_FASTMATH = {"contract"}
-_REDUCE_FASTMATH = {"contract", "reassoc"}
-_HELPER = {"cache": True, "nogil": True, "error_model": "numpy", "fastmath": _FASTMATH}
-_REDUCE_HELPER = {**_HELPER, "fastmath": _REDUCE_FASTMATH}
-_SERIAL = _HELPER
-_PARALLEL = {**_HELPER, "parallel": True}
+from taifuse import pool
+from taifuse.backends._spec import activation_code, gelu_code
+from taifuse.backends.numba import _jit
+from taifuse.backends.numba._jit import (
+    _BLOCK,
+    _COL_TILE,
+    _EXP2_HI,
+    _EXP2_LO,
+    _F32_ONE,
+    _FMA,
+    _FMA_INLINE,
+    _FMA_PARALLEL,
+    _FMA_REDUCE,
+    _GELU,
+    _GELU_TANH,
+    _GT_A,
+    _GT_B,
+    _IDENTITY,
+    _INV_SQRT2,
+    _LEAKY_RELU,
+    _RELU,
+    _SIGMOID,
+    _SILU,
+    _SQRT_2_OVER_PI,
+    _TANH,
+    _bits,
+    _bounds,
+    _by_precision,
+    _clamp,
+    _count,
+    _exp2_f32,
+    _exp_neg,
+    _flat,
+    _gauss_f32,
+    _like,
+    _maxnum,
+    _narrow,
+    _sigmoid,
+    _tail_ratio_f32,
+    _widen,
+)
+from taifuse.backends.numba.forward import dropout
 
-_BLOCK = 16384  # elements per parallel work item of elementwise kernels
-_COL_TILE = 256  # columns per work item of column sums (bias / weight gradients)
-
-
-__all__ = [
-    "add_relu_backward",
-    "affine_backward",
-    "cross_entropy",
-    "cross_entropy_backward",
-    "dropout_backward",
-    "gelu_backward",
-    "layer_norm_backward",
-    "leaky_relu_backward",
-    "linear_act_backward",
-    "log_softmax_backward",
-    "mse_loss",
-    "mse_loss_backward",
-    "mul_relu_backward",
-    "relu_backward",
-    "sigmoid_backward",
-    "silu_backward",
-    "softmax_backward",
-    "tanh_backward",
-]
+# Serial or parallel: asked of _jit at each call, as in forward.py.
 
 # ----------------------------------------------------------------------------- derivatives (float32 forms)
 
 _F32_INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
-_F32_ONE = np.float32(1.0)
 # d/du of 2 u(v) = 2k (v + c v^3): 2k + 6kc v^2, k = sqrt(2 / pi), c = 0.044715.
 _F32_GELU_TANH_D0 = np.float32(2.0 * math.sqrt(2.0 / math.pi))
 _F32_GELU_TANH_D2 = np.float32(6.0 * math.sqrt(2.0 / math.pi) * 0.044715)
-_INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _gelu_grad_f32(v):
-    # Phi(v) + v * phi(v), with Phi(-|v|) as numba_cpu's gelu computes it (NOTE [ Exact GELU in
+    # Phi(v) + v * phi(v), with Phi(-|v|) as _jit's _gelu_f32 computes it (NOTE [ Exact GELU in
     # float32 ] there), whose exp(-v*v/2) is phi's too. NaN -> NaN; +-inf -> NaN (inf * phi(inf)
     # = inf * 0), as the reference.
     g = _gauss_f32(v)
@@ -75,15 +77,15 @@ def _gelu_grad_f32(v):
     return (q if v < 0 else np.float32(1.0) - q) + v * (_F32_INV_SQRT_2PI * g)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _gelu_grad_f64(v):
     return 0.5 * (1.0 + math.erf(v * _INV_SQRT2)) + v * _INV_SQRT_2PI * math.exp(-0.5 * v * v)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _gelu_tanh_grad_f32(v):
     # With s = sigmoid(2u) = (1 + tanh u) / 2, 1 - tanh(u)^2 = 4 s (1 - s): no tanh needed. s is
-    # 1 / (1 + 2**w) with numba_cpu's gelu_tanh exponent w = -2u log2(e); its _exp2_f32 in place of
+    # 1 / (1 + 2**w) with _gelu_tanh_f32's exponent w = -2u log2(e); its _exp2_f32 in place of
     # _sigmoid_f32's exp: 0.56 -> 0.44 ns per element (64K float32 in cache, one thread, shared
     # 2-core AMD EPYC, fastest tenth of 30 interleaved rounds), same error against float64.
     # s = 0 where 2**w is inf (v < -10.06), and s (1 - s) with it; +-inf -> NaN, as the reference.
@@ -92,35 +94,34 @@ def _gelu_tanh_grad_f32(v):
     return s + (v * (s * (_F32_ONE - s))) * (_F32_GELU_TANH_D2 * v2 + _F32_GELU_TANH_D0)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _gelu_tanh_grad_f64(v):
     t = math.tanh(_SQRT_2_OVER_PI * (v + 0.044715 * v * v * v))
     return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * v * v)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _silu_grad(v):
     s = _sigmoid(v)
     one = _like(1.0, v)
     return s * (one + v * (one - s))
 
 
-# Op codes of the elementwise backward span and the linear epilogue.
-_RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH = range(7)
-_ACT_CODES = {None: -1, "relu": _RELU, "gelu": _GELU, "gelu_tanh": _GELU_TANH, "silu": _SILU}
+_gelu_grad = _by_precision(_gelu_grad_f32, _gelu_grad_f64)
+_gelu_tanh_grad = _by_precision(_gelu_tanh_grad_f32, _gelu_tanh_grad_f64)
 
 
 # ----------------------------------------------------------------------------- elementwise
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _unary_backward_span(x, g, out, op, param, lo, hi):
     # One loop per op, so that each loop body is branch-free and vectorizes. Where the
     # derivative has a flat tail (gelu, gelu_tanh, silu, sigmoid), results below the smallest
     # normal number are flushed to zero (NOTE [ Subnormal gradients ]).
     # NOTE: the loops run over slices indexed from 0. Indexed from `lo`, they ran ~4x slower in
     # the parallel kernel than in the serial one (gelu and gelu_tanh, one thread, 256K float32;
-    # NOTE [ Spans, blocks and in-place kernels ] in numba_cpu).
+    # NOTE [ Spans, blocks and in-place kernels ] in _jit.py).
     xs, gs, os = x[lo:hi], g[lo:hi], out[lo:hi]
     n = hi - lo
     if op == _RELU:
@@ -151,28 +152,28 @@ def _unary_backward_span(x, g, out, op, param, lo, hi):
             os[i] = _narrow(_widen(gs[i]) * (_like(1.0, y) - y * y), out)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _unary_backward_serial(x, g, out, op, param):
     _unary_backward_span(x, g, out, op, param, 0, x.size)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _unary_backward_parallel(x, g, out, op, param):
     n = x.size
-    for block in prange((n + _BLOCK - 1) // _BLOCK):
-        lo = block * _BLOCK
-        _unary_backward_span(x, g, out, op, param, lo, min(lo + _BLOCK, n))
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        _unary_backward_span(x, g, out, op, param, lo, hi)
 
 
 def _unary_backward(x: np.ndarray, g: np.ndarray, out: np.ndarray, op: int, param: float = 0.0) -> None:
     xf, gf, of = _flat(x), _flat(g), _flat(out)
-    kernel = _unary_backward_parallel if _parallel(xf.size) else _unary_backward_serial
+    kernel = _unary_backward_parallel if _jit._parallel(xf.size) else _unary_backward_serial
     kernel(xf, gf, of, op, float(param))
 
 
 def gelu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray, approximate: str) -> None:
     """grad_in = grad_out * gelu'(x) (``reference.gelu_backward``)."""
-    _unary_backward(x, grad_out, grad_in, _GELU_TANH if approximate == "tanh" else _GELU)
+    _unary_backward(x, grad_out, grad_in, int(gelu_code(approximate)))
 
 
 def relu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
@@ -207,7 +208,7 @@ def add_relu_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) 
     _unary_backward(y, grad_out, grad_in, _RELU)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _mul_relu_backward_span(a, b, g, ga, gb, lo, hi):
     for i in range(lo, hi):
         av, bv = _widen(a[i]), _widen(b[i])
@@ -218,24 +219,24 @@ def _mul_relu_backward_span(a, b, g, ga, gb, lo, hi):
             gb[i] = _narrow(gv * av, gb)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _mul_relu_backward_serial(a, b, g, ga, gb):
     _mul_relu_backward_span(a, b, g, ga, gb, 0, a.size)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _mul_relu_backward_parallel(a, b, g, ga, gb):
     n = a.size
-    for block in prange((n + _BLOCK - 1) // _BLOCK):
-        lo = block * _BLOCK
-        _mul_relu_backward_span(a, b, g, ga, gb, lo, min(lo + _BLOCK, n))
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        _mul_relu_backward_span(a, b, g, ga, gb, lo, hi)
 
 
 def mul_relu_backward(
     a: np.ndarray, b: np.ndarray, grad_out: np.ndarray, grad_a: np.ndarray | None, grad_b: np.ndarray | None
 ) -> None:
     """With m = (a * b > 0): grad_a = grad_out * m * b, grad_b = grad_out * m * a."""
-    kernel = _mul_relu_backward_parallel if _parallel(a.size) else _mul_relu_backward_serial
+    kernel = _mul_relu_backward_parallel if _jit._parallel(a.size) else _mul_relu_backward_serial
     kernel(
         _flat(a),
         _flat(b),
@@ -251,7 +252,7 @@ def mul_relu_backward(
 # output and the inner loop runs along a contiguous row.
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _affine_cols(x, g, gs, gb, lo, hi):
     width = hi - lo
     acc_s = np.zeros(width, np.float64)
@@ -268,7 +269,7 @@ def _affine_cols(x, g, gs, gb, lo, hi):
             gb[lo + j] = _narrow(acc_b[j], gb)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _affine_rows(scale, g, gx, lo, hi):
     cols = g.shape[1]
     for r in range(lo, hi):
@@ -276,7 +277,7 @@ def _affine_rows(scale, g, gx, lo, hi):
             gx[r, c] = _narrow(_widen(g[r, c]) * _widen(scale[c]), gx)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _affine_backward_serial(x, scale, g, gx, gs, gb):
     if gx is not None:
         _affine_rows(scale, g, gx, 0, g.shape[0])
@@ -284,16 +285,17 @@ def _affine_backward_serial(x, scale, g, gx, gs, gb):
         _affine_cols(x, g, gs, gb, 0, g.shape[1])
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _affine_backward_parallel(x, scale, g, gx, gs, gb):
     rows, cols = g.shape
     if gx is not None:
         for r in prange(rows):
             _affine_rows(scale, g, gx, r, r + 1)
     if gs is not None or gb is not None:
-        tiles = (cols + _COL_TILE - 1) // _COL_TILE
-        for t in prange(tiles):
-            _affine_cols(x, g, gs, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+        tiles = _count(cols, _COL_TILE)
+        for item in prange(tiles):
+            lo, hi = _bounds(item, cols, _COL_TILE)
+            _affine_cols(x, g, gs, gb, lo, hi)
 
 
 def affine_backward(
@@ -305,7 +307,7 @@ def affine_backward(
     grad_bias: np.ndarray | None,
 ) -> None:
     """grad_x = grad_out * scale; grad_scale, grad_bias = column sums of grad_out * x and grad_out."""
-    kernel = _affine_backward_parallel if _parallel(x.size) else _affine_backward_serial
+    kernel = _affine_backward_parallel if _jit._parallel(x.size) else _affine_backward_serial
     kernel(
         _bits(x),
         _bits(scale),
@@ -335,19 +337,22 @@ def affine_backward(
 # threads: 3.0 against 2.75 ms), against the ~4x it saves the products when subnormals occur.
 # relu, leaky_relu and tanh do not flush: their derivatives make no subnormal from a normal
 # gradient.
-@njit(**_HELPER, inline="always")
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
+_F32_ZERO = np.float32(0.0)
+_F64_TINY = float(np.finfo(np.float64).tiny)
+
+
+@njit(**_FMA_INLINE)
 def _flush_f32(v):
     return v if (v >= _F32_TINY or v <= -_F32_TINY) else v * _F32_ZERO
 
 
-@njit(**_HELPER, inline="always")
+@njit(**_FMA_INLINE)
 def _flush_f64(v):
     return v if (v >= _F64_TINY or v <= -_F64_TINY) else v * 0.0
 
 
-_F32_TINY = np.float32(np.finfo(np.float32).tiny)
-_F32_ZERO = np.float32(0.0)
-_F64_TINY = float(np.finfo(np.float64).tiny)
+_flush = _by_precision(_flush_f32, _flush_f64)
 
 
 # NOTE [ Column tiles as spans from 0 ]
@@ -358,7 +363,7 @@ _F64_TINY = float(np.finfo(np.float64).tiny)
 # thread against 0.41 ms serial, so on 2 threads it ran 2.7x slower than on one.
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _grad_pre_span(pre, g, op, gp):
     # gp = g * act'(pre) along one row segment, one loop per activation so that each vectorizes;
     # subnormal results are flushed to zero (NOTE [ Subnormal gradients ]).
@@ -377,7 +382,7 @@ def _grad_pre_span(pre, g, op, gp):
             gp[c] = _flush(_widen(g[c]) * _silu_grad(_widen(pre[c])))
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _linear_epilogue_cols(pre, g, op, gp, gb, lo, hi):
     # gp[:, lo:hi] = g * act'(pre) and gb[lo:hi] = its column sums, in one pass over the tile
     # (NOTE [ Column tiles as spans from 0 ]).
@@ -395,7 +400,7 @@ def _linear_epilogue_cols(pre, g, op, gp, gb, lo, hi):
             tile[j] = _narrow(acc[j], gb)
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _bias_cols(g, gb, lo, hi):
     # gb[lo:hi] = the column sums of g[:, lo:hi] (NOTE [ Column tiles as spans from 0 ]).
     width = hi - lo
@@ -409,30 +414,32 @@ def _bias_cols(g, gb, lo, hi):
         tile[j] = _narrow(acc[j], gb)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _linear_epilogue_serial(pre, g, op, gp, gb):
     _linear_epilogue_cols(pre, g, op, gp, gb, 0, g.shape[1])
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _linear_epilogue_parallel(pre, g, op, gp, gb):
     cols = g.shape[1]
-    tiles = (cols + _COL_TILE - 1) // _COL_TILE
-    for t in prange(tiles):
-        _linear_epilogue_cols(pre, g, op, gp, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+    tiles = _count(cols, _COL_TILE)
+    for item in prange(tiles):
+        lo, hi = _bounds(item, cols, _COL_TILE)
+        _linear_epilogue_cols(pre, g, op, gp, gb, lo, hi)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _bias_grad_serial(g, gb):
     _bias_cols(g, gb, 0, g.shape[1])
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _bias_grad_parallel(g, gb):
     cols = g.shape[1]
-    tiles = (cols + _COL_TILE - 1) // _COL_TILE
-    for t in prange(tiles):
-        _bias_cols(g, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+    tiles = _count(cols, _COL_TILE)
+    for item in prange(tiles):
+        lo, hi = _bounds(item, cols, _COL_TILE)
+        _bias_cols(g, gb, lo, hi)
 
 
 def linear_act_backward(
@@ -448,28 +455,37 @@ def linear_act_backward(
 ) -> None:
     """One fused pass (grad_pre = grad_out * act'(pre), grad_b = its column sums), then two BLAS products.
 
-    float16: grad_pre is formed in a float32 scratch and the products run in float32 on float32
-    copies of ``x`` and ``w`` (float16 is storage only). With ``activation=None`` grad_pre is
-    grad_out itself and ``grad_pre`` is left untouched.
+    float16: grad_pre is formed in float32 scratch and the products run in float32 on float32
+    copies of ``x`` and ``w`` (float16 is storage only), all from the host pool. With
+    ``activation=None`` grad_pre is grad_out itself and ``grad_pre`` is left untouched.
     """
-    op = _ACT_CODES[activation]
+    op = int(activation_code(activation))
     half = x.dtype == np.float16
     gp = grad_pre
-    if op < 0:
-        gp = grad_out.astype(np.float32) if half else grad_out
-    elif half:
-        gp = np.empty(grad_out.shape, np.float32)
-    par = _epilogue_parallel(grad_out.size)  # NOTE [ Serial epilogue between BLAS calls ] in numba_cpu
-    if op >= 0:
+    if half:
+        # The float32 scratch goes back to the pool when this call drops it (NOTE [ Buffer
+        # ownership ] in pool.py).
+        scratch = pool.host_pool()
+        gp = scratch.acquire(grad_out.shape, np.float32)
+        if op == _IDENTITY:
+            np.copyto(gp, grad_out)
+    elif op == _IDENTITY:
+        gp = grad_out
+    par = _jit._epilogue_parallel(grad_out.size)  # NOTE [ Serial epilogue between BLAS calls ] in _jit.py
+    if op != _IDENTITY:
         epilogue = _linear_epilogue_parallel if par else _linear_epilogue_serial
         epilogue(_bits(pre), _bits(grad_out), op, gp, None if grad_b is None else _bits(grad_b))
     elif grad_b is not None:
         (_bias_grad_parallel if par else _bias_grad_serial)(_bits(grad_out), _bits(grad_b))
     if half:
         if grad_x is not None:
-            grad_x[...] = gp @ w.astype(np.float32)
+            w32 = scratch.acquire(w.shape, np.float32)
+            np.copyto(w32, w)
+            np.copyto(grad_x, np.matmul(gp, w32, out=scratch.acquire(grad_x.shape, np.float32)))
         if grad_w is not None:
-            grad_w[...] = gp.T @ x.astype(np.float32)
+            x32 = scratch.acquire(x.shape, np.float32)
+            np.copyto(x32, x)
+            np.copyto(grad_w, np.matmul(gp.T, x32, out=scratch.acquire(grad_w.shape, np.float32)))
         return
     if grad_x is not None:
         np.matmul(gp, w, out=grad_x)
@@ -480,7 +496,7 @@ def linear_act_backward(
 # ----------------------------------------------------------------------------- softmax backward
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _softmax_backward_row(y, g, out, r, log):
     cols = y.shape[1]
     s = 0.0
@@ -498,19 +514,19 @@ def _softmax_backward_row(y, g, out, r, log):
             out[r, c] = _narrow(yv * (_widen(g[r, c]) - _like(s, yv)), out)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _softmax_backward_rows_serial(y, g, out, log):
     for r in range(y.shape[0]):
         _softmax_backward_row(y, g, out, r, log)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _softmax_backward_rows_parallel(y, g, out, log):
     for r in prange(y.shape[0]):
         _softmax_backward_row(y, g, out, r, log)
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _softmax_backward_strided(y, g, out, a, log):
     # Reduce over axis 1 of (A, C, B) with one running sum per inner position b.
     channels, inner = y.shape[1], y.shape[2]
@@ -530,13 +546,13 @@ def _softmax_backward_strided(y, g, out, a, log):
                 out[a, c, j] = _narrow(yv * (_widen(g[a, c, j]) - _like(s[j], yv)), out)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _softmax_backward_strided_serial(y, g, out, log):
     for a in range(y.shape[0]):
         _softmax_backward_strided(y, g, out, a, log)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _softmax_backward_strided_parallel(y, g, out, log):
     for a in prange(y.shape[0]):
         _softmax_backward_strided(y, g, out, a, log)
@@ -544,7 +560,7 @@ def _softmax_backward_strided_parallel(y, g, out, log):
 
 def _softmax_like_backward(y: np.ndarray, g: np.ndarray, out: np.ndarray, log: bool) -> None:
     outer, channels, inner = y.shape
-    par = _parallel(y.size) and outer > 1
+    par = _jit._parallel(y.size) and outer > 1
     if inner == 1:
         args = (
             _bits(y.reshape(outer, channels)),
@@ -571,7 +587,7 @@ def log_softmax_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarra
 # ----------------------------------------------------------------------------- layer norm backward
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _layer_norm_backward_row(x, weight, mean, rstd, g, gx, r):
     cols = x.shape[1]
     mu, rs = np.float64(mean[r]), np.float64(rstd[r])
@@ -595,7 +611,7 @@ def _layer_norm_backward_row(x, weight, mean, rstd, g, gx, r):
         gx[r, c] = _narrow(rs_c * (gyc - a_c - xhat * b_c), gx)
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _layer_norm_param_cols(x, mean, rstd, g, gw, gb, lo, hi):
     width = hi - lo
     acc_w = np.zeros(width, np.float64)
@@ -613,7 +629,7 @@ def _layer_norm_param_cols(x, mean, rstd, g, gw, gb, lo, hi):
             gb[lo + j] = _narrow(acc_b[j], gb)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb):
     if gx is not None:
         for r in range(x.shape[0]):
@@ -622,16 +638,17 @@ def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb):
         _layer_norm_param_cols(x, mean, rstd, g, gw, gb, 0, x.shape[1])
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb):
     rows, cols = x.shape
     if gx is not None:
         for r in prange(rows):
             _layer_norm_backward_row(x, weight, mean, rstd, g, gx, r)
     if gw is not None or gb is not None:
-        tiles = (cols + _COL_TILE - 1) // _COL_TILE
-        for t in prange(tiles):
-            _layer_norm_param_cols(x, mean, rstd, g, gw, gb, t * _COL_TILE, min((t + 1) * _COL_TILE, cols))
+        tiles = _count(cols, _COL_TILE)
+        for item in prange(tiles):
+            lo, hi = _bounds(item, cols, _COL_TILE)
+            _layer_norm_param_cols(x, mean, rstd, g, gw, gb, lo, hi)
 
 
 def layer_norm_backward(
@@ -645,14 +662,14 @@ def layer_norm_backward(
     grad_bias: np.ndarray | None,
 ) -> None:
     """grad_x per row from the saved mean/rstd; grad_weight, grad_bias as column sums (``reference``)."""
-    kernel = _layer_norm_backward_parallel if _parallel(x.size) else _layer_norm_backward_serial
+    kernel = _layer_norm_backward_parallel if _jit._parallel(x.size) else _layer_norm_backward_serial
     opt = [None if a is None else _bits(a) for a in (weight, grad_x, grad_weight, grad_bias)]
     kernel(_bits(x), opt[0], mean, rstd, _bits(grad_out), opt[1], opt[2], opt[3])
 
 
 def dropout_backward(grad_out: np.ndarray, grad_in: np.ndarray, p: float, seed: int) -> None:
     """grad_in = grad_out * (keep / (1 - p)): the forward dropout kernel applied to grad_out."""
-    _dropout_forward(grad_out, grad_in, p, seed)
+    dropout(grad_out, grad_in, p, seed)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -661,7 +678,7 @@ _NONE, _MEAN, _SUM = range(3)
 _REDUCTION_CODES = {"none": _NONE, "mean": _MEAN, "sum": _SUM}
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _mse_span(x, t, out, reduction, lo, hi):
     s = 0.0
     for i in range(lo, hi):
@@ -673,21 +690,21 @@ def _mse_span(x, t, out, reduction, lo, hi):
     return s
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _mse_serial(x, t, out, reduction):
     s = _mse_span(x, t, out, reduction, 0, x.size)
     if reduction != _NONE:
         out[0] = _narrow(s / x.size if reduction == _MEAN else s, out)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _mse_parallel(x, t, out, reduction):
     n = x.size
-    blocks = (n + _BLOCK - 1) // _BLOCK
+    blocks = _count(n, _BLOCK)
     partial = np.zeros(blocks, np.float64)
-    for block in prange(blocks):
-        lo = block * _BLOCK
-        partial[block] = _mse_span(x, t, out, reduction, lo, min(lo + _BLOCK, n))
+    for item in prange(blocks):
+        lo, hi = _bounds(item, n, _BLOCK)
+        partial[item] = _mse_span(x, t, out, reduction, lo, hi)
     if reduction != _NONE:
         s = partial.sum()
         out[0] = _narrow(s / n if reduction == _MEAN else s, out)
@@ -695,11 +712,11 @@ def _mse_parallel(x, t, out, reduction):
 
 def mse_loss(input: np.ndarray, target: np.ndarray, out: np.ndarray, reduction: str) -> None:
     """(input - target)^2, unreduced into ``out`` or summed/averaged (float64 sum) into ``out (1,)``."""
-    kernel = _mse_parallel if _parallel(input.size) else _mse_serial
+    kernel = _mse_parallel if _jit._parallel(input.size) else _mse_serial
     kernel(_flat(input), _flat(target), _flat(out), _REDUCTION_CODES[reduction])
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _mse_backward_span(x, t, g, out, reduction, scale, lo, hi):
     if reduction == _NONE:
         for i in range(lo, hi):
@@ -711,17 +728,17 @@ def _mse_backward_span(x, t, g, out, reduction, scale, lo, hi):
             out[i] = _narrow(d * _like(scale, d), out)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _mse_backward_serial(x, t, g, out, reduction, scale):
     _mse_backward_span(x, t, g, out, reduction, scale, 0, x.size)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _mse_backward_parallel(x, t, g, out, reduction, scale):
     n = x.size
-    for block in prange((n + _BLOCK - 1) // _BLOCK):
-        lo = block * _BLOCK
-        _mse_backward_span(x, t, g, out, reduction, scale, lo, min(lo + _BLOCK, n))
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        _mse_backward_span(x, t, g, out, reduction, scale, lo, hi)
 
 
 def mse_loss_backward(
@@ -732,11 +749,11 @@ def mse_loss_backward(
     scale = 0.0
     if code != _NONE:
         scale = 2.0 * float(grad_out.reshape(-1)[0]) / (input.size if code == _MEAN else 1)
-    kernel = _mse_backward_parallel if _parallel(input.size) else _mse_backward_serial
+    kernel = _mse_backward_parallel if _jit._parallel(input.size) else _mse_backward_serial
     kernel(_flat(input), _flat(target), _flat(grad_out), _flat(grad_in), code, scale)
 
 
-@njit(**_REDUCE_HELPER)
+@njit(**_FMA_REDUCE)
 def _cross_entropy_row(x, target, lse, r):
     # Returns the row's loss in float64 and writes its log-sum-exp.
     cols = x.shape[1]
@@ -751,7 +768,7 @@ def _cross_entropy_row(x, target, lse, r):
     return row_lse - _widen(x[r, target[r]])
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _cross_entropy_serial(x, target, out, reduction, lse):
     s = 0.0
     for r in range(x.shape[0]):
@@ -764,7 +781,7 @@ def _cross_entropy_serial(x, target, out, reduction, lse):
         out[0] = _narrow(s / x.shape[0] if reduction == _MEAN else s, out)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _cross_entropy_parallel(x, target, out, reduction, lse):
     rows = x.shape[0]
     losses = np.empty(rows, np.float64)
@@ -783,12 +800,14 @@ def cross_entropy(
 ) -> None:
     """loss[n] = lse[n] - logits[n, target[n]], reduced as asked; writes ``lse`` for the backward."""
     kernel = (
-        _cross_entropy_parallel if _parallel(logits.size) and logits.shape[0] > 1 else _cross_entropy_serial
+        _cross_entropy_parallel
+        if _jit._parallel(logits.size) and logits.shape[0] > 1
+        else _cross_entropy_serial
     )
     kernel(_bits(logits), target, _bits(out), _REDUCTION_CODES[reduction], lse)
 
 
-@njit(**_HELPER)
+@njit(**_FMA)
 def _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r):
     cols = x.shape[1]
     v0 = _widen(x[r, 0])
@@ -802,13 +821,13 @@ def _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r):
         out[r, c] = _narrow(gr * p, out)
 
 
-@njit(**_SERIAL)
+@njit(**_FMA)
 def _cross_entropy_backward_serial(x, target, lse, g, out, reduction, scale):
     for r in range(x.shape[0]):
         _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r)
 
 
-@njit(**_PARALLEL)
+@njit(**_FMA_PARALLEL)
 def _cross_entropy_backward_parallel(x, target, lse, g, out, reduction, scale):
     for r in prange(x.shape[0]):
         _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r)
@@ -827,37 +846,6 @@ def cross_entropy_backward(
     scale = 0.0
     if code != _NONE:
         scale = float(grad_out.reshape(-1)[0]) / (logits.shape[0] if code == _MEAN else 1)
-    par = _parallel(logits.size) and logits.shape[0] > 1
+    par = _jit._parallel(logits.size) and logits.shape[0] > 1
     kernel = _cross_entropy_backward_parallel if par else _cross_entropy_backward_serial
     kernel(_bits(logits), target, lse, _bits(grad_out), _bits(grad_in), code, scale)
-
-
-# ----------------------------------------------------------------------------- numba_cpu's helpers
-# Imported last: see NOTE [ Import order ] at the top.
-
-from taifuse.backends.numba_cpu import (
-    _EXP2_HI,
-    _EXP2_LO,
-    _GT_A,
-    _GT_B,
-    _bits,
-    _by_precision,
-    _clamp,
-    _epilogue_parallel,
-    _exp2_f32,
-    _exp_neg,
-    _flat,
-    _gauss_f32,
-    _like,
-    _maxnum,
-    _narrow,
-    _parallel,
-    _sigmoid,
-    _tail_ratio_f32,
-    _widen,
-)
-from taifuse.backends.numba_cpu import dropout as _dropout_forward
-
-_gelu_grad = _by_precision(_gelu_grad_f32, _gelu_grad_f64)
-_flush = _by_precision(_flush_f32, _flush_f64)
-_gelu_tanh_grad = _by_precision(_gelu_tanh_grad_f32, _gelu_tanh_grad_f64)
