@@ -549,7 +549,7 @@ _FIELD_SCRIPT = textwrap.dedent(
     import sys
     import numpy as np
     from taifuse import pool
-    from taifuse.backends import taichi_gpu as tg
+    from taifuse.backends import taichi as tg
 
     try:
         tg.init(sys.argv[1])

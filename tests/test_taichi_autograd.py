@@ -3,8 +3,8 @@
 The gradients themselves are checked in test_autograd_ops.py (every op, against the float64
 reference and PyTorch, on taichi-cpu and the GPU param too). Here:
 
-* ``TaichiMath`` (backends/_taichi_tensor_math.py) against NumPy's ``HostMath`` on the same inputs;
-* integer data as int32 DeviceArrays (NOTE [ Class indices on the device ] in _taichi_backward.py);
+* ``TaichiMath`` (backends/taichi/tensor_math.py) against NumPy's ``HostMath`` on the same inputs;
+* integer data as int32 DeviceArrays (NOTE [ Class indices on the device ] in backends/taichi/backward.py);
 * a full training step of an MLP stays on the device: no host<->device copy but the loss read.
 """
 
@@ -58,7 +58,7 @@ BINARY_SHAPES = [
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
 def test_binary_ops_broadcast_like_numpy(taichi, op, dtype):
-    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+    from taifuse.backends.taichi.tensor_math import TENSOR_MATH as M
 
     rng = np.random.default_rng(0)
     for sa, sb in BINARY_SHAPES:
@@ -76,7 +76,7 @@ def test_binary_ops_broadcast_like_numpy(taichi, op, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 def test_in_place_ops_broadcast(taichi, dtype):
-    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+    from taifuse.backends.taichi.tensor_math import TENSOR_MATH as M
 
     rng = np.random.default_rng(1)
     acc = rng.standard_normal((3, 4, 5)).astype(np.float32)
@@ -102,7 +102,7 @@ def test_in_place_ops_broadcast(taichi, dtype):
     ],
 )
 def test_sum_matches_numpy(taichi, shape, axis, keepdims):
-    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+    from taifuse.backends.taichi.tensor_math import TENSOR_MATH as M
 
     a = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
     got = M.sum(taichi.from_numpy(a), axis, keepdims)
@@ -114,8 +114,8 @@ def test_sum_matches_numpy(taichi, shape, axis, keepdims):
 def test_long_sums_take_several_passes(taichi):
     """NOTE [ Loop limits in reductions ]: 70000 terms per output is past what one lavapipe
     invocation may loop (about 65k), and past REDUCE_CHUNK**2 (three passes)."""
-    from taifuse.backends._taichi_tensor_math import REDUCE_CHUNK
-    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+    from taifuse.backends.taichi.tensor_math import REDUCE_CHUNK
+    from taifuse.backends.taichi.tensor_math import TENSOR_MATH as M
 
     n = 70000
     assert n > REDUCE_CHUNK**2
@@ -133,7 +133,7 @@ def test_long_sums_take_several_passes(taichi):
     [((37, 53), (53, 29)), ((53,), (53, 29)), ((37, 53), (53,)), ((2, 1, 5, 6), (3, 6, 4)), ((6,), (6,))],
 )
 def test_matmul_matches_numpy(taichi, sa, sb, dtype):
-    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+    from taifuse.backends.taichi.tensor_math import TENSOR_MATH as M
 
     rng = np.random.default_rng(4)
     a, b = rng.standard_normal(sa).astype(dtype), rng.standard_normal(sb).astype(dtype)
@@ -145,7 +145,7 @@ def test_matmul_matches_numpy(taichi, sa, sb, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=["f32", "f16", "i32"])
 def test_fill_overwrites_every_element_nan_and_inf_too(taichi, dtype):
-    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+    from taifuse.backends.taichi.tensor_math import TENSOR_MATH as M
 
     host = np.array([[1, -2, 3], [4, 5, -6]], dtype=dtype)
     if dtype != np.int32:
@@ -159,7 +159,7 @@ def test_fill_overwrites_every_element_nan_and_inf_too(taichi, dtype):
 
 
 def test_layout_ops_and_pow(taichi):
-    from taifuse.backends._taichi_tensor_math import TENSOR_MATH as M
+    from taifuse.backends.taichi.tensor_math import TENSOR_MATH as M
 
     a = np.random.default_rng(5).standard_normal((2, 3, 4)).astype(np.float32)
     d = taichi.from_numpy(a)
@@ -207,6 +207,29 @@ def test_device_target_matches_host_target_and_flags_bad_indices(taichi):
         F.cross_entropy(logits, taifuse.tensor([0.0, 1.0, 1.0, 2.0]))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_abs_max_minimum_maximum_and_astype_match_numpy(taichi, dtype):
+    """The methods clip_grad_norm_ composes: NaN-propagating like NumPy's, max over several passes."""
+    M = taichi.TENSOR_MATH
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((3, 700)).astype(dtype)
+    b = rng.standard_normal((700,)).astype(dtype)
+    a[1, 650] = np.nan
+    d = taichi.from_numpy(a)
+    np.testing.assert_array_equal(M.abs(d).numpy(), np.abs(a))
+    np.testing.assert_array_equal(M.max(d, (1,), False).numpy(), np.max(a, axis=1))  # NaN in row 1
+    np.testing.assert_array_equal(M.max(d, None, True).numpy(), np.max(a, keepdims=True))
+    np.testing.assert_array_equal(M.maximum(d, taichi.from_numpy(b)).numpy(), np.maximum(a, b))
+    np.testing.assert_array_equal(M.minimum(d, 0.25).numpy(), np.minimum(a, dtype(0.25)))
+    np.testing.assert_array_equal(M.minimum(0.25, d).numpy(), np.minimum(dtype(0.25), a))
+    other = np.float16 if dtype == np.float32 else np.float32
+    cast = M.astype(d, other)
+    assert cast.dtype == other
+    np.testing.assert_array_equal(cast.numpy(), a.astype(other))
+    with pytest.raises(ValueError, match="empty"):
+        M.max(taichi.empty((0, 3), dtype), (0,), False)
+
+
 # ----------------------------------------------------------------------------- residency
 
 
@@ -250,11 +273,53 @@ def test_a_training_step_copies_nothing_but_the_loss(taichi):
     assert all(p.grad.backend == "taichi" for p in model.parameters())
 
 
+def _three_parameter_model_with_gradients(taichi):
+    taifuse.manual_seed(1)
+    rng = np.random.default_rng(11)
+    model = nn.Sequential(nn.Linear(12, 8, activation="relu"), nn.Linear(8, 3, bias=False))
+    assert len(list(model.parameters())) == 3
+    x = taifuse.tensor(rng.standard_normal((16, 12)).astype(np.float32))
+    y = taifuse.tensor(rng.integers(0, 3, 16))
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    return model
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_copies_nothing_to_or_from_the_host(taichi, norm_type):
+    """The norms, the coefficient and the scaling stay on the device; error_if_nonfinite reads the
+    total norm back once (PyTorch syncs then too)."""
+    from taifuse.optim import clip_grad_norm_
+
+    model = _three_parameter_model_with_gradients(taichi)
+    clip_grad_norm_(model.parameters(), 1e-3, norm_type=norm_type)  # compiles every kernel
+    for check in (False, True):
+        model = _three_parameter_model_with_gradients(taichi)
+        grads = [p.grad.numpy().astype(np.float64).ravel() for p in model.parameters()]
+        taichi.reset_transfer_stats()
+        total = clip_grad_norm_(model.parameters(), 1e-3, norm_type=norm_type, error_if_nonfinite=check)
+        stats = taichi.transfer_stats()
+        assert stats["host_to_device"] == 0, stats
+        assert stats["device_to_host"] == (1 if check else 0), stats
+        assert total.backend == "taichi" and total.dtype == np.float32 and total.shape == ()
+        flat = np.concatenate(grads)
+        want = (
+            np.max(np.abs(flat))
+            if math.isinf(norm_type)
+            else np.sum(np.abs(flat) ** norm_type) ** (1 / norm_type)
+        )
+        assert total.item() == pytest.approx(want, rel=1e-5)
+        coef = min(1.0, 1e-3 / (want + 1e-6))
+        for p, g in zip(model.parameters(), grads):
+            np.testing.assert_allclose(p.grad.numpy().ravel(), g * coef, rtol=1e-5, atol=1e-9)
+
+
 def test_backward_kernels_have_the_reference_signatures():
     import inspect
 
     from taifuse import backends
-    from taifuse.backends import reference, taichi_gpu
+    from taifuse.backends import reference
+    from taifuse.backends import taichi as taichi_gpu
 
     for name in backends.BACKWARD_KERNEL_NAMES:
         got = list(inspect.signature(getattr(taichi_gpu, name)).parameters)

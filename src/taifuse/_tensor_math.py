@@ -83,6 +83,22 @@ class HostMath:
         return np.negative(a, out=_buffer(a.shape, a.dtype))
 
     @staticmethod
+    def maximum(a: Any, b: Any) -> np.ndarray:
+        """Elementwise max; NaN where either operand is NaN."""
+        return _binary(np.maximum, a, b)
+
+    @staticmethod
+    def minimum(a: Any, b: Any) -> np.ndarray:
+        """Elementwise min; NaN where either operand is NaN."""
+        return _binary(np.minimum, a, b)
+
+    @staticmethod
+    def abs(a: np.ndarray) -> np.ndarray:
+        if not _floating(a):
+            return np.abs(a)
+        return np.abs(a, out=_buffer(a.shape, a.dtype))
+
+    @staticmethod
     def pow_scalar(a: np.ndarray, exponent: float) -> np.ndarray:
         # NOTE: x * x, not x ** 2: NumPy's float32 power is far slower (FACTS.md).
         if exponent == 2:
@@ -104,6 +120,13 @@ class HostMath:
             return np.asarray(np.sum(a, axis=axis, keepdims=keepdims, dtype=acc), dtype=a.dtype)
         out = _buffer(_reduced_shape(a.shape, axis, keepdims), a.dtype)
         np.sum(a, axis=axis, keepdims=keepdims, out=out)
+        return out
+
+    @staticmethod
+    def max(a: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool) -> np.ndarray:
+        """The largest element over ``axis``; NaN where a NaN is among them."""
+        out = _buffer(_reduced_shape(a.shape, axis, keepdims), a.dtype)
+        np.max(a, axis=axis, keepdims=keepdims, out=out)
         return out
 
     @staticmethod
@@ -187,7 +210,7 @@ def astype(m: Any, a: Any, dtype: Any) -> Any:
     cast = getattr(m, "astype", None)
     if cast is not None:
         return cast(a, dtype)
-    # NOTE: a device math without astype (TaichiMath for now) converts through the host: two transfers.
+    # NOTE: a device math without astype converts through the host: two transfers.
     return m.asarray(a, dtype)
 
 

@@ -38,7 +38,7 @@ TAICHI_ARCHES = ("metal", "vulkan", "cuda", "cpu")
 _MODULES = {
     "numpy": "taifuse.backends.reference",
     "numba": "taifuse.backends.numba",
-    "taichi": "taifuse.backends.taichi_gpu",
+    "taichi": "taifuse.backends.taichi",
 }
 _REQUIRES = {"numpy": "numpy", "numba": "numba", "taichi": "taichi"}
 _FALLBACK = {"taichi": "numba", "numba": "numpy"}

@@ -179,18 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"metal_check: Vulkan is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    from taifuse.backends._taichi_backward import all_kernels as backward_kernels
-    from taifuse.backends._taichi_kernels import all_kernels
-    from taifuse.backends._taichi_optim import optim_kernels
-    from taifuse.backends._taichi_tensor_math import all_kernels as tensor_math_kernels
+    from taifuse.backends.taichi import all_kernels
 
-    kernels = (
-        all_kernels()
-        + tensor_math_kernels()
-        + backward_kernels()
-        + optim_kernels()
-        + _selftest_kernels(args.selftest_f64, args.selftest_bindings)
-    )
+    kernels = all_kernels() + _selftest_kernels(args.selftest_f64, args.selftest_bindings)
     out_dir = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="taifuse-metal-check-"))
     print(f"metal_check: taichi {'.'.join(map(str, ti.__version__))}, {len(kernels)} kernels -> {out_dir}")
     problems = check(kernels, out_dir, msl=args.msl)

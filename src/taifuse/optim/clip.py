@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-from taifuse.tensor import Tensor, no_grad
+from taifuse._tensor_math import astype, math_for
+from taifuse.tensor import Tensor
 
 
 def clip_grad_norm_(
@@ -55,27 +58,57 @@ def clip_grad_norm_(
     if not grads:
         return _scalar(0.0)
     be = grads[0]._be
-    # Per-gradient norms in float64 on the host (the gradients are host arrays on numpy/numba).
-    hosts = [np.asarray(be.to_numpy(g._data), dtype=np.float64).reshape(-1) for g in grads]
-    if math.isinf(norm_type):
-        # np.max, not Python's max(): Python's keeps a NaN only when it comes first (every
-        # comparison with NaN is False), and a NaN anywhere must make the norm NaN, as in PyTorch.
-        total = float(np.max([np.max(np.abs(h)) if h.size else 0.0 for h in hosts]))
-    else:
-        total = float(sum(float(np.sum(np.abs(h) ** norm_type)) for h in hosts) ** (1.0 / norm_type))
-    if error_if_nonfinite and not math.isfinite(total):
-        raise RuntimeError(
-            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite ({total}), "
-            "so it cannot be clipped; pass error_if_nonfinite=False to scale by it anyway"
-        )
-    coef = float(max_norm) / (total + 1e-6)
-    coef = coef if (coef < 1.0 or math.isnan(coef)) else 1.0  # a NaN norm makes NaN gradients, as in PyTorch
+    # Through the backend's tensor math, so that on a device nothing leaves it (the total stays a
+    # 0-d array there); only error_if_nonfinite reads the total back, as PyTorch syncs then.
+    m = math_for(be)
     # NOTE: infinity * 0 and NaN * x are NaN, silently, as in PyTorch (the caller asked for them).
-    # In place, as PyTorch's mul_: a reference to a gradient sees the clipped values.
-    with np.errstate(invalid="ignore", over="ignore"), no_grad():
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = _total_norm(m, _accumulation_dtype(be), [g._data for g in grads], norm_type)
+    if error_if_nonfinite:
+        value = m.item(total)
+        if not math.isfinite(value):
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+                f"({value}), so it cannot be clipped; pass error_if_nonfinite=False to scale by it anyway"
+            )
+    with np.errstate(invalid="ignore", over="ignore"):
+        # min(1, max_norm / (total + 1e-6)); minimum keeps a NaN: a NaN norm makes NaN gradients, as in PyTorch.
+        coef = m.minimum(m.div(float(max_norm), m.add(total, 1e-6)), 1.0)
         for g in grads:
-            g *= coef
-    return Tensor._wrap(be.from_numpy(np.asarray(total, dtype=np.float32)), be)
+            # In place, as PyTorch's mul_: a reference to a gradient sees the clipped values.
+            m.mul_(g._data, coef if coef.dtype == g.dtype else astype(m, coef, g.dtype))
+    if total.dtype != np.float32:
+        total = astype(m, total, np.float32)
+    return Tensor._wrap(total, be)
+
+
+def _accumulation_dtype(be: ModuleType) -> np.dtype:
+    """float64 where the backend has it (the host backends); float32 on Taichi (Metal has no float64)."""
+    try:
+        be.check_dtype(np.dtype(np.float64), "clip_grad_norm_")
+    except TypeError:
+        return np.dtype(np.float32)
+    return np.dtype(np.float64)
+
+
+def _total_norm(m: Any, dtype: np.dtype, grads: list[Any], norm_type: float) -> Any:
+    """The ``norm_type``-norm of ``grads`` together, a 0-d array of ``dtype`` computed by ``m``."""
+    total = None
+    for g in grads:
+        if not g.size:
+            continue  # adds 0 to a sum, nothing to a max
+        a = g if g.dtype == dtype else astype(m, g, dtype)
+        if math.isinf(norm_type):
+            # max, not a Python max(): a NaN anywhere must make the norm NaN, as in PyTorch.
+            term = m.max(m.abs(a), None, False)
+            total = term if total is None else m.maximum(total, term)
+        else:
+            powered = m.mul(a, a) if norm_type == 2 else m.pow_scalar(m.abs(a), norm_type)
+            term = m.sum(powered, None, False)
+            total = term if total is None else m.add(total, term)
+    if total is None:
+        return m.full((), 0.0, dtype)
+    return total if math.isinf(norm_type) else m.pow_scalar(total, 1.0 / norm_type)
 
 
 def _scalar(value: float) -> Tensor:

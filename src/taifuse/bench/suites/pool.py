@@ -115,9 +115,9 @@ def _host_scratch_case(quick: bool) -> Case:
                 f"buf = tg.empty(({SCRATCH_ELEMENTS},), np.float32)\ndel buf",
                 result="None",
                 prepare='tg.init("cpu")',
-                imports=("numpy as np", "taifuse.backends.taichi_gpu as tg"),
+                imports=("numpy as np", "taifuse.backends.taichi as tg"),
                 same_result=False,
-                note="Taichi allocates and zero-fills a new ndarray (what taichi_gpu.empty does on a pool miss)",
+                note="Taichi allocates and zero-fills a new ndarray (what the taichi backend's empty does on a pool miss)",
             )
         )
     return Case(
@@ -140,7 +140,7 @@ def _host_scratch_case(quick: bool) -> Case:
 
 
 def _device_scratch_case(arch: str) -> Case:
-    imports = ("numpy as np", "taifuse.pool as pool", "taifuse.backends.taichi_gpu as tg")
+    imports = ("numpy as np", "taifuse.pool as pool", "taifuse.backends.taichi as tg")
     return Case(
         suite=SUITE,
         name=f"16 MiB device scratch (ti.{arch})",

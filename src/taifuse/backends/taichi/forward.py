@@ -1,23 +1,22 @@
-"""Taichi kernels of the ``taichi`` backend, one set per storage dtype (float32, float16).
+"""Forward kernels of the ``taichi`` backend and their wrappers (``taifuse.backends.KERNEL_NAMES``).
 
 Every kernel takes flat 1-D ndarrays plus plain ints for the logical dimensions, so each kernel
 object compiles exactly once per arch (ndarray arguments specialise on dtype and ndim only).
-float16 is storage only: values are converted to float32 on load and back on store.
+float16 is storage only: values are converted to float32 on load and back on store. The kernels
+are built per storage dtype by :func:`kernels_for` when first needed (Taichi must be running).
 
 Rules these kernels follow (see /work/shared/FACTS.md):
 
 * Loops are ``for i in range(n)``, never ``for i in x`` over an ndarray (that adds a modulo per
   element on ``ti.cpu``).
 * No Taichi autodiff: on the SPIR-V backends (Vulkan, Metal) it writes gradients into the primal
-  array. Backward kernels are written by hand elsewhere.
+  array. Backward kernels are written by hand (``backward.py``).
 * No float64 anywhere and no more than a handful of ndarray arguments per kernel: Metal has no
   f64 and 31 buffer bindings. ``taifuse.backends.metal_check`` proves both for every kernel here.
-* Transcendentals are built from ``ti.exp`` / ``ti.log`` / ``ti.sqrt`` only. ``tanh`` and ``erf``
-  are implemented here: Taichi has no ``erf``, and a driver's ``tanh`` under fast math may
-  overflow to NaN for large arguments.
+* Scalar math (gelu, tanh, erf...) is ``_math.py``'s, shared with the backward kernels.
 
-Row reductions (softmax, log_softmax, layer_norm) use one thread per row: simple and exact enough,
-but a GPU is underused when there are few long rows.
+Row reductions (softmax, log_softmax, layer_norm) use one thread per row on ``ti.cpu`` and one
+block per row on the GPU archs.
 """
 
 # NOTE: no `from __future__ import annotations` here: Taichi reads kernel annotations as objects.
@@ -26,10 +25,18 @@ import functools
 from types import SimpleNamespace
 
 import numpy as np
-import taichi as ti
 
-# Activation codes of the fused linear epilogue; index = position in reference.ACTIVATIONS.
-ACT_CODES = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+from taifuse.backends import reference
+from taifuse.backends._spec import activation_code
+from taifuse.backends.taichi._runtime import (
+    FLOAT_DTYPES,
+    DeviceArray,
+    _import_taichi,
+    _nd,
+    _on_gpu,
+    _optional,
+    _ti_dtype,
+)
 
 # Register tile of the linear kernel: each thread owns TILE_N x TILE_M outputs.
 TILE_N = 4
@@ -42,207 +49,34 @@ BLOCK_M = 64
 BLOCK_K = 16
 BLOCK_THREADS = (BLOCK_N // TILE_N) * (BLOCK_M // TILE_M)
 
-_SQRT_HALF = 0.7071067811865476
-_SQRT_2_OVER_PI = 0.7978845608028654
-
-# ----------------------------------------------------------------------------- scalar math (f32)
-
-
-@ti.func
-def _sigmoid(v: ti.f32) -> ti.f32:
-    e = ti.exp(-ti.abs(v))  # never overflows
-    r = 1.0 / (1.0 + e)
-    return ti.select(v >= 0.0, r, e * r)
-
-
-@ti.func
-def _tanh(v: ti.f32) -> ti.f32:
-    a = ti.abs(v)
-    r = 0.0
-    if a < 0.55:
-        # Taylor series to x**15: the next term is below 2.5e-8 relative for |x| < 0.55, and
-        # no cancellation of 1 - exp(-2|x|) as in the branch below.
-        z = a * a
-        p = -929569.0 / 638512875.0
-        p = p * z + 21844.0 / 6081075.0
-        p = p * z - 1382.0 / 155925.0
-        p = p * z + 62.0 / 2835.0
-        p = p * z - 17.0 / 315.0
-        p = p * z + 2.0 / 15.0
-        p = p * z - 1.0 / 3.0
-        r = a + a * z * p
-    else:
-        e = ti.exp(-2.0 * a)  # in (0, 0.33]: no overflow, no cancellation
-        r = (1.0 - e) / (1.0 + e)
-    # NaN fails `a < 0.55` and flows through exp, so it propagates.
-    return ti.select(v < 0.0, -r, r)
-
-
-@ti.func
-def _erfc_pos(z: ti.f32) -> ti.f32:
-    """erfc(z) for z >= 0 with relative error below 1.2e-7 in exact arithmetic (Numerical Recipes' erfcc)."""
-    t = 1.0 / (1.0 + 0.5 * z)
-    p = 0.17087277
-    p = p * t - 0.82215223
-    p = p * t + 1.48851587
-    p = p * t - 1.13520398
-    p = p * t + 0.27886807
-    p = p * t - 0.18628806
-    p = p * t + 0.09678418
-    p = p * t + 0.37409196
-    p = p * t + 1.00002368
-    p = p * t - 1.26551223
-    return t * ti.exp(p - z * z)
-
-
-@ti.func
-def _erf(z: ti.f32) -> ti.f32:
-    a = ti.abs(z)
-    r = 0.0
-    if a < 0.5:
-        # Maclaurin series to z**13: 1 - erfc would lose the relative accuracy near 0.
-        s = a * a
-        p = 1.0 / 75600.0
-        p = -p * s + 1.0 / 9360.0
-        p = p * s - 1.0 / 1320.0
-        p = p * s + 1.0 / 216.0
-        p = p * s - 1.0 / 42.0
-        p = p * s + 1.0 / 10.0
-        p = p * s - 1.0 / 3.0
-        r = 1.1283791670955126 * (a + a * s * p)
-    else:
-        r = 1.0 - _erfc_pos(a)
-    return ti.select(z < 0.0, -r, r)
-
-
-@ti.func
-def _normal_cdf(v: ti.f32) -> ti.f32:
-    # Phi(v) through erfc of |v|: 1 + erf(v / sqrt 2) would cancel for negative v and lose the
-    # relative accuracy of gelu's left tail.
-    c = 0.5 * _erfc_pos(ti.abs(v) * _SQRT_HALF)
-    return ti.select(v < 0.0, c, 1.0 - c)
-
-
-@ti.func
-def _gelu_erf(v: ti.f32) -> ti.f32:
-    return v * _normal_cdf(v)
-
-
-@ti.func
-def _gelu_tanh(v: ti.f32) -> ti.f32:
-    # 0.5 * (1 + tanh(u)) == sigmoid(2u): no cancellation for negative v.
-    u = _SQRT_2_OVER_PI * (v + 0.044715 * v * v * v)
-    return v * _sigmoid(2.0 * u)
-
-
-@ti.func
-def _relu(v: ti.f32) -> ti.f32:
-    return ti.select(v < 0.0, 0.0, v)  # NaN < 0 is false: NaN propagates
-
-
-@ti.func
-def _activate(v: ti.f32, act: ti.i32) -> ti.f32:
-    r = v
-    if act == 1:
-        r = _relu(v)
-    elif act == 2:
-        r = _gelu_erf(v)
-    elif act == 3:
-        r = _gelu_tanh(v)
-    elif act == 4:
-        r = v * _sigmoid(v)
-    return r
-
-
-@ti.func
-def _hash32(v: ti.u32) -> ti.u32:
-    # reference.hash32 ("lowbias32"); u32 multiplication wraps mod 2**32 as in the reference.
-    v ^= ti.bit_shr(v, 16)
-    v *= ti.u32(0x7FEB352D)
-    v ^= ti.bit_shr(v, 15)
-    v *= ti.u32(0x846CA68B)
-    v ^= ti.bit_shr(v, 16)
-    return v
-
-
-# Row sums run in three levels of at most SUM_BLOCK terms each (a fixed-shape pairwise sum): a plain
-# float32 running sum of n similar terms drifts by up to ~n/2 ulp, and Kahan's compensation would be
-# optimised away under fast math.
-SUM_BLOCK = 256
-SUM_TERM_VALUE, SUM_TERM_EXP, SUM_TERM_SQUARE = 0, 1, 2
-
-
-@ti.func
-def _row_sum(
-    x: ti.template(), base: ti.i32, stride: ti.i32, n: ti.i32, shift: ti.f32, term: ti.template()
-) -> ti.f32:
-    """sum over c < n of f(x[base + c * stride] - shift), f = identity, exp or square (by ``term``)."""
-    blocks = (n + SUM_BLOCK - 1) // SUM_BLOCK
-    total = 0.0
-    for hi in range((blocks + SUM_BLOCK - 1) // SUM_BLOCK):
-        mid = 0.0
-        for lo in range(hi * SUM_BLOCK, ti.min(hi * SUM_BLOCK + SUM_BLOCK, blocks)):
-            inner = 0.0
-            for c in range(lo * SUM_BLOCK, ti.min(lo * SUM_BLOCK + SUM_BLOCK, n)):
-                v = ti.cast(x[base + c * stride], ti.f32) - shift
-                if ti.static(term == SUM_TERM_EXP):
-                    v = ti.exp(v)
-                if ti.static(term == SUM_TERM_SQUARE):
-                    v = v * v
-                inner += v
-            mid += inner
-        total += mid
-    return total
-
-
-# Row reductions on GPU archs: one block of ROW_THREADS threads per row, each thread striding over the
-# row, then a tree reduction in threadgroup memory. ti.cpu keeps one thread per row.
-ROW_THREADS = 128
-
-
-@ti.func
-def _block_reduce(red: ti.template(), tid: ti.i32, v: ti.f32, is_max: ti.template()) -> ti.f32:
-    """Max or sum of ``v`` over the ROW_THREADS threads of a block; every thread must call it."""
-    red[tid] = v
-    ti.simt.block.sync()
-    for step in ti.static([64, 32, 16, 8, 4, 2, 1]):
-        if tid < step:
-            if ti.static(is_max):
-                red[tid] = ti.max(red[tid], red[tid + step])
-            else:
-                red[tid] = red[tid] + red[tid + step]
-        ti.simt.block.sync()
-    r = red[0]
-    ti.simt.block.sync()  # red is reused by the next reduction
-    return r
-
-
-# ----------------------------------------------------------------------------- kernel factory
-
-_TI_DTYPES = {np.dtype(np.float32): ti.f32, np.dtype(np.float16): ti.f16}
+# ----------------------------------------------------------------------------- kernels
 
 
 @functools.cache
 def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     """The kernel set for storage dtype ``dtype`` (float32 or float16), built once per process."""
-    T = _TI_DTYPES[np.dtype(dtype)]
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
+
+    T = _ti_dtype(dtype)
+    ROW_THREADS = M.ROW_THREADS
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
 
     @ti.kernel
     def gelu_erf(x: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(_gelu_erf(ti.cast(x[i], ti.f32)), T)
+            out[i] = ti.cast(M.gelu_erf(ti.cast(x[i], ti.f32)), T)
 
     @ti.kernel
     def gelu_tanh(x: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(_gelu_tanh(ti.cast(x[i], ti.f32)), T)
+            out[i] = ti.cast(M.gelu_tanh(ti.cast(x[i], ti.f32)), T)
 
     @ti.kernel
     def relu(x: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(_relu(ti.cast(x[i], ti.f32)), T)
+            out[i] = ti.cast(M.relu(ti.cast(x[i], ti.f32)), T)
 
     @ti.kernel
     def leaky_relu(x: X, out: X, n: ti.i32, slope: ti.f32):
@@ -254,27 +88,27 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     def silu(x: X, out: X, n: ti.i32):
         for i in range(n):
             v = ti.cast(x[i], ti.f32)
-            out[i] = ti.cast(v * _sigmoid(v), T)
+            out[i] = ti.cast(v * M.sigmoid(v), T)
 
     @ti.kernel
     def sigmoid(x: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(_sigmoid(ti.cast(x[i], ti.f32)), T)
+            out[i] = ti.cast(M.sigmoid(ti.cast(x[i], ti.f32)), T)
 
     @ti.kernel
     def tanh(x: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(_tanh(ti.cast(x[i], ti.f32)), T)
+            out[i] = ti.cast(M.tanh(ti.cast(x[i], ti.f32)), T)
 
     @ti.kernel
     def add_relu(a: X, b: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(_relu(ti.cast(a[i], ti.f32) + ti.cast(b[i], ti.f32)), T)
+            out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) + ti.cast(b[i], ti.f32)), T)
 
     @ti.kernel
     def mul_relu(a: X, b: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(_relu(ti.cast(a[i], ti.f32) * ti.cast(b[i], ti.f32)), T)
+            out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) * ti.cast(b[i], ti.f32)), T)
 
     @ti.kernel
     def affine(x: X, scale: X, bias: X, out: X, rows: ti.i32, cols: ti.i32):
@@ -286,7 +120,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     @ti.kernel
     def dropout(x: X, out: X, n: ti.i32, key: ti.u32, threshold: ti.u32, scale: ti.f32):
         for i in range(n):
-            keep = ti.bit_shr(_hash32(ti.cast(i, ti.u32) ^ key), 8) >= threshold
+            keep = ti.bit_shr(M.hash32(ti.cast(i, ti.u32) ^ key), 8) >= threshold
             out[i] = ti.cast(ti.cast(x[i], ti.f32) * ti.select(keep, scale, 0.0), T)
 
     @ti.kernel
@@ -322,7 +156,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     v = acc[i, j]
                     if has_bias != 0:
                         v += ti.cast(b[m0 + j], ti.f32)
-                    out[(n0 + i) * m_cols + m0 + j] = ti.cast(_activate(v, act), T)
+                    out[(n0 + i) * m_cols + m0 + j] = ti.cast(M.activate(v, act), T)
 
     @ti.kernel
     def linear_act_shared(
@@ -382,7 +216,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     v = acc[i, j]
                     if has_bias != 0:
                         v += ti.cast(b[m], ti.f32)
-                    out[n * m_cols + m] = ti.cast(_activate(v, act), T)
+                    out[n * m_cols + m] = ti.cast(M.activate(v, act), T)
 
     @ti.kernel
     def softmax(x: X, out: X, a_dim: ti.i32, c_dim: ti.i32, b_dim: ti.i32, log: ti.i32):
@@ -392,7 +226,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             m = -ti.math.inf
             for c in range(c_dim):
                 m = ti.max(m, ti.cast(x[base + c * b_dim], ti.f32))
-            s = _row_sum(x, base, b_dim, c_dim, m, SUM_TERM_EXP)
+            s = M.row_sum(x, base, b_dim, c_dim, m, M.SUM_TERM_EXP)
             if log != 0:
                 # (x - m) - log(s), not x - (m + log(s)): m + log(s) would round at |m|'s scale.
                 log_s = ti.log(s)
@@ -422,8 +256,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         # One thread per row, two passes (mean, then centred variance: no E[x^2] - E[x]^2 cancellation).
         for r in range(rows):
             base = r * cols
-            mu = _row_sum(x, base, 1, cols, 0.0, SUM_TERM_VALUE) / cols
-            q = _row_sum(x, base, 1, cols, mu, SUM_TERM_SQUARE)
+            mu = M.row_sum(x, base, 1, cols, 0.0, M.SUM_TERM_VALUE) / cols
+            q = M.row_sum(x, base, 1, cols, mu, M.SUM_TERM_SQUARE)
             inv = 1.0 / ti.sqrt(q / cols + eps)
             mean[r] = mu
             rstd[r] = inv
@@ -437,7 +271,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
 
     @ti.kernel
     def softmax_rows(x: X, out: X, a_dim: ti.i32, c_dim: ti.i32, b_dim: ti.i32, log: ti.i32):
-        # softmax for GPU archs: one block per (a, b) row; see ROW_THREADS.
+        # softmax for GPU archs: one block per (a, b) row; see ROW_THREADS in _math.py.
         ti.loop_config(block_dim=ROW_THREADS)
         for g in range(a_dim * b_dim * ROW_THREADS):
             tid = g % ROW_THREADS
@@ -450,8 +284,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             m = -ti.math.inf
             for j in range(mine):
                 m = ti.max(m, ti.cast(x[start + j * stride], ti.f32))
-            m = _block_reduce(red, tid, m, True)
-            s = _block_reduce(red, tid, _row_sum(x, start, stride, mine, m, SUM_TERM_EXP), False)
+            m = M.block_reduce(red, tid, m, True)
+            s = M.block_reduce(red, tid, M.row_sum(x, start, stride, mine, m, M.SUM_TERM_EXP), False)
             if log != 0:
                 log_s = ti.log(s)  # see softmax: subtract m first
                 for j in range(mine):
@@ -477,7 +311,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         has_weight: ti.i32,
         has_bias: ti.i32,
     ):
-        # layer_norm for GPU archs: one block per row; see ROW_THREADS.
+        # layer_norm for GPU archs: one block per row; see ROW_THREADS in _math.py.
         ti.loop_config(block_dim=ROW_THREADS)
         for g in range(rows * ROW_THREADS):
             tid = g % ROW_THREADS
@@ -486,10 +320,10 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             mine = (cols - tid + ROW_THREADS - 1) // ROW_THREADS
             start = r * cols + tid
             mu = (
-                _block_reduce(red, tid, _row_sum(x, start, ROW_THREADS, mine, 0.0, SUM_TERM_VALUE), False)
+                M.block_reduce(red, tid, M.row_sum(x, start, ROW_THREADS, mine, 0.0, M.SUM_TERM_VALUE), False)
                 / cols
             )
-            q = _block_reduce(red, tid, _row_sum(x, start, ROW_THREADS, mine, mu, SUM_TERM_SQUARE), False)
+            q = M.block_reduce(red, tid, M.row_sum(x, start, ROW_THREADS, mine, mu, M.SUM_TERM_SQUARE), False)
             inv = 1.0 / ti.sqrt(q / cols + eps)
             if tid == 0:
                 mean[r] = mu
@@ -525,21 +359,140 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
 
 
 def all_kernels() -> list[tuple[str, object]]:
-    """Every (name, kernel) pair the backend may launch, in every dtype specialisation it uses."""
+    """Every (name, kernel) pair the forward wrappers may launch, in every dtype specialisation."""
     pairs = []
-    for dtype in _TI_DTYPES:
+    for dtype in FLOAT_DTYPES:
         for name, kernel in vars(kernels_for(dtype)).items():
             pairs.append((f"{name}_{dtype.name}", kernel))
     return pairs
 
 
-# ----------------------------------------------------------------------------- test probes
+# ----------------------------------------------------------------------------- wrappers
 
 
-@ti.kernel
-def erf_probe(
-    z: ti.types.ndarray(dtype=ti.f32, ndim=1), out: ti.types.ndarray(dtype=ti.f32, ndim=1), n: ti.i32
-):
-    """out = erf(z) through the f32 implementation the kernels use, to measure its error."""
-    for i in range(n):
-        out[i] = _erf(z[i])
+def _k(arr: DeviceArray) -> SimpleNamespace:
+    return kernels_for(arr.dtype)
+
+
+def gelu(x: DeviceArray, out: DeviceArray, approximate: str) -> None:
+    k = _k(x)
+    (k.gelu_tanh if approximate == "tanh" else k.gelu_erf)(_nd(x), _nd(out), x.size)
+
+
+def relu(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).relu(_nd(x), _nd(out), x.size)
+
+
+def leaky_relu(x: DeviceArray, out: DeviceArray, negative_slope: float) -> None:
+    _k(x).leaky_relu(_nd(x), _nd(out), x.size, float(negative_slope))
+
+
+def silu(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).silu(_nd(x), _nd(out), x.size)
+
+
+def sigmoid(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).sigmoid(_nd(x), _nd(out), x.size)
+
+
+def tanh(x: DeviceArray, out: DeviceArray) -> None:
+    _k(x).tanh(_nd(x), _nd(out), x.size)
+
+
+def add_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
+    _k(a).add_relu(_nd(a), _nd(b), _nd(out), a.size)
+
+
+def mul_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
+    _k(a).mul_relu(_nd(a), _nd(b), _nd(out), a.size)
+
+
+def affine(x: DeviceArray, scale: DeviceArray, bias: DeviceArray, out: DeviceArray) -> None:
+    rows, cols = x.shape
+    _k(x).affine(_nd(x), _nd(scale), _nd(bias), _nd(out), rows, cols)
+
+
+def linear_act(
+    x: DeviceArray,
+    w: DeviceArray,
+    b: DeviceArray | None,
+    activation: str | None,
+    out: DeviceArray,
+    pre: DeviceArray | None = None,
+) -> None:
+    code = activation_code(activation)
+    if pre is not None:
+        # Two launches: the tiled product with the bias into pre, then the activation kernel.
+        linear_act(x, w, b, None, pre)
+        if activation is None:
+            linear_act(x, w, b, None, out)
+        elif activation in ("gelu", "gelu_tanh"):
+            gelu(pre, out, "tanh" if activation == "gelu_tanh" else "none")
+        else:
+            {"relu": relu, "silu": silu}[activation](pre, out)
+        return
+    n_rows, k_dim = x.shape
+    m_cols = w.shape[0]
+    kernels = _k(x)
+    kernel = kernels.linear_act_shared if _on_gpu() else kernels.linear_act
+    # With k_dim = 0, x and w are empty (no storage) and the kernels' K loops read nothing: a
+    # stand-in gets them launched, and out is activation(bias), or zeros without a bias.
+    kernel(
+        _optional(x if k_dim else None, x.dtype),
+        _optional(w if k_dim else None, x.dtype),
+        _optional(b, x.dtype),
+        _nd(out),
+        n_rows,
+        m_cols,
+        k_dim,
+        int(b is not None),
+        int(code),
+    )
+
+
+def softmax(x: DeviceArray, out: DeviceArray) -> None:
+    k = _k(x)
+    (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 0)
+
+
+def log_softmax(x: DeviceArray, out: DeviceArray) -> None:
+    k = _k(x)
+    (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 1)
+
+
+def layer_norm(
+    x: DeviceArray,
+    weight: DeviceArray | None,
+    bias: DeviceArray | None,
+    eps: float,
+    out: DeviceArray,
+    mean: DeviceArray,
+    rstd: DeviceArray,
+) -> None:
+    rows, cols = x.shape
+    k = _k(x)
+    (k.layer_norm_rows if _on_gpu() else k.layer_norm)(
+        _nd(x),
+        _optional(weight, x.dtype),
+        _optional(bias, x.dtype),
+        _nd(out),
+        _nd(mean),
+        _nd(rstd),
+        rows,
+        cols,
+        float(eps),
+        int(weight is not None),
+        int(bias is not None),
+    )
+
+
+def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
+    # Key, threshold and scale come from the reference, so the mask is bit-identical to it.
+    _k(x).dropout(
+        _nd(x),
+        _nd(out),
+        x.size,
+        reference.dropout_key(seed),
+        reference.dropout_threshold(p),
+        reference.dropout_scale(p),
+    )

@@ -1,15 +1,14 @@
-"""The Taichi backend: taifuse's kernels on Taichi's Metal arch (and Vulkan, CUDA or CPU).
+"""The bottom of the taichi backend: the runtime, :class:`DeviceArray` and the array API.
 
 Data lives on the device in :class:`DeviceArray` (a flat ``ti.Ndarray`` with a logical shape).
 Host<->device copies happen only in :func:`from_numpy`, :func:`to_numpy` and
-:meth:`DeviceArray.numpy`, and each one is counted (:func:`transfer_stats`), so a test can prove
-that a training step copies nothing but its loss back.
+:meth:`DeviceArray.numpy` (and the optimizer's 4-byte finiteness flag), and each one is counted
+through :func:`_count_transfer` (:func:`transfer_stats`), so a test can prove that a training
+step copies nothing but its loss back.
 
 Metal has no float64: :func:`check_dtype` refuses it with a ``TypeError`` instead of casting.
-On Linux the same kernels run on ``ti.vulkan`` (lavapipe), which shares Metal's SPIR-V codegen;
-``python -m taifuse.backends.metal_check`` compiles every kernel with only Metal's capabilities.
-
-Taichi is imported and initialised in :func:`init`, never at import time.
+Taichi is imported and initialised in :func:`init`, never at import time. This module imports
+nothing of ``taifuse.backends.taichi``: every other module of the package imports it.
 
 # NOTE [ Re-initialising Taichi ]
 # ``ti.init`` tears down the previous runtime and every ndarray it owned. A DeviceArray created
@@ -29,15 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from taifuse.backends import reference
-
 NAME = "taichi"
 
 _ARCH_NAMES = ("metal", "vulkan", "cuda", "cpu")
-_SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+# The float storage dtypes; every kernel set is built once for each (float16 is storage only).
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+# Integer data (class indices) is stored as int32: NOTE [ Class indices on the device ] in backward.py.
+INDEX_DTYPE = np.dtype(np.int32)
+# NumPy dtype -> the name of its Taichi type (resolved by _ti_dtype once Taichi is imported).
+_TI_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", INDEX_DTYPE: "i32"}
 # Kernels index with 32-bit ints (64-bit indices are slow or missing on some GPUs).
 _MAX_ELEMENTS = 2**31 - 1
 
+# Mutated in place, never rebound: the package re-exports this very dict.
 _state: dict[str, Any] = {
     "ti": None,  # the taichi module, once imported
     "requested": None,  # arch name the caller asked for
@@ -45,6 +48,7 @@ _state: dict[str, Any] = {
     "program": None,  # Taichi's Program object we initialised (detects foreign ti.init calls)
     "generation": 0,  # bumped on every (re-)initialisation; see NOTE [ Re-initialising Taichi ]
 }
+# Written only by _count_transfer.
 _transfers = {"host_to_device": 0, "device_to_host": 0, "bytes_host_to_device": 0, "bytes_device_to_host": 0}
 _dummies: dict[np.dtype, Any] = {}  # 1-element stand-ins for absent optional arrays (bias=None)
 _storage_class: type | None = None
@@ -116,6 +120,11 @@ def _require_init() -> None:
         raise RuntimeError("the taichi backend is not initialised; call init(arch=...) first")
 
 
+def _on_gpu() -> bool:
+    # Threadgroup memory exists on the GPU archs only: ti.cpu runs the kernels without it.
+    return _state["requested"] != "cpu"
+
+
 def describe() -> dict:
     """Versions and arches: what was asked for and what Taichi actually runs on."""
     info: dict[str, Any] = {"backend": NAME, "requested_arch": _state["requested"], "arch": _state["actual"]}
@@ -133,6 +142,12 @@ def sync() -> None:
 # ----------------------------------------------------------------------------- transfers
 
 
+def _count_transfer(direction: str, nbytes: int) -> None:
+    """Count one host<->device copy; ``direction`` is ``'host_to_device'`` or ``'device_to_host'``."""
+    _transfers[direction] += 1
+    _transfers[f"bytes_{direction}"] += int(nbytes)
+
+
 def transfer_stats() -> dict[str, int]:
     """Host<->device copies since the last :func:`reset_transfer_stats`: counts and bytes."""
     return dict(_transfers)
@@ -145,6 +160,11 @@ def reset_transfer_stats() -> None:
 
 
 # ----------------------------------------------------------------------------- DeviceArray
+
+
+def _ti_dtype(dtype: np.dtype):
+    """The Taichi type of a supported NumPy dtype (Taichi must be imported)."""
+    return getattr(_state["ti"], _TI_DTYPES[np.dtype(dtype)])
 
 
 def _make_storage(ti_dtype, n: int):
@@ -183,9 +203,9 @@ class DeviceArray:
     Example::
 
         >>> import numpy as np
-        >>> from taifuse.backends import taichi_gpu as tg
-        >>> tg.init("cpu")
-        >>> a = tg.from_numpy(np.arange(6, dtype=np.float32))
+        >>> from taifuse.backends import taichi
+        >>> taichi.init("cpu")
+        >>> a = taichi.from_numpy(np.arange(6, dtype=np.float32))
         >>> a.reshape((2, 3)).numpy()
         array([[0., 1., 2.],
                [3., 4., 5.]], dtype=float32)
@@ -240,8 +260,7 @@ class DeviceArray:
     def numpy(self) -> np.ndarray:
         """Copy to a new host ``numpy.ndarray`` (one counted device-to-host transfer)."""
         storage = self._ndarray()
-        _transfers["device_to_host"] += 1
-        _transfers["bytes_device_to_host"] += self.nbytes
+        _count_transfer("device_to_host", self.nbytes)
         if storage is None:
             return np.empty(self.shape, dtype=self.dtype)
         return storage.to_numpy().reshape(self.shape)
@@ -267,7 +286,7 @@ class DeviceArray:
 def check_dtype(dtype: np.dtype, argname: str) -> None:
     """Accept float32 and float16; refuse float64 (Metal has none) and everything else."""
     dtype = np.dtype(dtype)
-    if dtype in _SUPPORTED_DTYPES:
+    if dtype in FLOAT_DTYPES:
         return
     if dtype == np.float64:
         raise TypeError(
@@ -279,17 +298,6 @@ def check_dtype(dtype: np.dtype, argname: str) -> None:
 
 def is_array(obj: object) -> bool:
     return isinstance(obj, DeviceArray)
-
-
-# Integer data (class indices) is stored as int32: NOTE [ Class indices on the device ] in _taichi_backward.py.
-INDEX_DTYPE = np.dtype(np.int32)
-
-
-def _ti_dtype(dtype: np.dtype):
-    ti = _state["ti"]
-    if dtype == INDEX_DTYPE:
-        return ti.i32
-    return ti.f32 if dtype == np.float32 else ti.f16
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
@@ -318,8 +326,7 @@ def from_numpy(a: np.ndarray) -> DeviceArray:
     else:
         check_dtype(a.dtype, "from_numpy: array")
     out = empty(a.shape, a.dtype)
-    _transfers["host_to_device"] += 1
-    _transfers["bytes_host_to_device"] += a.nbytes
+    _count_transfer("host_to_device", a.nbytes)
     if out.size:
         out._storage.from_numpy(np.ascontiguousarray(a).reshape(-1))
     return out
@@ -330,13 +337,7 @@ def to_numpy(a: DeviceArray) -> np.ndarray:
     return a.numpy()
 
 
-# ----------------------------------------------------------------------------- kernels
-
-
-def _k(arr: DeviceArray):
-    from taifuse.backends._taichi_kernels import kernels_for
-
-    return kernels_for(arr.dtype)
+# ----------------------------------------------------------------------------- kernel arguments
 
 
 def _nd(arr: DeviceArray):
@@ -347,164 +348,7 @@ def _optional(arr: DeviceArray | None, dtype: np.dtype):
     """The ndarray for an optional argument, or a 1-element stand-in (never read) when absent."""
     if arr is not None:
         return _nd(arr)
+    dtype = np.dtype(dtype)
     if dtype not in _dummies:
         _dummies[dtype] = _make_storage(_ti_dtype(dtype), 1)
     return _dummies[dtype]
-
-
-def gelu(x: DeviceArray, out: DeviceArray, approximate: str) -> None:
-    k = _k(x)
-    (k.gelu_tanh if approximate == "tanh" else k.gelu_erf)(_nd(x), _nd(out), x.size)
-
-
-def relu(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).relu(_nd(x), _nd(out), x.size)
-
-
-def leaky_relu(x: DeviceArray, out: DeviceArray, negative_slope: float) -> None:
-    _k(x).leaky_relu(_nd(x), _nd(out), x.size, float(negative_slope))
-
-
-def silu(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).silu(_nd(x), _nd(out), x.size)
-
-
-def sigmoid(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).sigmoid(_nd(x), _nd(out), x.size)
-
-
-def tanh(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).tanh(_nd(x), _nd(out), x.size)
-
-
-def add_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
-    _k(a).add_relu(_nd(a), _nd(b), _nd(out), a.size)
-
-
-def mul_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
-    _k(a).mul_relu(_nd(a), _nd(b), _nd(out), a.size)
-
-
-def affine(x: DeviceArray, scale: DeviceArray, bias: DeviceArray, out: DeviceArray) -> None:
-    rows, cols = x.shape
-    _k(x).affine(_nd(x), _nd(scale), _nd(bias), _nd(out), rows, cols)
-
-
-def linear_act(
-    x: DeviceArray,
-    w: DeviceArray,
-    b: DeviceArray | None,
-    activation: str | None,
-    out: DeviceArray,
-    pre: DeviceArray | None = None,
-) -> None:
-    from taifuse.backends._taichi_kernels import ACT_CODES
-
-    if activation not in ACT_CODES:
-        raise ValueError(f"activation should be one of {tuple(ACT_CODES)}, got {activation!r}")
-    if pre is not None:
-        # Two launches: the tiled product with the bias into pre, then the activation kernel.
-        linear_act(x, w, b, None, pre)
-        if activation is None:
-            linear_act(x, w, b, None, out)
-        elif activation in ("gelu", "gelu_tanh"):
-            gelu(pre, out, "tanh" if activation == "gelu_tanh" else "none")
-        else:
-            {"relu": relu, "silu": silu}[activation](pre, out)
-        return
-    n_rows, k_dim = x.shape
-    m_cols = w.shape[0]
-    kernels = _k(x)
-    kernel = kernels.linear_act_shared if _on_gpu() else kernels.linear_act
-    # With k_dim = 0, x and w are empty (no storage) and the kernels' K loops read nothing: a
-    # stand-in gets them launched, and out is activation(bias), or zeros without a bias.
-    kernel(
-        _optional(x if k_dim else None, x.dtype),
-        _optional(w if k_dim else None, x.dtype),
-        _optional(b, x.dtype),
-        _nd(out),
-        n_rows,
-        m_cols,
-        k_dim,
-        int(b is not None),
-        ACT_CODES[activation],
-    )
-
-
-def _on_gpu() -> bool:
-    # Threadgroup memory exists on the GPU archs only: ti.cpu runs the kernels without it.
-    return _state["requested"] != "cpu"
-
-
-def softmax(x: DeviceArray, out: DeviceArray) -> None:
-    k = _k(x)
-    (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 0)
-
-
-def log_softmax(x: DeviceArray, out: DeviceArray) -> None:
-    k = _k(x)
-    (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 1)
-
-
-def layer_norm(
-    x: DeviceArray,
-    weight: DeviceArray | None,
-    bias: DeviceArray | None,
-    eps: float,
-    out: DeviceArray,
-    mean: DeviceArray,
-    rstd: DeviceArray,
-) -> None:
-    rows, cols = x.shape
-    k = _k(x)
-    (k.layer_norm_rows if _on_gpu() else k.layer_norm)(
-        _nd(x),
-        _optional(weight, x.dtype),
-        _optional(bias, x.dtype),
-        _nd(out),
-        _nd(mean),
-        _nd(rstd),
-        rows,
-        cols,
-        float(eps),
-        int(weight is not None),
-        int(bias is not None),
-    )
-
-
-def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
-    # Key, threshold and scale come from the reference, so the mask is bit-identical to it.
-    _k(x).dropout(
-        _nd(x),
-        _nd(out),
-        x.size,
-        reference.dropout_key(seed),
-        reference.dropout_threshold(p),
-        reference.dropout_scale(p),
-    )
-
-
-# ----------------------------------------------------------------------------- autograd layer
-# NOTE: imported at the end (they import this module lazily); the kernels compile on first use.
-from taifuse.backends._taichi_backward import (  # noqa: F401
-    add_relu_backward,
-    affine_backward,
-    cross_entropy,
-    cross_entropy_backward,
-    dropout_backward,
-    gelu_backward,
-    layer_norm_backward,
-    leaky_relu_backward,
-    linear_act_backward,
-    log_softmax_backward,
-    mse_loss,
-    mse_loss_backward,
-    mul_relu_backward,
-    relu_backward,
-    sigmoid_backward,
-    silu_backward,
-    softmax_backward,
-    tanh_backward,
-)
-from taifuse.backends._taichi_optim import adam_step, all_finite, lion_step, sgd_step  # noqa: F401 (optimizer kernels)
-from taifuse.backends._taichi_tensor_math import TENSOR_MATH  # noqa: F401

@@ -3,11 +3,11 @@
 The Taichi counterpart of ``taifuse._tensor_math.HostMath`` (same methods, same NumPy
 semantics: broadcasting, Python scalars, ``sum`` over an axis tuple with float32 accumulation), so
 that a Tensor's data never leaves the device. Every method runs Taichi kernels on the flat
-``ti.Ndarray`` storage of a DeviceArray; only :meth:`TaichiMath.to_numpy` and
-:meth:`TaichiMath.item` copy to the host (counted in ``taichi_gpu.transfer_stats``).
+``ti.Ndarray`` storage of a DeviceArray; only :meth:`TaichiMath.to_numpy`, :meth:`TaichiMath.item`
+and casts from or to integers copy to the host (counted in ``transfer_stats``).
 
-Every result is allocated by :func:`_new`, the one allocation path of this module (and of
-``_taichi_backward``), so that a buffer pool can take it over in one place.
+Every result and scratch buffer comes from the device's buffer pool through :func:`_new`, the one
+allocation path of this module and of ``backward.py``.
 
 # NOTE [ Strided views in kernels ]
 # DeviceArrays are always C-contiguous, but a kernel may read one through any strides: broadcasting
@@ -15,11 +15,11 @@ Every result is allocated by :func:`_new`, the one allocation path of this modul
 # adjacent dimensions that are contiguous for every operand (and drops size-1 dimensions), then
 # pads to MAX_DIMS; a kernel decomposes each flat output index over that padded shape. So
 # ``broadcast_to``, ``transpose`` and broadcasting arithmetic are one gather each, and ``matmul``
-# reads a transposed operand without copying it (``_taichi_backward`` uses that for linear's
+# reads a transposed operand without copying it (``backward.py`` uses that for linear's
 # weight gradient).
 #
 # NOTE [ Loop limits in reductions ]
-# lavapipe stops a shader invocation after ~65k loop iterations in total (notes/taichi_backend.md),
+# lavapipe stops a shader invocation after ~65k loop iterations in total (measured on lavapipe),
 # and a long float32 running sum drifts. So ``sum`` never lets one thread add more than
 # REDUCE_CHUNK terms: a pass sums chunks of REDUCE_CHUNK into float32 partials, and passes repeat
 # until one value per output is left (a tree with REDUCE_CHUNK-way nodes).
@@ -35,26 +35,36 @@ from typing import Any
 
 import numpy as np
 
+from taifuse import backends, pool
+from taifuse.backends.taichi._runtime import (
+    FLOAT_DTYPES,
+    _import_taichi,
+    _nd,
+    _ti_dtype,
+    from_numpy,
+    is_array,
+)
+
 MAX_DIMS = 6  # dimensions a kernel indexes after merging (NOTE [ Strided views in kernels ])
 REDUCE_CHUNK = 256  # terms one thread adds per reduction pass (NOTE [ Loop limits in reductions ])
 # Register tile of matmul: each thread owns TILE x TILE outputs.
 TILE = 4
 
-OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_POW = 0, 1, 2, 3, 4
-_OP_NAMES = {OP_ADD: "add", OP_SUB: "sub", OP_MUL: "mul", OP_DIV: "div"}
+OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_MAX, OP_MIN = 0, 1, 2, 3, 4, 5
+_OP_NAMES = {OP_ADD: "add", OP_SUB: "sub", OP_MUL: "mul", OP_DIV: "div", OP_MAX: "maximum", OP_MIN: "minimum"}
 # pow_scalar modes for a negative base: NumPy gives +|a|^e (even integer e), -|a|^e (odd), nan (else).
 POW_EVEN, POW_ODD, POW_FRACTIONAL = 0, 1, 2
 
 
-def _backend() -> ModuleType:
-    from taifuse.backends import taichi_gpu
+def _table() -> ModuleType:
+    # The backend's table (the package), which the pool is keyed by. The package imports this
+    # module, so it is looked up by name when a buffer is needed, never imported here.
+    return backends.get_module("taichi")
 
-    return taichi_gpu
 
-
-def _new(be: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
-    """Allocate a result array: the one allocation path of the Taichi tensor math and backward kernels."""
-    return be.empty(tuple(int(s) for s in shape), np.dtype(dtype))
+def _new(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A result or scratch buffer from the pool (its contents are stale: write every element)."""
+    return pool.empty(_table(), tuple(int(s) for s in shape), np.dtype(dtype))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -63,11 +73,10 @@ def _new(be: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
 @functools.cache
 def kernels_for(dtype: Any) -> SimpleNamespace:
     """The tensor-math kernels for storage dtype ``dtype`` (float32 or float16), built once per process."""
-    import taichi as ti
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
 
-    from taifuse.backends._taichi_kernels import _TI_DTYPES
-
-    T = _TI_DTYPES[np.dtype(dtype)]
+    T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
     V = ti.types.vector(MAX_DIMS, ti.i32)
@@ -81,8 +90,12 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             r = u - v
         elif op == OP_MUL:
             r = u * v
-        else:
+        elif op == OP_DIV:
             r = u / v
+        elif op == OP_MAX:
+            r = M.nan_max(u, v)
+        else:
+            r = M.nan_min(u, v)
         return r
 
     @ti.func
@@ -139,7 +152,13 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                     r = -r
                 elif negative_mode == POW_FRACTIONAL:
                     r = ti.math.nan
-            out[i] = ti.cast(r, T)
+            # Vulkan's fast-math pow returns 0 for a NaN base; NumPy (and a NaN norm) keep the NaN.
+            out[i] = ti.cast(ti.select(M.is_nan(u), ti.math.nan, r), T)
+
+    @ti.kernel
+    def abs_(a: X, out: X, n: ti.i32):
+        for i in range(n):
+            out[i] = ti.cast(ti.abs(ti.cast(a[i], ti.f32)), T)
 
     @ti.kernel
     def gather(a: X, out: X, n: ti.i32, shape: V, sa: V):
@@ -156,9 +175,14 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         for i in range(n):
             out[i] = ti.cast(src[i], T)
 
-    def make_reduce(IN, OUT, OUT_T):
+    @ti.kernel
+    def cast_to_f32(src: X, out: F32, n: ti.i32):
+        for i in range(n):
+            out[i] = ti.cast(src[i], ti.f32)
+
+    def make_reduce(IN, OUT, OUT_T, is_max):
         @ti.kernel
-        def reduce_sum(
+        def reduce(
             x: IN,
             out: OUT,
             n_out: ti.i32,
@@ -170,17 +194,24 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             rstride: V,
             scale: ti.f32,
         ):
-            # out[o * chunks + c] = scale * sum of terms c*REDUCE_CHUNK ... of output o's reduced set.
+            # out[o * chunks + c] = scale * the sum (or the NaN-propagating max) of terms
+            # c*REDUCE_CHUNK ... of output o's reduced set.
             for t in range(n_out * chunks):
                 o = t // chunks
                 c = t % chunks
                 base = _offset(o, kshape, kstride)
                 s = 0.0
+                if ti.static(is_max):
+                    s = -ti.math.inf
                 for r in range(c * REDUCE_CHUNK, ti.min(c * REDUCE_CHUNK + REDUCE_CHUNK, r_total)):
-                    s += ti.cast(x[base + _offset(r, rshape, rstride)], ti.f32)
+                    v = ti.cast(x[base + _offset(r, rshape, rstride)], ti.f32)
+                    if ti.static(is_max):
+                        s = M.nan_max(s, v)
+                    else:
+                        s += v
                 out[t] = ti.cast(s * scale, OUT_T)
 
-        return reduce_sum
+        return reduce
 
     @ti.kernel
     def matmul(
@@ -236,22 +267,25 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         inplace=inplace,
         inplace_scalar=inplace_scalar,
         pow_scalar=pow_scalar,
+        abs=abs_,
         gather=gather,
         fill=fill,
         cast_from_f32=cast_from_f32,
-        reduce_to_f32=make_reduce(X, F32, ti.f32),
-        reduce_from_f32=make_reduce(F32, X, T),
-        reduce_same=make_reduce(X, X, T),
+        cast_to_f32=cast_to_f32,
+        reduce_to_f32=make_reduce(X, F32, ti.f32, False),
+        reduce_from_f32=make_reduce(F32, X, T, False),
+        reduce_same=make_reduce(X, X, T, False),
+        max_to_f32=make_reduce(X, F32, ti.f32, True),
+        max_from_f32=make_reduce(F32, X, T, True),
+        max_same=make_reduce(X, X, T, True),
         matmul=matmul,
     )
 
 
 def all_kernels() -> list:
     """Every (name, kernel) pair TaichiMath may launch, for ``metal_check``."""
-    from taifuse.backends._taichi_kernels import _TI_DTYPES
-
     pairs = []
-    for dtype in _TI_DTYPES:
+    for dtype in FLOAT_DTYPES:
         for name, kernel in vars(kernels_for(dtype)).items():
             pairs.append((f"tm_{name}_{dtype.name}", kernel))
     return pairs
@@ -292,14 +326,9 @@ def _merge(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[Any, ...]
             f"the taichi backend indexes at most {MAX_DIMS} non-contiguous dimensions, got shape {shape}"
         )
     dims = [(1, [0] * len(strides))] * (MAX_DIMS - len(dims)) + dims
-    import taichi as ti
-
+    ti = _import_taichi()
     out_shape = ti.Vector([n for n, _ in dims], dt=ti.i32)
     return (out_shape,) + tuple(ti.Vector([st[j] for _, st in dims], dt=ti.i32) for j in range(len(strides)))
-
-
-def _nd(arr: Any) -> Any:
-    return arr._ndarray()
 
 
 def _is_number(v: Any) -> bool:
@@ -308,7 +337,7 @@ def _is_number(v: Any) -> bool:
 
 # NOTE [ No integer arithmetic ]
 # Integer DeviceArrays are int32 class indices (NOTE [ Class indices on the device ] in
-# _taichi_backward.py). Arithmetic on them is refused, not emulated: Metal has no 64-bit integers,
+# backward.py). Arithmetic on them is refused, not emulated: Metal has no 64-bit integers,
 # so the int64 results PyTorch (and the host backends) give could not be matched, and int32 results
 # would wrap where theirs do not; the same reason float64 is refused rather than cast. Views
 # (reshape) and copies to the host stay available.
@@ -334,13 +363,15 @@ def reduce_into(
     red_shape: tuple[int, ...],
     red_strides: tuple[int, ...],
     scale: float = 1.0,
+    *,
+    take_max: bool = False,
 ) -> None:
     """out[o] = scale * sum over the reduced index set of ``x``, in float32 (NOTE [ Loop limits in reductions ]).
 
-    ``x`` (float32 or the dtype of ``out``) is read at kept offset + reduced offset; ``out`` is
-    C-contiguous with ``prod(kept_shape)`` elements. Nothing may be empty.
+    With ``take_max`` it is the largest term instead (NaN when any term is NaN, as NumPy's max),
+    and ``scale`` must be 1. ``x`` (float32 or the dtype of ``out``) is read at kept offset +
+    reduced offset; ``out`` is C-contiguous with ``prod(kept_shape)`` elements. Nothing may be empty.
     """
-    be = _backend()
     n_out = math.prod(kept_shape)
     r_total = math.prod(red_shape)
     kshape, kstride = _merge(tuple(kept_shape), tuple(kept_strides))
@@ -351,16 +382,17 @@ def reduce_into(
         src_k = kernels_for(src.dtype)
         if chunks == 1:
             if src.dtype == out.dtype:
-                kernel = src_k.reduce_same
+                kernel = src_k.max_same if take_max else src_k.reduce_same
             else:  # float32 partials into a float16 result
-                kernel = kernels_for(out.dtype).reduce_from_f32
+                out_k = kernels_for(out.dtype)
+                kernel = out_k.max_from_f32 if take_max else out_k.reduce_from_f32
             kernel(_nd(src), _nd(out), n_out, 1, r_total, kshape, kstride, rshape, rstride, float(scale))
             return
-        partial = _new(be, (n_out, chunks), np.float32)
-        src_k.reduce_to_f32(
+        partial = _new((n_out, chunks), np.float32)
+        (src_k.max_to_f32 if take_max else src_k.reduce_to_f32)(
             _nd(src), _nd(partial), n_out, chunks, r_total, kshape, kstride, rshape, rstride, 1.0
         )
-        # The next pass sums each output's row of float32 partials.
+        # The next pass reduces each output's row of float32 partials.
         src, r_total = partial, chunks
         kshape, kstride = _merge((n_out,), (chunks,))
         rshape, rstride = _merge((chunks,), (1,))
@@ -379,12 +411,25 @@ class TaichiMath:
 
     @staticmethod
     def asarray(data: Any, dtype: np.dtype | None) -> Any:
-        be = _backend()
-        if be.is_array(data):
+        if is_array(data):
             if dtype is None or np.dtype(dtype) == data.dtype:
                 return TaichiMath.copy(data)
             data = data.numpy()
-        return be.from_numpy(np.array(data, dtype=dtype, order="C", copy=True))
+        return from_numpy(np.array(data, dtype=dtype, order="C", copy=True))
+
+    @staticmethod
+    def astype(a: Any, dtype: Any) -> Any:
+        """A copy of ``a`` in ``dtype``: float16 <-> float32 on the device, other casts through the host."""
+        dtype = np.dtype(dtype)
+        if a.dtype not in FLOAT_DTYPES or dtype not in FLOAT_DTYPES or dtype == a.dtype:
+            return TaichiMath.asarray(a, dtype)
+        out = _new(a.shape, dtype)
+        if out.size:
+            if dtype == np.float32:
+                kernels_for(a.dtype).cast_to_f32(_nd(a), _nd(out), out.size)
+            else:
+                kernels_for(dtype).cast_from_f32(_nd(a), _nd(out), out.size)
+        return out
 
     @staticmethod
     def to_numpy(a: Any) -> np.ndarray:
@@ -392,20 +437,19 @@ class TaichiMath:
 
     @staticmethod
     def _binary(a: Any, b: Any, op: int) -> Any:
-        be = _backend()
         if _is_number(a) and _is_number(b):
             raise TypeError("taichi tensor math needs at least one DeviceArray operand")
         _require_float(_OP_NAMES[op], ("left operand", a), ("right operand", b))
         if _is_number(b) or _is_number(a):
             arr, s, reverse = (a, b, 0) if _is_number(b) else (b, a, 1)
-            out = _new(be, arr.shape, arr.dtype)
+            out = _new(arr.shape, arr.dtype)
             if out.size:
                 kernels_for(arr.dtype).binary_scalar(_nd(arr), float(s), _nd(out), op, out.size, reverse)
             return out
         if a.dtype != b.dtype:
             raise TypeError(f"operands have dtypes {a.dtype} and {b.dtype}")
         shape = tuple(np.broadcast_shapes(a.shape, b.shape))
-        out = _new(be, shape, a.dtype)
+        out = _new(shape, a.dtype)
         if not out.size:
             return out
         k = kernels_for(a.dtype)
@@ -439,11 +483,29 @@ class TaichiMath:
         return TaichiMath._binary(a, -1.0, OP_MUL)
 
     @staticmethod
+    def maximum(a: Any, b: Any) -> Any:
+        """Elementwise max; NaN where either operand is NaN (as NumPy's ``maximum``)."""
+        return TaichiMath._binary(a, b, OP_MAX)
+
+    @staticmethod
+    def minimum(a: Any, b: Any) -> Any:
+        """Elementwise min; NaN where either operand is NaN (as NumPy's ``minimum``)."""
+        return TaichiMath._binary(a, b, OP_MIN)
+
+    @staticmethod
+    def abs(a: Any) -> Any:
+        _require_float("abs", ("operand", a))
+        out = _new(a.shape, a.dtype)
+        if out.size:
+            kernels_for(a.dtype).abs(_nd(a), _nd(out), out.size)
+        return out
+
+    @staticmethod
     def pow_scalar(a: Any, exponent: float) -> Any:
         _require_float("pow", ("operand", a))
         if exponent == 2:
             return TaichiMath._binary(a, a, OP_MUL)
-        out = _new(_backend(), a.shape, a.dtype)
+        out = _new(a.shape, a.dtype)
         if out.size:
             e = float(exponent)
             if e.is_integer():
@@ -465,7 +527,7 @@ class TaichiMath:
         if k != k_b:
             raise ValueError(f"matmul: shapes {a.shape} and {b.shape} are not aligned")
         batch_shape = tuple(np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
-        out = _new(_backend(), batch_shape + (n, m), a.dtype)
+        out = _new(batch_shape + (n, m), a.dtype)
         if out.size:
             matmul_into(
                 a2, b2, out, batch_shape,
@@ -478,11 +540,23 @@ class TaichiMath:
 
     @staticmethod
     def sum(a: Any, axis: tuple[int, ...] | None, keepdims: bool) -> Any:
-        _require_float("sum", ("operand", a))
+        return TaichiMath._reduce("sum", a, axis, keepdims)
+
+    @staticmethod
+    def max(a: Any, axis: tuple[int, ...] | None, keepdims: bool) -> Any:
+        """The largest element over ``axis``; NaN where a NaN is among them (as NumPy's ``max``)."""
+        return TaichiMath._reduce("max", a, axis, keepdims)
+
+    @staticmethod
+    def _reduce(op: str, a: Any, axis: tuple[int, ...] | None, keepdims: bool) -> Any:
+        _require_float(op, ("operand", a))
         axes = tuple(range(a.ndim)) if axis is None else tuple(d % max(a.ndim, 1) for d in axis)
         kept = tuple(n for d, n in enumerate(a.shape) if d not in axes)
+        red = tuple(n for d, n in enumerate(a.shape) if d in axes)
+        if op == "max" and math.prod(red) == 0:
+            raise ValueError(f"max: the reduced axes {axes} of shape {a.shape} are empty: a max of nothing")
         shape = tuple(1 if d in axes else n for d, n in enumerate(a.shape)) if keepdims else kept
-        out = _new(_backend(), shape, a.dtype)
+        out = _new(shape, a.dtype)
         if not out.size:
             return out
         if not a.size:  # a sum over nothing is 0
@@ -494,8 +568,9 @@ class TaichiMath:
             out,
             kept,
             tuple(s for d, s in enumerate(strides) if d not in axes),
-            tuple(n for d, n in enumerate(a.shape) if d in axes),
+            red,
             tuple(s for d, s in enumerate(strides) if d in axes),
+            take_max=op == "max",
         )
         return out
 
@@ -508,7 +583,7 @@ class TaichiMath:
         _require_float("transpose", ("operand", a))
         axes = tuple(reversed(range(a.ndim))) if axes is None else tuple(axes)
         shape = tuple(a.shape[d] for d in axes)
-        out = _new(_backend(), shape, a.dtype)
+        out = _new(shape, a.dtype)
         if out.size:
             strides = _contiguous_strides(a.shape)
             geo = _merge(shape, tuple(strides[d] for d in axes))
@@ -523,7 +598,7 @@ class TaichiMath:
             return a
         if tuple(np.broadcast_shapes(a.shape, shape)) != shape:
             raise ValueError(f"broadcast_to: cannot broadcast shape {a.shape} to {shape}")
-        out = _new(_backend(), shape, a.dtype)
+        out = _new(shape, a.dtype)
         if out.size:
             geo = _merge(shape, _broadcast_strides(a.shape, shape))
             kernels_for(a.dtype).gather(_nd(a), _nd(out), out.size, *geo)
@@ -531,7 +606,7 @@ class TaichiMath:
 
     @staticmethod
     def full(shape: tuple[int, ...], value: float, dtype: Any) -> Any:
-        out = _new(_backend(), shape, dtype)
+        out = _new(shape, dtype)
         if out.size:
             kernels_for(out.dtype).fill(_nd(out), float(value), out.size)
         return out
@@ -539,7 +614,7 @@ class TaichiMath:
     @staticmethod
     def copy(a: Any) -> Any:
         _require_float("copy", ("operand", a))
-        out = _new(_backend(), a.shape, a.dtype)
+        out = _new(a.shape, a.dtype)
         if out.size:
             kernels_for(a.dtype).binary_scalar(_nd(a), 1.0, _nd(out), OP_MUL, out.size, 0)
         return out

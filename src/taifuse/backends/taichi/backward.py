@@ -1,8 +1,9 @@
 """Backward and loss kernels of the taichi backend (``taifuse.backends.BACKWARD_KERNEL_NAMES``).
 
-Signatures and math are the reference's (``reference.py``, "Backward and loss kernels"); the
-NumPy/Numba versions are ``reference.py`` and ``_numba_backward.py``. Written by hand: Taichi's
-autodiff writes gradients into the primal array on the SPIR-V backends (FACTS.md).
+Signatures and math are the reference's (``backends/reference/backward.py``), which is also the
+NumPy version. Written by hand: Taichi's autodiff writes gradients into the primal array on the
+SPIR-V backends (Vulkan, Metal). Activation derivatives switch on ``_spec.Activation`` codes
+(``_math.activation_grad``).
 
 Fused where the forward is fused:
 
@@ -16,11 +17,12 @@ Fused where the forward is fused:
   elementwise pass ``g * (exp(x - lse) - onehot)`` (log_softmax + nll fused).
 
 Column sums (bias, layer_norm weight/bias, losses' mean/sum) go through
-``_taichi_tensor_math.reduce_into``: no thread adds more than a bounded number of terms
-(NOTE [ Loop limits in reductions ] there).
+``tensor_math.reduce_into``: no thread adds more than a bounded number of terms
+(NOTE [ Loop limits in reductions ] there). Scratch buffers come from the pool
+(``tensor_math._new``).
 
 # NOTE [ Class indices on the device ]
-# Integer arrays on the taichi backend are int32 DeviceArrays (``taichi_gpu.from_numpy`` converts
+# Integer arrays on the taichi backend are int32 DeviceArrays (``from_numpy`` converts
 # integer data, refusing values outside int32): Metal has 64-bit integers only as an optional
 # capability, and class indices never need them. ``cross_entropy`` therefore takes an int32
 # target here. A target already on the device is not range-checked on the host (that would be a
@@ -31,37 +33,20 @@ Column sums (bias, layer_norm weight/bias, losses' mean/sum) go through
 # NOTE: no `from __future__ import annotations`: Taichi reads kernel annotations as objects.
 
 import functools
-import math
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from taifuse.backends import _taichi_tensor_math as tm
-from taifuse.backends._taichi_tensor_math import _broadcast_strides, _merge, _nd, _new
+from taifuse.backends._spec import Activation, activation_code, gelu_code
+from taifuse.backends.taichi import forward
+from taifuse.backends.taichi import tensor_math as tm
+from taifuse.backends.taichi._runtime import FLOAT_DTYPES, _import_taichi, _nd, _on_gpu, _optional, _ti_dtype
+from taifuse.backends.taichi.tensor_math import _broadcast_strides, _merge, _new
 
-# Activation-derivative codes of act_backward: 0-4 are _taichi_kernels.ACT_CODES (input x), then
-# leaky_relu (input x) and the two that read the forward output y.
-ACT_LEAKY_RELU, ACT_SIGMOID_FROM_Y, ACT_TANH_FROM_Y = 5, 6, 7
 # Rows per thread in the column-sum passes (bias and layer_norm parameter gradients).
 COL_CHUNK = 64
 _REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
-
-
-def _backend():
-    from taifuse.backends import taichi_gpu
-
-    return taichi_gpu
-
-
-def _act_codes() -> dict:
-    from taifuse.backends._taichi_kernels import ACT_CODES
-
-    return ACT_CODES
-
-
-def _on_gpu() -> bool:
-    return _backend()._on_gpu()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -70,46 +55,22 @@ def _on_gpu() -> bool:
 @functools.cache
 def kernels_for(dtype: Any) -> SimpleNamespace:
     """Elementwise and column-pass backward kernels for storage dtype ``dtype``, built once per process."""
-    import taichi as ti
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
 
-    from taifuse.backends import _taichi_kernels as K
-
-    T = K._TI_DTYPES[np.dtype(dtype)]
+    T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
     I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
-    inv_sqrt_2pi = 1.0 / math.sqrt(2.0 * math.pi)
-
-    @ti.func
-    def _act_grad(v: ti.f32, code: ti.i32, slope: ti.f32) -> ti.f32:
-        d = 1.0
-        if code == 1:
-            d = ti.select(v > 0.0, 1.0, 0.0)
-        elif code == 2:
-            d = K._normal_cdf(v) + v * inv_sqrt_2pi * ti.exp(-0.5 * v * v)
-        elif code == 3:
-            # gelu_tanh = v * sigmoid(2u): d = s + 2 v s (1 - s) u', no cancellation for negative v.
-            u = K._SQRT_2_OVER_PI * (v + 0.044715 * v * v * v)
-            du = K._SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * v * v)
-            s = K._sigmoid(2.0 * u)
-            d = s + 2.0 * v * s * (1.0 - s) * du
-        elif code == 4:
-            s = K._sigmoid(v)
-            d = s * (1.0 + v * (1.0 - s))
-        elif code == ACT_LEAKY_RELU:
-            d = ti.select(v > 0.0, 1.0, slope)
-        elif code == ACT_SIGMOID_FROM_Y:
-            d = v * (1.0 - v)
-        elif code == ACT_TANH_FROM_Y:
-            d = 1.0 - v * v
-        return d
+    IDENTITY, RELU, LEAKY_RELU = M.IDENTITY, M.RELU, M.LEAKY_RELU
 
     @ti.kernel
     def act_backward(x: X, g: X, gi: X, n: ti.i32, code: ti.i32, slope: ti.f32):
+        # x is the op's input, or its output y for SIGMOID and TANH (M.activation_grad).
         for i in range(n):
             gv = ti.cast(g[i], ti.f32)
-            r = gv * _act_grad(ti.cast(x[i], ti.f32), code, slope)
-            if code == 1 or code == ACT_LEAKY_RELU:
+            r = gv * M.activation_grad(ti.cast(x[i], ti.f32), code, slope)
+            if code == RELU or code == LEAKY_RELU:
                 # A select, not a product: 0 * inf would be nan where the reference gives 0.
                 r = ti.select(ti.cast(x[i], ti.f32) > 0.0, gv, gv * slope)
             gi[i] = ti.cast(r, T)
@@ -146,12 +107,12 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             for r in range(ch * COL_CHUNK, ti.min(ch * COL_CHUNK + COL_CHUNK, rows)):
                 i = r * cols + c
                 d = ti.cast(g[i], ti.f32)
-                if act != 0:
+                if act != IDENTITY:
                     pv = ti.cast(pre[i], ti.f32)
-                    if act == 1:
+                    if act == RELU:
                         d = ti.select(pv > 0.0, d, 0.0)
                     else:
-                        d *= _act_grad(pv, act, 0.0)
+                        d *= M.activation_grad(pv, act, 0.0)
                 gpre[i] = ti.cast(d, T)
                 s += d
             if want_bias != 0:
@@ -250,23 +211,22 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
 @functools.cache
 def row_kernels_for(dtype: Any, gpu: bool) -> SimpleNamespace:
     """Row-reduction backward kernels: one thread per row (``gpu=False``) or one block per row."""
-    import taichi as ti
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
 
-    from taifuse.backends import _taichi_kernels as K
-
-    T = K._TI_DTYPES[np.dtype(dtype)]
+    T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
     I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
-    TH = K.ROW_THREADS if gpu else 1
-    SB = K.SUM_BLOCK
+    TH = M.ROW_THREADS if gpu else 1
+    SB = M.SUM_BLOCK
 
     @ti.func
     def _combine(tid: ti.i32, v: ti.f32, is_max: ti.template()) -> ti.f32:
         r = v
         if ti.static(gpu):
             red = ti.simt.block.SharedArray((TH,), ti.f32)
-            r = K._block_reduce(red, tid, v, is_max)
+            r = M.block_reduce(red, tid, v, is_max)
         return r
 
     @ti.func
@@ -274,7 +234,7 @@ def row_kernels_for(dtype: Any, gpu: bool) -> SimpleNamespace:
         a: ti.template(), b: ti.template(), start: ti.i32, stride: ti.i32, n: ti.i32, dot: ti.template()
     ) -> ti.f32:
         # sum_j a[start + j * stride] (* b[...] when dot), in three levels of SUM_BLOCK terms: a
-        # plain float32 running sum over a long row drifts (see _taichi_kernels._row_sum).
+        # plain float32 running sum over a long row drifts (see _math.row_sum).
         blocks = (n + SB - 1) // SB
         total = 0.0
         for hi in range((blocks + SB - 1) // SB):
@@ -368,7 +328,7 @@ def row_kernels_for(dtype: Any, gpu: bool) -> SimpleNamespace:
                 for j in range(mine):
                     m = ti.max(m, ti.cast(x[start + j * TH], ti.f32))
                 m = _combine(tid, m, True)
-                s = _combine(tid, K._row_sum(x, start, TH, mine, m, K.SUM_TERM_EXP), False)
+                s = _combine(tid, M.row_sum(x, start, TH, mine, m, M.SUM_TERM_EXP), False)
                 if tid == 0:
                     log_s = ti.log(s)
                     lse[r] = m + log_s
@@ -390,10 +350,8 @@ def row_kernels_for(dtype: Any, gpu: bool) -> SimpleNamespace:
 
 def all_kernels() -> list:
     """Every (name, kernel) pair of this module, in every specialisation, for ``metal_check``."""
-    from taifuse.backends._taichi_kernels import _TI_DTYPES
-
     pairs = []
-    for dtype in _TI_DTYPES:
+    for dtype in FLOAT_DTYPES:
         for name, kernel in vars(kernels_for(dtype)).items():
             pairs.append((f"bw_{name}_{dtype.name}", kernel))
         for gpu in (False, True):
@@ -405,20 +363,16 @@ def all_kernels() -> list:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _optional(arr: Any, dtype: Any) -> Any:
-    return _backend()._optional(arr, np.dtype(dtype))
-
-
 def _dummy_f32() -> Any:
-    return _backend()._optional(None, np.dtype(np.float32))
+    return _optional(None, np.float32)
 
 
 def _chunks(rows: int) -> int:
     return -(-rows // COL_CHUNK)
 
 
-def _act(x: Any, grad_out: Any, grad_in: Any, code: int, slope: float = 0.0) -> None:
-    kernels_for(x.dtype).act_backward(_nd(x), _nd(grad_out), _nd(grad_in), x.size, code, float(slope))
+def _act(x: Any, grad_out: Any, grad_in: Any, code: Activation, slope: float = 0.0) -> None:
+    kernels_for(x.dtype).act_backward(_nd(x), _nd(grad_out), _nd(grad_in), x.size, int(code), float(slope))
 
 
 def _reduction_scale(grad_out: Any, reduction: str, count: int) -> tuple:
@@ -432,31 +386,31 @@ def _reduction_scale(grad_out: Any, reduction: str, count: int) -> tuple:
 
 
 def gelu_backward(x: Any, grad_out: Any, grad_in: Any, approximate: str) -> None:
-    _act(x, grad_out, grad_in, _act_codes()["gelu_tanh" if approximate == "tanh" else "gelu"])
+    _act(x, grad_out, grad_in, gelu_code(approximate))
 
 
 def relu_backward(x: Any, grad_out: Any, grad_in: Any) -> None:
-    _act(x, grad_out, grad_in, _act_codes()["relu"])
+    _act(x, grad_out, grad_in, Activation.RELU)
 
 
 def leaky_relu_backward(x: Any, grad_out: Any, grad_in: Any, negative_slope: float) -> None:
-    _act(x, grad_out, grad_in, ACT_LEAKY_RELU, negative_slope)
+    _act(x, grad_out, grad_in, Activation.LEAKY_RELU, negative_slope)
 
 
 def silu_backward(x: Any, grad_out: Any, grad_in: Any) -> None:
-    _act(x, grad_out, grad_in, _act_codes()["silu"])
+    _act(x, grad_out, grad_in, Activation.SILU)
 
 
 def sigmoid_backward(y: Any, grad_out: Any, grad_in: Any) -> None:
-    _act(y, grad_out, grad_in, ACT_SIGMOID_FROM_Y)
+    _act(y, grad_out, grad_in, Activation.SIGMOID)  # takes the output y: sigmoid' = y (1 - y)
 
 
 def tanh_backward(y: Any, grad_out: Any, grad_in: Any) -> None:
-    _act(y, grad_out, grad_in, ACT_TANH_FROM_Y)
+    _act(y, grad_out, grad_in, Activation.TANH)  # takes the output y: tanh' = 1 - y^2
 
 
 def add_relu_backward(y: Any, grad_out: Any, grad_in: Any) -> None:
-    _act(y, grad_out, grad_in, _act_codes()["relu"])
+    _act(y, grad_out, grad_in, Activation.RELU)  # relu(a + b) > 0 exactly where a + b > 0
 
 
 def mul_relu_backward(a: Any, b: Any, grad_out: Any, grad_a: Any | None, grad_b: Any | None) -> None:
@@ -483,11 +437,10 @@ def _column_grads(
     """grad_gx[c] = sum_r g * xhat, grad_g[c] = sum_r g (xhat = x, or normalised when mean is given)."""
     if grad_gx is None and grad_g is None:
         return
-    be = _backend()
     rows, cols = x.shape
     chunks = _chunks(rows)
-    p_g = _new(be, (chunks, cols), np.float32) if grad_g is not None else None
-    p_gx = _new(be, (chunks, cols), np.float32) if grad_gx is not None else None
+    p_g = _new((chunks, cols), np.float32) if grad_g is not None else None
+    p_gx = _new((chunks, cols), np.float32) if grad_gx is not None else None
     kernels_for(x.dtype).col_partials(
         _nd(g),
         _nd(x),
@@ -537,10 +490,9 @@ def linear_act_backward(
     grad_w: Any | None,
     grad_b: Any | None,
 ) -> None:
-    be = _backend()
     rows, cols = grad_out.shape
     chunks = _chunks(rows)
-    partial = _new(be, (chunks, cols), np.float32) if grad_b is not None else None
+    partial = _new((chunks, cols), np.float32) if grad_b is not None else None
     kernels_for(x.dtype).bias_act_backward(
         _optional(pre, x.dtype),
         _nd(grad_out),
@@ -549,7 +501,7 @@ def linear_act_backward(
         rows,
         cols,
         chunks,
-        _act_codes()[activation],
+        int(activation_code(activation)),
         int(partial is not None),
     )
     if partial is not None:
@@ -599,7 +551,7 @@ def layer_norm_backward(
 
 def dropout_backward(grad_out: Any, grad_in: Any, p: float, seed: int) -> None:
     # The forward kernel on grad_out: the mask is regenerated from (index, seed).
-    _backend().dropout(grad_out, grad_in, p, seed)
+    forward.dropout(grad_out, grad_in, p, seed)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -611,7 +563,7 @@ def mse_loss(input: Any, target: Any, out: Any, reduction: str) -> None:
     if reduction == "none":
         k.squared_error(_nd(input), _nd(target), _nd(out), n)
         return
-    squares = _new(_backend(), (n,), np.float32)
+    squares = _new((n,), np.float32)
     k.squared_error_f32(_nd(input), _nd(target), _nd(squares), n)
     tm.reduce_into(squares, out, (), (), (n,), (1,), 1.0 / n if reduction == "mean" else 1.0)
 
@@ -624,13 +576,13 @@ def mse_loss_backward(input: Any, target: Any, grad_out: Any, grad_in: Any, redu
 
 
 def cross_entropy(logits: Any, target: Any, out: Any, reduction: str, lse: Any) -> None:
-    """See reference.cross_entropy; ``target`` is an int32 DeviceArray (NOTE [ Class indices on the device ])."""
+    """See the reference's cross_entropy; ``target`` is an int32 DeviceArray (NOTE [ Class indices on the device ])."""
     rows, cols = logits.shape
     k = row_kernels_for(logits.dtype, _on_gpu())
     if reduction == "none":
         k.cross_entropy(_nd(logits), _nd(target), _nd(out), _nd(lse), rows, cols)
         return
-    losses = _new(_backend(), (rows,), np.float32)
+    losses = _new((rows,), np.float32)
     k.cross_entropy_f32(_nd(logits), _nd(target), _nd(losses), _nd(lse), rows, cols)
     tm.reduce_into(losses, out, (), (), (rows,), (1,), 1.0 / rows if reduction == "mean" else 1.0)
 

@@ -1,18 +1,18 @@
 """The Taichi backend's fused optimizer kernels (``taifuse.backends.OPTIM_KERNEL_NAMES``).
 
-Same signatures and semantics as ``reference/optim.py``, on :class:`~taifuse.backends.taichi_gpu.DeviceArray`
+Same signatures and semantics as ``reference/optim.py``, on :class:`~taifuse.backends.taichi.DeviceArray`
 flat buffers: parameters, gradients and optimizer state stay on the device, and one step is one
 kernel launch over the whole run, with no host copy. The only value that comes back to the host
-is the 4-byte answer of :func:`all_finite`, one per step (counted by ``taichi_gpu.transfer_stats``).
+is the 4-byte answer of :func:`all_finite`, one per step (counted in ``transfer_stats``).
 
 float32 and float16 storage (float16 computes in float32); float64 is refused by the backend's
-``check_dtype`` before any kernel runs. Like ``_taichi_kernels``, every kernel takes flat 1-D
+``check_dtype`` before any kernel runs. Like the forward kernels, every kernel takes flat 1-D
 ndarrays and plain scalars, so each compiles once per arch, and none binds more than five
 buffers (Metal allows 31). ``python -m taifuse.backends.metal_check`` compiles them with Metal's
 capabilities only.
 
-Taichi is imported when a kernel is first needed (this module is imported by ``taichi_gpu``,
-which must not import Taichi at import time).
+Taichi is imported when a kernel is first needed (the package must not import Taichi at import
+time).
 """
 
 # NOTE: no `from __future__ import annotations`: Taichi reads kernel annotations as objects.
@@ -22,19 +22,26 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from taifuse.backends.reference.optim import adam_scalars, lerp_weight_is_small
+from taifuse.backends.reference.optim import AdamHyper, adam_coefficients
+from taifuse.backends.taichi._runtime import (
+    FLOAT_DTYPES,
+    _count_transfer,
+    _import_taichi,
+    _make_storage,
+    _nd,
+    _optional,
+    _state,
+    _ti_dtype,
+)
 
-__all__ = ["adam_step", "all_finite", "lion_step", "optim_kernels", "sgd_step"]
-
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+__all__ = ["adam_step", "all_finite", "all_kernels", "lion_step", "sgd_step"]
 
 
 @functools.cache
 def _kernels(dtype: np.dtype) -> SimpleNamespace:
     """The optimizer kernels for storage dtype ``dtype``, built once per process."""
-    import taichi as ti
-
-    T = ti.f32 if dtype == np.float32 else ti.f16
+    ti = _import_taichi()
+    T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
     I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
 
@@ -143,36 +150,29 @@ def _kernels(dtype: np.dtype) -> SimpleNamespace:
     )
 
 
-def optim_kernels() -> list:
+def all_kernels() -> list:
     """Every (name, kernel) pair this module may launch, per storage dtype (for ``metal_check``)."""
     pairs = []
-    for dtype in _DTYPES:
+    for dtype in FLOAT_DTYPES:
         for name, kernel in vars(_kernels(dtype)).items():
             pairs.append((f"optim_{name}_{dtype.name}", kernel))
     return pairs
-
-
-def _tg():
-    from taifuse.backends import taichi_gpu
-
-    return taichi_gpu
 
 
 def sgd_step(
     param, grad, momentum_buffer, lr, momentum, dampening, weight_decay, nesterov, maximize, first_step
 ):
     """SGD with momentum in one kernel launch (see ``reference.optim.sgd_step``)."""
-    tg = _tg()
     n = param.size
     if n == 0:
         return
     k = _kernels(param.dtype)
     common = (n, float(-lr), -1.0 if maximize else 1.0, float(weight_decay), int(weight_decay != 0))
     if momentum == 0:
-        k.sgd_plain(tg._nd(param), tg._nd(grad), *common)
+        k.sgd_plain(_nd(param), _nd(grad), *common)
         return
     k.sgd_momentum(
-        tg._nd(param), tg._nd(grad), tg._nd(momentum_buffer), *common,
+        _nd(param), _nd(grad), _nd(momentum_buffer), *common,
         float(momentum), float(1.0 - dampening), int(bool(nesterov)), int(bool(first_step)),
     )  # fmt: skip
 
@@ -194,30 +194,28 @@ def adam_step(
     maximize,
 ):
     """Adam / AdamW in one kernel launch (see ``reference.optim.adam_step``)."""
-    tg = _tg()
     n = param.size
     if n == 0:
         return
-    step_size, bc2 = adam_scalars(step, lr, beta1, beta2)
-    w = 1.0 - beta1
-    vmax = tg._nd(max_exp_avg_sq) if amsgrad else tg._optional(None, param.dtype)
+    hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
+    # Taichi rounds each float to the kernel's f32 argument once, as in_precision does for the host.
+    c = adam_coefficients(hyper, step)
+    vmax = _nd(max_exp_avg_sq) if amsgrad else _optional(None, param.dtype)
     _kernels(param.dtype).adam(
-        tg._nd(param), tg._nd(grad), tg._nd(exp_avg), tg._nd(exp_avg_sq), vmax, n,
-        float(-step_size), float(bc2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
-        float(w), float(1.0 - w), int(lerp_weight_is_small(w)), float(beta2), float(1.0 - beta2),
-        -1.0 if maximize else 1.0, int(weight_decay != 0 and not decoupled),
-        int(weight_decay != 0 and bool(decoupled)), int(bool(amsgrad)),
+        _nd(param), _nd(grad), _nd(exp_avg), _nd(exp_avg_sq), vmax, n,
+        c.neg_step_size, c.bias_correction2_sqrt, c.eps, c.weight_decay, c.decay,
+        c.lerp_weight, c.one_minus_lerp_weight, int(c.lerp_small), c.beta2, c.one_minus_beta2,
+        c.sign, int(c.l2), int(c.decoupled_decay), int(bool(amsgrad)),
     )  # fmt: skip
 
 
 def lion_step(param, grad, exp_avg, lr, beta1, beta2, weight_decay):
     """Lion in one kernel launch (see ``reference.optim.lion_step``)."""
-    tg = _tg()
     n = param.size
     if n == 0:
         return
     _kernels(param.dtype).lion(
-        tg._nd(param), tg._nd(grad), tg._nd(exp_avg), n, float(-lr), float(1.0 - lr * weight_decay),
+        _nd(param), _nd(grad), _nd(exp_avg), n, float(-lr), float(1.0 - lr * weight_decay),
         int(weight_decay != 0), float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
     )  # fmt: skip
 
@@ -227,20 +225,19 @@ _flags: dict = {}  # runtime generation -> the 1-element int32 ndarray mark_nonf
 
 def all_finite(arrays) -> bool:
     """Whether every element of every array is finite: one marking kernel per array, one 4-byte read-back."""
-    tg = _tg()
     arrays = [a for a in arrays if a.size]
     if not arrays:
         return True
-    generation = tg._state["generation"]
+    generation = _state["generation"]
     if generation not in _flags:
-        # Through taichi_gpu's storage class: see its NOTE [ Re-initialising Taichi ]. Taichi
-        # zero-fills it; take_flag leaves it zeroed again.
+        # Through the runtime's storage class: see NOTE [ Re-initialising Taichi ] in _runtime.py.
+        # Taichi zero-fills it; take_flag leaves it zeroed again. A 4-byte flag that lives as long
+        # as the runtime, not a result: it does not come from the pool.
         _flags.clear()
-        _flags[generation] = tg._make_storage(tg._state["ti"].i32, 1)
+        _flags[generation] = _make_storage(_ti_dtype(np.int32), 1)
     flag = _flags[generation]
     for x in arrays:
-        _kernels(x.dtype).mark_nonfinite(tg._nd(x), x.size, flag)
+        _kernels(x.dtype).mark_nonfinite(_nd(x), x.size, flag)
     bad = _kernels(arrays[0].dtype).take_flag(flag)
-    tg._transfers["device_to_host"] += 1
-    tg._transfers["bytes_device_to_host"] += 4
+    _count_transfer("device_to_host", 4)
     return bad == 0

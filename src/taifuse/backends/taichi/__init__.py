@@ -1,0 +1,142 @@
+"""The Taichi backend: taifuse's kernels on Taichi's Metal arch (and Vulkan, CUDA or CPU).
+
+This module is the backend's table (``taifuse.backends.KERNEL_NAMES``, ``BACKWARD_KERNEL_NAMES``,
+``OPTIM_KERNEL_NAMES`` and the array API); the code lives in the modules below it, which import
+in one direction only::
+
+    _runtime      Taichi's init, DeviceArray, the array API, transfer counters (imports nothing here)
+    _math         @ti.func scalar math shared by every kernel factory
+    forward       forward kernels and their wrappers
+    tensor_math   TaichiMath, the Tensor arithmetic table (and the reductions, matmul)
+    backward      backward and loss kernels (uses forward and tensor_math)
+    optim         fused optimizer kernels
+
+Data lives on the device in :class:`DeviceArray`; host<->device copies are counted
+(:func:`transfer_stats`). On Linux the same kernels run on ``ti.vulkan`` (lavapipe), which shares
+Metal's SPIR-V codegen; ``python -m taifuse.backends.metal_check`` compiles every kernel with
+only Metal's capabilities. Taichi is imported and initialised in :func:`init`, never at import
+time (NOTE [ Re-initialising Taichi ] in ``_runtime.py`` says what a re-initialisation does).
+"""
+
+from taifuse.backends.taichi._runtime import (
+    INDEX_DTYPE,
+    NAME,
+    DeviceArray,
+    check_dtype,
+    describe,
+    empty,
+    from_numpy,
+    init,
+    is_array,
+    reset_transfer_stats,
+    sync,
+    to_numpy,
+    transfer_stats,
+)
+
+# (read by taifuse.pool until it talks to an allocator)
+from taifuse.backends.taichi._runtime import _import_taichi as _import_taichi
+from taifuse.backends.taichi._runtime import _make_storage as _make_storage
+from taifuse.backends.taichi._runtime import _require_init as _require_init
+from taifuse.backends.taichi._runtime import _state as _state
+from taifuse.backends.taichi._runtime import _ti_dtype as _ti_dtype
+from taifuse.backends.taichi.backward import (
+    add_relu_backward,
+    affine_backward,
+    cross_entropy,
+    cross_entropy_backward,
+    dropout_backward,
+    gelu_backward,
+    layer_norm_backward,
+    leaky_relu_backward,
+    linear_act_backward,
+    log_softmax_backward,
+    mse_loss,
+    mse_loss_backward,
+    mul_relu_backward,
+    relu_backward,
+    sigmoid_backward,
+    silu_backward,
+    softmax_backward,
+    tanh_backward,
+)
+from taifuse.backends.taichi.forward import (
+    add_relu,
+    affine,
+    dropout,
+    gelu,
+    layer_norm,
+    leaky_relu,
+    linear_act,
+    log_softmax,
+    mul_relu,
+    relu,
+    sigmoid,
+    silu,
+    softmax,
+    tanh,
+)
+from taifuse.backends.taichi.optim import adam_step, all_finite, lion_step, sgd_step
+from taifuse.backends.taichi.tensor_math import TENSOR_MATH
+
+__all__ = [
+    "INDEX_DTYPE",
+    "NAME",
+    "TENSOR_MATH",
+    "DeviceArray",
+    "adam_step",
+    "add_relu",
+    "add_relu_backward",
+    "affine",
+    "affine_backward",
+    "all_finite",
+    "all_kernels",
+    "check_dtype",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "describe",
+    "dropout",
+    "dropout_backward",
+    "empty",
+    "from_numpy",
+    "gelu",
+    "gelu_backward",
+    "init",
+    "is_array",
+    "layer_norm",
+    "layer_norm_backward",
+    "leaky_relu",
+    "leaky_relu_backward",
+    "linear_act",
+    "linear_act_backward",
+    "lion_step",
+    "log_softmax",
+    "log_softmax_backward",
+    "mse_loss",
+    "mse_loss_backward",
+    "mul_relu",
+    "mul_relu_backward",
+    "relu",
+    "relu_backward",
+    "reset_transfer_stats",
+    "sgd_step",
+    "sigmoid",
+    "sigmoid_backward",
+    "silu",
+    "silu_backward",
+    "softmax",
+    "softmax_backward",
+    "sync",
+    "tanh",
+    "tanh_backward",
+    "to_numpy",
+    "transfer_stats",
+]
+
+
+def all_kernels() -> list[tuple[str, object]]:
+    """Every (name, ti.kernel) pair the backend may launch, in every dtype specialisation (for
+    ``metal_check``); Taichi must be running."""
+    from taifuse.backends.taichi import backward, forward, optim, tensor_math
+
+    return forward.all_kernels() + tensor_math.all_kernels() + backward.all_kernels() + optim.all_kernels()
