@@ -128,7 +128,7 @@ def _rows(n: int, cols: int) -> np.ndarray:
     return np.linspace(-1.5, 2.5, n * cols, dtype=f32).reshape(n, cols)
 
 
-# NOTE [ out= overlap ] in functional.py: out= may share memory with an input only by being that
+# NOTE [ out= overlap ] in _array_ops.py: out= may share memory with an input only by being that
 # input itself, and only where the op reads an element (or row) before writing it. Each case:
 # (call given a fresh buffer `buf`, the argument out overlaps). `buf` is (2, 3) of float32.
 OVERLAPPING_OUT = {

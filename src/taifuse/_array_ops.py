@@ -229,11 +229,11 @@ def check_layer_norm_param(argname: str, shape: tuple[int, ...], norm_shape: tup
         raise ValueError(f"layer_norm: {argname} should have shape {norm_shape}, got {shape}")
 
 
-def dropout_p(p: Any) -> float:
-    """dropout's ``p``: a number in [0, 1]."""
-    p = check_finite_number(p, "dropout", "p")
+def dropout_p(p: Any, op: str = "dropout") -> float:
+    """dropout's ``p``: a number in [0, 1] (``nn.Dropout`` passes its own name as ``op``)."""
+    p = check_finite_number(p, op, "p")
     if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout: p should be in [0, 1], got {p}")
+        raise ValueError(f"{op}: p should be in [0, 1], got {p}")
     return p
 
 

@@ -50,11 +50,6 @@ __all__ = [
 # linear's activations (the spec's tuple itself; nn.Linear checks its argument against it).
 ACTIVATIONS = _spec.ACTIVATIONS
 
-# The nn layers check their constructor arguments with the ops' own checks, so that a layer accepts
-# exactly what its op does and says so when it is built.
-_check_finite_number = _array_ops.check_finite_number
-_layer_norm_args = _array_ops.layer_norm_args
-
 # Each op sends Tensor arguments (any of its array arguments a Tensor) to its differentiable
 # version in taifuse._autograd_ops, and anything else to the array path, taifuse._array_ops.
 

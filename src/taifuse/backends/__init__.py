@@ -1,8 +1,8 @@
 """Backend dispatch: picks the active kernel table and imports it lazily.
 
-Every backend module (``reference``, ``numba_cpu``, ``taichi_gpu``) exports the same names with the
-same signatures; :data:`KERNEL_NAMES` lists the kernels and :data:`ARRAY_API` the array helpers.
-A test checks that the tables match.
+Every backend package (``reference``, ``numba``, ``taichi``) exports the same names with the same
+signatures; :data:`KERNEL_NAMES` lists the kernels and :data:`ARRAY_API` the array helpers (the
+tables' names and the op codes live in ``_spec.py``). A test checks that the tables match.
 
 Selection, in order of precedence: :func:`use_backend` in the current thread, then
 :func:`set_backend` (for the whole process), then the environment variable ``TAIFUSE_BACKEND``

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 import taifuse.functional as F
-from taifuse import _random
+from taifuse import _array_ops, _random
 from taifuse.nn.module import Module, Parameter
 from taifuse.tensor import Tensor
 
@@ -116,7 +116,7 @@ class LeakyReLU(Module):
 
     def __init__(self, negative_slope: float = 0.01) -> None:
         super().__init__()
-        self.negative_slope = F._check_finite_number(negative_slope, "LeakyReLU", "negative_slope")
+        self.negative_slope = _array_ops.check_finite_number(negative_slope, "LeakyReLU", "negative_slope")
 
     def forward(self, x: Tensor) -> Tensor:
         return F.leaky_relu(x, self.negative_slope)
@@ -156,7 +156,7 @@ class LayerNorm(Module):
     ) -> None:
         super().__init__()
         # F.layer_norm's own check, so the layer accepts exactly what the op does, and says so at once.
-        self.normalized_shape, self.eps = F._layer_norm_args(normalized_shape, eps, "LayerNorm")
+        self.normalized_shape, self.eps = _array_ops.layer_norm_args(normalized_shape, eps, "LayerNorm")
         self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if elementwise_affine else None
         self.bias = Parameter(np.zeros(self.normalized_shape, dtype)) if elementwise_affine and bias else None
 
@@ -172,9 +172,7 @@ class Dropout(Module):
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
-        p = F._check_finite_number(p, "Dropout", "p")
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"Dropout: p should be in [0, 1], got {p}")
+        p = _array_ops.dropout_p(p, "Dropout")
         self.p = p
 
     def forward(self, x: Tensor) -> Tensor:
