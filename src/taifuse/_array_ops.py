@@ -514,6 +514,149 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, out: Any = None) -> A
     return _unary("dropout", x, out, (p, seed))
 
 
+# ----------------------------------------------------------------------------- attention
+# NOTE [ Attention kernel arguments ] in backends/reference/attention.py says what the kernels take.
+
+_SDPA = "scaled_dot_product_attention"
+
+
+def attention_shapes(
+    q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]
+) -> tuple[tuple[int, ...], int, int, int, int]:
+    """Check query ``(..., L, E)``, key ``(..., S, E)`` and value ``(..., S, Ev)``; returns
+    ``(batch, L, S, E, Ev)`` with ``batch`` the broadcast of their leading dims."""
+    for argname, shape in (("query", q), ("key", k), ("value", v)):
+        if len(shape) < 2:
+            raise ValueError(
+                f"{_SDPA}: {argname} should have at least 2 dimensions (..., L, E), got shape {shape}"
+            )
+    if k[-1] != q[-1]:
+        raise ValueError(
+            f"{_SDPA}: key has head dim {k[-1]} but query has {q[-1]} (their last dims should match); "
+            f"shapes query {q}, key {k}"
+        )
+    if v[-2] != k[-2]:
+        raise ValueError(
+            f"{_SDPA}: value has {v[-2]} positions but key has {k[-2]} (their dim -2 should match); "
+            f"shapes key {k}, value {v}"
+        )
+    try:
+        batch = np.broadcast_shapes(q[:-2], k[:-2], v[:-2])
+    except ValueError:
+        raise ValueError(
+            f"{_SDPA}: the leading dims of query {q[:-2]}, key {k[:-2]} and value {v[:-2]} cannot be broadcast together"
+        ) from None
+    return tuple(batch), q[-2], k[-2], q[-1], v[-1]
+
+
+def attention_options(
+    p: Any, is_causal: Any, scale: Any, has_mask: bool, head_dim: int
+) -> tuple[float, bool, float]:
+    """Check ``dropout_p`` (``p``), ``is_causal`` and ``scale``; returns them with PyTorch's
+    default scale ``1 / sqrt(E)`` resolved."""
+    p = dropout_p(p, _SDPA)
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"{_SDPA}: is_causal should be a bool, got {type(is_causal).__name__}")
+    if is_causal and has_mask:
+        raise ValueError(f"{_SDPA}: attn_mask should be None when is_causal=True (PyTorch refuses both)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    else:
+        scale = check_finite_number(scale, _SDPA, "scale")
+    return p, bool(is_causal), scale
+
+
+def attention_mask(be: ModuleType, mask: Any, dtype: np.dtype, batch: tuple[int, ...], L: int, S: int) -> Any:
+    """``attn_mask`` (a NumPy or ``be`` array) as the kernels' additive ``(M, L, S)`` mask in
+    ``dtype`` on ``be``: M is 1 when the mask's leading dims are all 1, else the batch size (the
+    mask is then expanded over the batch; PyTorch broadcasts it without a copy). A boolean mask
+    becomes 0 where True (attend) and -inf where False. None stays None."""
+    if mask is None:
+        return None
+    if isinstance(mask, np.ndarray):
+        host = mask
+    elif be.is_array(mask):
+        host = be.to_numpy(mask)
+    else:
+        raise TypeError(f"{_SDPA}: attn_mask should be a numpy.ndarray or None, got {type(mask).__name__}")
+    if host.dtype != np.bool_ and host.dtype != dtype:
+        raise TypeError(
+            f"{_SDPA}: attn_mask should be bool or have the query's dtype {dtype}, got {host.dtype}"
+        )
+    full = batch + (L, S)
+    try:
+        fits = np.broadcast_shapes(host.shape, full) == full
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{_SDPA}: attn_mask of shape {host.shape} cannot be broadcast to {full} (batch, L, S)"
+        )
+    if all(n == 1 for n in host.shape[:-2]):
+        rows = 1
+        host = np.broadcast_to(host.reshape(host.shape[-2:]) if host.ndim > 2 else host, (L, S))
+    else:
+        rows = math.prod(batch)
+        host = np.broadcast_to(host, full)
+    if host.dtype == np.bool_:
+        host = np.where(host, 0.0, -np.inf).astype(dtype)
+    return be.from_numpy(np.ascontiguousarray(host, dtype=dtype).reshape(rows, L, S))
+
+
+def attention_broadcast(be: ModuleType, arr: Any, batch: tuple[int, ...]) -> Any:
+    """``arr (..., n, d)`` broadcast over ``batch`` and flattened to ``(prod(batch), n, d)``.
+
+    Leading dims that differ from ``batch`` are materialised (through the host on a device
+    backend); equal ones cost nothing.
+    """
+    shape = batch + tuple(arr.shape[-2:])
+    if tuple(arr.shape) != shape:
+        arr = be.from_numpy(np.ascontiguousarray(np.broadcast_to(be.to_numpy(arr), shape)))
+    return _reshape(arr, (math.prod(batch),) + shape[-2:])
+
+
+def attention_forward(
+    be: ModuleType, q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: float, p: float
+) -> tuple[Any, Any, int]:
+    """The attention kernel on validated ``(BH, L, E)``, ``(BH, S, E)``, ``(BH, S, Ev)`` backend
+    arrays: ``(out (BH, L, Ev), lse (BH, L), dropout seed)``."""
+    bh, L, _ = q.shape
+    S, ev = k.shape[1], v.shape[2]
+    seed = _random.next_seed() if p > 0.0 else 0
+    out = pool.empty(be, (bh, L, ev), q.dtype)
+    lse = pool.empty(be, (bh, L), _stats_dtype(q.dtype))
+    if bh * L * ev == 0 or S == 0:
+        # Nothing to compute, or no key at all: every row is fully masked, and PyTorch gives 0
+        # (NOTE [ Attention kernel arguments ]). The backward of such a call is all zeros.
+        m = math_for(be)
+        return m.full((bh, L, ev), 0.0, q.dtype), m.full((bh, L), -math.inf, lse.dtype), seed
+    be.attention(q, k, v, mask, is_causal, scale, p, seed, out, lse)
+    return out, lse, seed
+
+
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Any:
+    call = _Call(_SDPA)
+    qa = call.array(query, "query")
+    ka = call.array(key, "key", dtype=qa.dtype)
+    va = call.array(value, "value", dtype=qa.dtype)
+    batch, L, S, E, ev = attention_shapes(tuple(qa.shape), tuple(ka.shape), tuple(va.shape))
+    p, causal, scale = attention_options(dropout_p, is_causal, scale, attn_mask is not None, E)
+    if isinstance(attn_mask, np.ndarray):
+        call.host_io = True
+    mask = attention_mask(call.be, attn_mask, qa.dtype, batch, L, S)
+    q, k, v = (attention_broadcast(call.be, a, batch) for a in (qa, ka, va))
+    out, _, _ = attention_forward(call.be, q, k, v, mask, causal, scale, p)
+    return call.result(_reshape(out, batch + (L, ev)))
+
+
 # ----------------------------------------------------------------------------- losses
 # The losses take NumPy arrays here (NumPy in, NumPy out); Tensors, and a NumPy array beside a
 # Tensor, go to their autograd Functions.

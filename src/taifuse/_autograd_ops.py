@@ -445,6 +445,75 @@ def dropout(x: Any, p: float, training: bool, out: Any) -> Tensor:
     return _Dropout.apply(x, p)
 
 
+# ----------------------------------------------------------------------------- attention
+
+
+class _Attention(_Op):
+    """``scaled_dot_product_attention``: keeps the inputs, the output and one log-sum-exp per
+    query row; the backward kernel recomputes the probabilities from them."""
+
+    owns_grads = True  # gq, gk and gv are new arrays (or sums of them), one per input
+
+    def forward(
+        self, q: Any, k: Any, v: Any, mask: Any, batch: tuple, causal: bool, scale: float, p: float
+    ) -> Any:
+        be = self.be
+        self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        self.q, self.k, self.v = (A.attention_broadcast(be, a, batch) for a in (q, k, v))
+        self.mask, self.causal, self.scale, self.p = mask, causal, scale, p
+        self.out, self.lse, self.seed = A.attention_forward(
+            be, self.q, self.k, self.v, mask, causal, scale, p
+        )
+        return self.out.reshape(batch + (q.shape[-2], v.shape[-1]))
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        be, q, k, v = self.be, self.q, self.k, self.v
+        grads = [
+            _empty(be, a.shape, a.dtype) if need else None for a, need in zip((q, k, v), self.needs_grad)
+        ]
+        if q.shape[1] * k.shape[1] * v.shape[2] * q.shape[0]:
+            kernels(be).attention_backward(
+                q,
+                k,
+                v,
+                self.mask,
+                self.causal,
+                self.scale,
+                self.p,
+                self.seed,
+                self.out,
+                self.lse,
+                g.reshape(self.out.shape),
+                *grads,
+            )
+        else:  # an empty product: every gradient is an empty or zero sum
+            grads = [None if gr is None else self.m.full(tuple(gr.shape), 0.0, gr.dtype) for gr in grads]
+        result = []
+        for gr, shape in zip(grads, self.shapes):
+            if gr is not None:
+                batch = tuple(g.shape[:-2])
+                gr = sum_to_shape(self.m, gr.reshape(batch + tuple(gr.shape[1:])), shape)
+            result.append(gr)
+        return (*result, None, None, None, None, None)
+
+
+def scaled_dot_product_attention(
+    query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float, is_causal: bool, scale: float | None
+) -> Tensor:
+    """Attention on Tensors; see ``taifuse.functional.scaled_dot_product_attention``. The mask
+    (a NumPy array or a Tensor) is a constant: it gets no gradient."""
+    op = A._SDPA
+    q = _tensor_arg(query, op, "query")
+    k = _tensor_arg(key, op, "key", like=q)
+    v = _tensor_arg(value, op, "value", like=q)
+    batch, L, S, E, _ = A.attention_shapes(q.shape, k.shape, v.shape)
+    p, causal, scale = A.attention_options(dropout_p, is_causal, scale, attn_mask is not None, E)
+    if isinstance(attn_mask, Tensor):
+        attn_mask = attn_mask._data
+    mask = A.attention_mask(q._be, attn_mask, q.dtype, batch, L, S)
+    return _Attention.apply(q, k, v, mask, batch, causal, scale, p)
+
+
 # ----------------------------------------------------------------------------- losses
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "mse_loss",
     "mul_relu",
     "relu",
+    "scaled_dot_product_attention",
     "sigmoid",
     "silu",
     "softmax",
@@ -221,6 +222,46 @@ def dropout(x: Any, p: float = 0.5, training: bool = True, *, out: Any = None) -
     if isinstance(x, Tensor):
         return _autograd_ops.dropout(x, p, training, out)
     return _array_ops.dropout(x, p, training, out)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Any:
+    """Attention, as ``torch.nn.functional.scaled_dot_product_attention``, in one fused kernel.
+
+    out = dropout(softmax(query @ key.T * scale + mask), dropout_p) @ value for ``query (..., L,
+    E)``, ``key (..., S, E)``, ``value (..., S, Ev)``; the leading dims broadcast (unequal ones
+    are materialised). ``scale`` defaults to ``1 / sqrt(E)``. ``attn_mask`` is boolean (True =
+    attend) or additive in the query's dtype, broadcastable to ``(..., L, S)``; ``is_causal``
+    masks key j for query i when j > i (top-left aligned, as PyTorch, also when L != S) and may
+    not be combined with a mask. A query row that sees no key gives 0, as PyTorch's CPU kernels
+    do. Dropout acts on the probabilities with the counter-hash mask of ``F.dropout`` (the same on
+    every backend). The fused kernels never store the (L, S) scores: the backward recomputes
+    them from the output and one log-sum-exp per query row. The mask gets no gradient.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> q = k = np.eye(2, dtype=np.float32)[None]
+        >>> v = np.array([[[1.0, 0.0], [0.0, 1.0]]], dtype=np.float32)
+        >>> F.scaled_dot_product_attention(q, k, v, is_causal=True).round(4)
+        array([[[1.    , 0.    ],
+                [0.3302, 0.6698]]], dtype=float32)
+    """
+    if tensors_in((query, key, value)):
+        return _autograd_ops.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale
+        )
+    return _array_ops.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 
 # ----------------------------------------------------------------------------- losses

@@ -25,6 +25,7 @@ KERNEL_NAMES = (
     "log_softmax",
     "layer_norm",
     "dropout",
+    "attention",
 )
 # Kernels of the autograd layer (tensor.py): a backward per differentiable op, and the losses with
 # theirs.
@@ -43,6 +44,7 @@ BACKWARD_KERNEL_NAMES = (
     "log_softmax_backward",
     "layer_norm_backward",
     "dropout_backward",
+    "attention_backward",
     "mse_loss",
     "mse_loss_backward",
     "cross_entropy",

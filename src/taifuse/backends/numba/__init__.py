@@ -20,6 +20,7 @@ from taifuse.backends.numba._jit import (
     _parallel_min_elements,
     _threading_layer,
 )
+from taifuse.backends.numba.attention import attention, attention_backward
 from taifuse.backends.numba.backward import (
     add_relu_backward,
     affine_backward,
@@ -85,6 +86,8 @@ __all__ = [
     "affine",
     "affine_backward",
     "all_finite",
+    "attention",
+    "attention_backward",
     "check_dtype",
     "cross_entropy",
     "cross_entropy_backward",

@@ -12,6 +12,7 @@ import numpy as np
 
 from taifuse.backends._host import check_dtype, empty, from_numpy, is_array, to_numpy
 from taifuse.backends._spec import ACTIVATIONS
+from taifuse.backends.reference.attention import attention, attention_backward
 from taifuse.backends.reference.backward import (
     LOSS_REDUCTIONS,
     add_relu_backward,
@@ -76,6 +77,8 @@ __all__ = [
     "affine",
     "affine_backward",
     "all_finite",
+    "attention",
+    "attention_backward",
     "check_dtype",
     "cross_entropy",
     "cross_entropy_backward",

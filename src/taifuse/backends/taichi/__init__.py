@@ -40,6 +40,7 @@ from taifuse.backends.taichi._runtime import _make_storage as _make_storage
 from taifuse.backends.taichi._runtime import _require_init as _require_init
 from taifuse.backends.taichi._runtime import _state as _state
 from taifuse.backends.taichi._runtime import _ti_dtype as _ti_dtype
+from taifuse.backends.taichi.attention import attention, attention_backward
 from taifuse.backends.taichi.backward import (
     add_relu_backward,
     affine_backward,
@@ -91,6 +92,8 @@ __all__ = [
     "affine_backward",
     "all_finite",
     "all_kernels",
+    "attention",
+    "attention_backward",
     "check_dtype",
     "cross_entropy",
     "cross_entropy_backward",

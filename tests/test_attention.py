@@ -1,0 +1,326 @@
+"""``F.scaled_dot_product_attention``: every backend against the float64 reference, forward and
+backward; finite differences on the reference; PyTorch parity; dropout's mask; bad input; and
+the fused kernels' memory."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+from helpers import F16, F32, F64
+
+import taifuse
+import taifuse.functional as F
+from taifuse import _random, pool
+from taifuse.backends import reference as R
+
+SDPA = F.scaled_dot_product_attention
+
+# Explicit tolerances, relative to the largest magnitude of the reference result: attention
+# sums S products of probabilities and values (a float32 kernel's error grows like eps * sqrt(S)
+# times the largest term), and float16 storage rounds inputs and outputs to 2**-11.
+TOL = {F16: 4e-3, F32: 3e-5, F64: 1e-10}
+
+# (batch, L, S, E, Ev, causal, mask kind): odd sizes that cut every tile of every backend.
+CASES = [
+    ((2, 3), 37, 53, 24, 19, False, None),
+    ((2, 3), 37, 53, 24, 19, True, None),
+    ((2,), 53, 37, 24, 24, True, None),  # L > S under is_causal: top-left alignment
+    ((2, 3), 37, 53, 24, 19, False, "bool"),
+    ((2, 3), 37, 53, 24, 19, False, "float"),
+    ((3,), 70, 70, 16, 8, True, None),  # more than one query block
+    ((), 5, 9, 3, 2, False, "bool"),  # no batch dims
+]
+
+
+def _inputs(rng, batch, L, S, E, Ev, dtype, mask_kind=None, mask_batch=None):
+    q = rng.standard_normal(batch + (L, E)).astype(dtype)
+    k = rng.standard_normal(batch + (S, E)).astype(dtype)
+    v = rng.standard_normal(batch + (S, Ev)).astype(dtype)
+    mask_shape = (mask_batch if mask_batch is not None else batch[:1] + (1,) * (len(batch) - 1)) + (L, S)
+    if mask_kind == "bool":
+        mask = rng.random(mask_shape) > 0.3
+        mask[..., 1, :] = False  # a fully masked row
+    elif mask_kind == "float":
+        mask = (rng.standard_normal(mask_shape) * 2).astype(dtype)
+    else:
+        mask = None
+    return q, k, v, mask
+
+
+def reference_sdpa(q, k, v, mask=None, is_causal=False, scale=None, dropout_p=0.0, seed=0, grad=None):
+    """(out, (gq, gk, gv)) of the reference kernels in float64, shaped here independently of the
+    array path (leading dims equal, the mask broadcast by NumPy)."""
+    batch, (L, E), (S, Ev) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    bh = math.prod(batch)
+    q3, k3, v3 = (np.asarray(a, np.float64).reshape(bh, *a.shape[-2:]) for a in (q, k, v))
+    m3 = None
+    if mask is not None:
+        m = np.broadcast_to(mask, batch + (L, S))
+        m3 = np.where(m, 0.0, -np.inf) if m.dtype == bool else np.asarray(m, np.float64)
+        m3 = np.ascontiguousarray(m3).reshape(bh, L, S)
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    out, lse = np.empty((bh, L, Ev)), np.empty((bh, L))
+    R.attention(q3, k3, v3, m3, is_causal, scale, dropout_p, seed, out, lse)
+    grads = None
+    if grad is not None:
+        grads = tuple(np.empty(a.shape) for a in (q3, k3, v3))
+        g3 = np.asarray(grad, np.float64).reshape(bh, L, Ev)
+        R.attention_backward(q3, k3, v3, m3, is_causal, scale, dropout_p, seed, out, lse, g3, *grads)
+        grads = tuple(gr.reshape(a.shape) for gr, a in zip(grads, (q, k, v)))
+    return out.reshape(batch + (L, Ev)), grads
+
+
+def _close(got, ref, dtype, what):
+    got = np.asarray(got, np.float64)
+    atol = TOL[np.dtype(dtype)] * max(1.0, float(np.abs(ref).max(initial=0.0)))
+    np.testing.assert_allclose(got, ref, rtol=TOL[np.dtype(dtype)], atol=atol, err_msg=what)
+
+
+def _seeded_call(fn, seed=1234):
+    """Run ``fn(drawn seed)`` with the seed the op will draw after ``manual_seed(seed)``."""
+    taifuse.manual_seed(seed)
+    drawn = _random.next_seed()
+    taifuse.manual_seed(seed)
+    return fn(drawn)
+
+
+# ----------------------------------------------------------------------------- every backend vs the reference
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, F64], ids=["f32", "f16", "f64"])
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}-S{c[2]}-E{c[3]}-{'causal' if c[5] else c[6]}"
+)
+def test_forward_backward_against_reference(backend, case, dtype):
+    batch, L, S, E, Ev, causal, mask_kind = case
+    backend.activate()
+    rng = np.random.default_rng(L * 1000 + S)
+    q, k, v, mask = _inputs(rng, batch, L, S, E, Ev, dtype, mask_kind)
+    if dtype == F64 and not backend.supports_f64:
+        with pytest.raises(TypeError, match="float64"):
+            SDPA(q, k, v, attn_mask=mask, is_causal=causal)
+        return
+    g = rng.standard_normal(batch + (L, Ev)).astype(dtype)
+    ref, ref_grads = reference_sdpa(q, k, v, mask, causal, grad=g)
+    what = f"{backend.param} {case} {dtype}"
+
+    got = SDPA(q, k, v, attn_mask=mask, is_causal=causal)
+    assert isinstance(got, np.ndarray) and got.dtype == dtype and got.shape == ref.shape
+    _close(got, ref, dtype, f"forward (arrays) {what}")
+
+    tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+    out = SDPA(tq, tk, tv, attn_mask=mask, is_causal=causal)
+    _close(out.numpy(), ref, dtype, f"forward (tensors) {what}")
+    out.backward(taifuse.tensor(g))
+    for name, t, r in zip("qkv", (tq, tk, tv), ref_grads):
+        _close(t.grad.numpy(), r, dtype, f"grad_{name} {what}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_against_reference(backend, causal):
+    backend.activate()
+    rng = np.random.default_rng(5)
+    q, k, v, _ = _inputs(rng, (2, 2), 37, 53, 24, 19, F32)
+    g = rng.standard_normal((2, 2, 37, 19)).astype(np.float32)
+    tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+    out, (ref, ref_grads) = _seeded_call(
+        lambda seed: (
+            SDPA(tq, tk, tv, dropout_p=0.3, is_causal=causal),
+            reference_sdpa(q, k, v, None, causal, None, 0.3, seed, grad=g),
+        )
+    )
+    _close(out.numpy(), ref, F32, f"dropout forward {backend.param}")
+    out.backward(taifuse.tensor(g))
+    for name, t, r in zip("qkv", (tq, tk, tv), ref_grads):
+        _close(t.grad.numpy(), r, F32, f"dropout grad_{name} {backend.param}")
+
+
+def test_dropout_mask_is_the_same_on_every_backend(backend):
+    # With v the identity (S == Ev) the output is the dropped-out probability matrix itself, so
+    # its zeros are exactly the dropped elements: they must be the reference's, bit for bit.
+    backend.activate()
+    rng = np.random.default_rng(6)
+    L = S = 40
+    q, k, _, _ = _inputs(rng, (3,), L, S, 8, S, F32)
+    v = np.broadcast_to(np.eye(S, dtype=np.float32), (3, S, S)).copy()
+    got, ref = _seeded_call(
+        lambda seed: (SDPA(q, k, v, dropout_p=0.5), reference_sdpa(q, k, v, dropout_p=0.5, seed=seed)[0])
+    )
+    np.testing.assert_array_equal(got == 0, ref == 0)
+    assert 0.4 < (ref == 0).mean() < 0.6
+
+
+def test_leading_dims_broadcast(backend):
+    backend.activate()
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 3, 9, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 3, 11, 8)).astype(np.float32)
+    v = rng.standard_normal((3, 11, 5)).astype(np.float32)
+    mask = rng.random((2, 1, 9, 11)) > 0.2
+    tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+    out = SDPA(tq, tk, tv, attn_mask=mask)
+    kb, vb = np.broadcast_to(k, (2, 3, 11, 8)), np.broadcast_to(v, (2, 3, 11, 5))
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    ref, (gq, gk, gv) = reference_sdpa(q, kb, vb, mask, grad=g)
+    _close(out.numpy(), ref, F32, "broadcast forward")
+    out.backward(taifuse.tensor(g))
+    _close(tq.grad.numpy(), gq, F32, "broadcast grad_q")
+    _close(tk.grad.numpy(), gk.sum(axis=0, keepdims=True), F32, "broadcast grad_k (summed over the batch)")
+    _close(tv.grad.numpy(), gv.sum(axis=0), F32, "broadcast grad_v (summed over the batch)")
+
+
+def test_fully_masked_row_gives_zero(backend):
+    # PyTorch's CPU kernels (every SDPBackend, math included, in torch 2.13) give 0, not NaN.
+    backend.activate()
+    rng = np.random.default_rng(8)
+    q, k, v, _ = _inputs(rng, (1,), 4, 6, 8, 3, F32)
+    mask = np.ones((4, 6), dtype=bool)
+    mask[2] = False
+    tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+    out = SDPA(tq, tk, tv, attn_mask=mask)
+    assert np.all(out.numpy()[0, 2] == 0)
+    assert np.isfinite(out.numpy()).all()
+    out.sum().backward()
+    assert np.all(tq.grad.numpy()[0, 2] == 0)
+    assert all(np.isfinite(t.grad.numpy()).all() for t in (tq, tk, tv))
+
+
+# ----------------------------------------------------------------------------- the reference itself
+
+
+@pytest.mark.parametrize(
+    "causal, mask_kind, p",
+    [(False, None, 0.0), (True, None, 0.0), (False, "float", 0.0), (False, "bool", 0.4), (True, None, 0.4)],
+)
+def test_reference_gradients_by_finite_differences(causal, mask_kind, p):
+    rng = np.random.default_rng(9)
+    q, k, v, mask = _inputs(rng, (2,), 4, 5, 3, 2, np.float64, mask_kind)
+    g = rng.standard_normal((2, 4, 2))
+    _, grads = reference_sdpa(q, k, v, mask, causal, 0.7, p, 77, grad=g)
+
+    def loss(q_, k_, v_):
+        return float((reference_sdpa(q_, k_, v_, mask, causal, 0.7, p, 77)[0] * g).sum())
+
+    h = 1e-6
+    for which, grad in enumerate(grads):
+        args = [q, k, v]
+        fd = np.empty_like(args[which])
+        for idx in np.ndindex(fd.shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[which][idx] += h
+            minus[which][idx] -= h
+            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * h)
+        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8, err_msg=f"d/d{'qkv'[which]}")
+
+
+# ----------------------------------------------------------------------------- PyTorch parity
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-L{c[1]}-S{c[2]}-{'causal' if c[5] else c[6]}")
+def test_torch_parity(backend, case):
+    torch = pytest.importorskip("torch")
+    batch, L, S, E, Ev, causal, mask_kind = case
+    backend.activate()
+    rng = np.random.default_rng(11)
+    q, k, v, mask = _inputs(rng, batch, L, S, E, Ev, F32, mask_kind)
+    g = rng.standard_normal(batch + (L, Ev)).astype(np.float32)
+    tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+    out = SDPA(tq, tk, tv, attn_mask=mask, is_causal=causal, scale=0.4)
+    out.backward(taifuse.tensor(g))
+    pq, pk, pv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    pmask = None if mask is None else torch.tensor(mask)
+    pout = torch.nn.functional.scaled_dot_product_attention(
+        pq, pk, pv, attn_mask=pmask, is_causal=causal, scale=0.4
+    )
+    pout.backward(torch.tensor(g))
+    scale = float(np.abs(pout.detach().numpy()).max())
+    np.testing.assert_allclose(out.numpy(), pout.detach().numpy(), rtol=1e-4, atol=1e-5 * max(1.0, scale))
+    for t, p in ((tq, pq), (tk, pk), (tv, pv)):
+        ref = p.grad.numpy()
+        np.testing.assert_allclose(
+            t.grad.numpy(), ref, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(ref).max()))
+        )
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_calls(q, k, v):
+    L, S = q.shape[-2], k.shape[-2]
+    return [
+        (ValueError, "key", {"query": q, "key": k[..., :5], "value": v}),  # head dims differ
+        (ValueError, "value", {"query": q, "key": k, "value": v[..., :3, :]}),  # key/value lengths differ
+        (ValueError, "attn_mask", {"query": q, "key": k, "value": v, "attn_mask": np.ones((L, S + 1), bool)}),
+        (ValueError, "attn_mask", {"query": q, "key": k, "value": v, "attn_mask": np.ones((4, L, S), bool)}),
+        (
+            ValueError,
+            "is_causal",
+            {"query": q, "key": k, "value": v, "attn_mask": np.ones((L, S), bool), "is_causal": True},
+        ),
+        (TypeError, "attn_mask", {"query": q, "key": k, "value": v, "attn_mask": np.ones((L, S), np.int32)}),
+        (
+            TypeError,
+            "attn_mask",
+            {"query": q, "key": k, "value": v, "attn_mask": np.ones((L, S), np.float16)},
+        ),
+        (ValueError, "dropout_p|p should", {"query": q, "key": k, "value": v, "dropout_p": 1.5}),
+        (ValueError, "scale", {"query": q, "key": k, "value": v, "scale": float("nan")}),
+        (TypeError, "value", {"query": q, "key": k, "value": v.astype(np.float16)}),
+        (ValueError, "query", {"query": q[0, 0, 0], "key": k, "value": v}),
+        (
+            ValueError,
+            "leading dims",
+            {"query": q, "key": np.concatenate([k, k]), "value": np.concatenate([v, v])},
+        ),
+    ]
+
+
+def test_bad_input_raises_before_anything_is_written(backend):
+    backend.activate()
+    rng = np.random.default_rng(12)
+    q, k, v, _ = _inputs(rng, (2, 3), 6, 7, 8, 4, F32)
+    before = [a.copy() for a in (q, k, v)]
+    for as_tensor in (False, True):
+        for exc, name, kwargs in _bad_calls(q, k, v):
+            if as_tensor:
+                kwargs = {
+                    n: taifuse.tensor(a, requires_grad=True) if n in ("query", "key", "value") else a
+                    for n, a in kwargs.items()
+                }
+            stats = pool.get_pool(taifuse.backends.active()).stats()
+            with pytest.raises(exc, match=name):
+                SDPA(**kwargs)
+            after = pool.get_pool(taifuse.backends.active()).stats()
+            assert after.allocations + after.reuses == stats.allocations + stats.reuses, f"{name}: pool used"
+    for a, b in zip((q, k, v), before):
+        np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_numba_memory_is_not_quadratic():
+    """Forward plus backward at L = S = 2048, one head: what Python allocates beyond the inputs
+    stays under a quarter of one float32 (L, S) matrix (a naive softmax(QK^T)V holds several)."""
+    pytest.importorskip("numba")
+    with taifuse.use_backend("numba"):
+        L = S = 2048
+        rng = np.random.default_rng(13)
+        q, k, v, _ = _inputs(rng, (1,), L, S, 64, 64, F32)
+        g = taifuse.tensor(rng.standard_normal((1, L, 64)).astype(np.float32))
+        tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+        SDPA(tq, tk, tv, is_causal=True).backward(g)  # compile and warm up outside the measurement
+        tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+        pool.host_pool().clear()
+        tracemalloc.start()
+        try:
+            SDPA(tq, tk, tv, is_causal=True).backward(g)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        quadratic = L * S * 4
+        assert peak < quadratic / 4, f"peak {peak} bytes against {quadratic} for one (L, S) float32 matrix"
