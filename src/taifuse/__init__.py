@@ -22,7 +22,7 @@ from taifuse.backends import available_backends, get_backend, set_backend, use_b
 
 # NOTE: after this import ``taifuse.tensor`` is the function, not the module (as ``torch.tensor``);
 # import the module's other names with ``from taifuse.tensor import ...``.
-from taifuse.tensor import Tensor, enable_grad, is_grad_enabled, no_grad, tensor
+from taifuse.tensor import Tensor, cat, enable_grad, is_grad_enabled, no_grad, stack, tensor
 
 __version__ = "0.1.0"
 
@@ -30,12 +30,14 @@ __all__ = [
     "Tensor",
     "__version__",
     "available_backends",
+    "cat",
     "enable_grad",
     "get_backend",
     "is_grad_enabled",
     "manual_seed",
     "no_grad",
     "set_backend",
+    "stack",
     "tensor",
     "use_backend",
 ]

@@ -13,6 +13,7 @@ attribute ``TENSOR_MATH``, so that tensor data stays on the device.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
@@ -181,6 +182,97 @@ class HostMath:
     @staticmethod
     def item(a: np.ndarray) -> float | int:
         return a.reshape(()).item()
+
+    # -- views and gathers (NOTE [ Views copy ] in tensor.py)
+
+    @staticmethod
+    def as_strided(
+        a: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int
+    ) -> np.ndarray:
+        """A contiguous copy of the elements of ``a``'s flat storage at ``offset + index . strides``
+        (strides in elements, any sign, 0 to repeat), for every index of ``shape``."""
+        out = _buffer(tuple(shape), a.dtype)
+        if out.size:
+            np.copyto(out, _strided_view(a, shape, strides, offset))
+        return out
+
+    @staticmethod
+    def scatter_strided_(out: np.ndarray, src: np.ndarray, strides: tuple[int, ...], offset: int) -> None:
+        """out.flat[offset + index . strides] = src[index] for every index of ``src``, in place; the
+        positions must not overlap (the inverse of :meth:`as_strided` without repeats)."""
+        if src.size:
+            np.copyto(_strided_view(out, src.shape, strides, offset), src)
+
+    @staticmethod
+    def take(a: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
+        """``numpy.take(a, index, axis)`` for an in-range integer ``index`` (negative counts from the end)."""
+        shape = a.shape[:axis] + index.shape + a.shape[axis + 1 :]
+        out = _buffer(shape, a.dtype)
+        np.take(a, index, axis=axis, out=out)
+        return out
+
+    @staticmethod
+    def take_backward(g: np.ndarray, index: np.ndarray, axis: int, size: int) -> np.ndarray:
+        """The gradient of :meth:`take`: ``g`` summed into an array whose ``axis`` has ``size``
+        entries, at the positions ``index`` read (repeated indices accumulate)."""
+        lead, k = g.shape[:axis], index.size
+        out = _buffer(lead + (size,) + g.shape[axis + index.ndim :], g.dtype)
+        out.fill(0)
+        g3 = g.reshape(math.prod(lead), k, -1)
+        np.add.at(out.reshape(math.prod(lead), size, -1), (slice(None), index.reshape(-1) % max(size, 1)), g3)
+        return out
+
+    @staticmethod
+    def masked_fill(a: np.ndarray, mask: np.ndarray, value: float) -> np.ndarray:
+        """``value`` where ``mask`` (bool or integer, nonzero = fill) is set, else ``a``; broadcast."""
+        out = _buffer(np.broadcast_shapes(a.shape, mask.shape), a.dtype)
+        np.copyto(out, a)
+        np.copyto(out, np.asarray(value, dtype=a.dtype), where=np.broadcast_to(mask != 0, out.shape))
+        return out
+
+    # inf and NaN results outside the domain without NumPy's warnings, as torch.
+    @staticmethod
+    def exp(a: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return np.exp(a, out=_buffer(a.shape, a.dtype))
+
+    @staticmethod
+    def log(a: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(a, out=_buffer(a.shape, a.dtype))
+
+    @staticmethod
+    def sqrt(a: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore"):
+            return np.sqrt(a, out=_buffer(a.shape, a.dtype))
+
+    @staticmethod
+    def eq(a: np.ndarray, b: Any) -> np.ndarray:
+        """1 where ``a == b`` (broadcast), else 0, in ``a``'s dtype."""
+        out = _buffer(np.broadcast_shapes(a.shape, np.shape(b)), a.dtype)
+        np.copyto(out, np.equal(a, b), casting="unsafe")
+        return out
+
+    @staticmethod
+    def argmax(a: np.ndarray, axis: int, keepdims: bool) -> np.ndarray:
+        """Index of the first largest element along ``axis`` (of the first NaN, where there is one), int64."""
+        return np.argmax(a, axis=axis, keepdims=keepdims).astype(np.int64, copy=False)
+
+    @staticmethod
+    def scatter_dim(g: np.ndarray, index: np.ndarray, axis: int, size: int) -> np.ndarray:
+        """Zeros with ``axis`` of ``size`` entries and ``g[..., 0, ...]`` put at ``index`` along it
+        (``g`` and ``index`` have size 1 along ``axis``): the gradient of a max along ``axis``."""
+        shape = g.shape[:axis] + (size,) + g.shape[axis + 1 :]
+        out = _buffer(shape, g.dtype)
+        out.fill(0)
+        np.put_along_axis(out, index, g, axis=axis)
+        return out
+
+
+def _strided_view(a: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> np.ndarray:
+    # NOTE: as_strided checks no bounds: callers pass positions inside ``a``'s storage.
+    flat = a.reshape(-1)[offset:]
+    return np.lib.stride_tricks.as_strided(flat, tuple(shape), tuple(s * a.itemsize for s in strides))
 
 
 HOST_MATH = HostMath()

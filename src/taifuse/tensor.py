@@ -7,7 +7,8 @@ in reverse topological order (iteratively: a deep MLP is a long chain) and each 
 calls its backend's hand-written backward kernel; gradients accumulate into the ``.grad`` of leaf
 tensors that ``requires_grad``.
 
-Arithmetic (``+ - * / @``, ``sum``, ``mean``, ``reshape``, ``.T``) goes through
+Arithmetic (``+ - * / @``, ``sum``, ``mean``, ``exp``, ``max``, ...) and the views (indexing,
+``reshape``, ``permute``, ``expand``, :func:`cat`, ...; NOTE [ Views copy ]) go through
 ``taifuse._tensor_math`` (NOTE [ Tensor storage ] there); the neural-network ops are
 ``taifuse.functional``'s, which return differentiable Tensors when given Tensors.
 
@@ -31,7 +32,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -41,7 +42,18 @@ from taifuse._tensor_math import astype, math_for, sum_to_shape
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
     from typing_extensions import Self
 
-__all__ = ["Function", "GradSlot", "Tensor", "enable_grad", "is_grad_enabled", "no_grad", "tensor"]
+__all__ = [
+    "Function",
+    "GradSlot",
+    "MaxResult",
+    "Tensor",
+    "cat",
+    "enable_grad",
+    "is_grad_enabled",
+    "no_grad",
+    "stack",
+    "tensor",
+]
 
 # ----------------------------------------------------------------------------- grad mode
 
@@ -512,11 +524,18 @@ class Tensor:
         return _Reshape.apply(self, _resolve_shape(shape, self.shape))
 
     def transpose(self, dim0: int, dim1: int) -> Tensor:
-        """Swap dimensions ``dim0`` and ``dim1``."""
-        dims = [_normalize_dims(d, self.ndim, "transpose") for d in (dim0, dim1)]
+        """Swap dimensions ``dim0`` and ``dim1`` (returns a copy, unlike PyTorch's view: NOTE [ Views copy ]).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([[1.0, 2.0, 3.0]]).transpose(0, 1).shape
+            (3, 1)
+        """
+        d0, d1 = (_dim(d, self.ndim, "transpose", name) for d, name in ((dim0, "dim0"), (dim1, "dim1")))
         axes = list(range(self.ndim))
         if self.ndim:  # a 0-d tensor (dims 0 or -1) is its own transpose
-            (d0,), (d1,) = dims
             axes[d0], axes[d1] = axes[d1], axes[d0]
         return _Transpose.apply(self, tuple(axes))
 
@@ -524,6 +543,314 @@ class Tensor:
     def T(self) -> Tensor:
         """The tensor with its dimensions reversed (a matrix transposed)."""
         return _Transpose.apply(self, tuple(reversed(range(self.ndim))))
+
+    # -- views (NOTE [ Views copy ])
+
+    def view(self, *shape: Any) -> Tensor:
+        """The same data in ``shape`` (one entry may be -1), as ``torch.Tensor.view``.
+
+        Tensors are always contiguous, so this is :meth:`reshape`; the result shares the data (as
+        PyTorch's view does), and ``backward`` reshapes the gradient back.
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([1.0, 2.0, 3.0, 4.0]).view(2, -1).shape
+            (2, 2)
+        """
+        return self.reshape(*shape)
+
+    def permute(self, *dims: Any) -> Tensor:
+        """The dimensions reordered: dimension ``i`` of the result is ``dims[i]`` of this tensor
+        (returns a copy, unlike PyTorch's view: NOTE [ Views copy ]).
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor(np.zeros((2, 3, 4))).permute(2, 0, 1).shape
+            (4, 2, 3)
+        """
+        if len(dims) == 1 and not isinstance(dims[0], numbers.Integral):
+            dims = tuple(dims[0])
+        if len(dims) != self.ndim:
+            raise ValueError(
+                f"permute: dims {dims} should name each of the tensor's {self.ndim} dimensions once"
+            )
+        axes = tuple(_dim(d, self.ndim, "permute", "dims") for d in dims)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"permute: dims {dims} repeats a dimension")
+        return _Transpose.apply(self, axes)
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        """A new dimension of size 1 at ``dim`` (in ``[-ndim - 1, ndim]``); shares the data as a reshape.
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([1.0, 2.0]).unsqueeze(-1).shape
+            (2, 1)
+        """
+        d = _dim(dim, self.ndim + 1, "unsqueeze")
+        return _Reshape.apply(self, self.shape[:d] + (1,) + self.shape[d:])
+
+    def squeeze(self, dim: int | Sequence[int] | None = None) -> Tensor:
+        """Drop the dimensions of size 1 (only those in ``dim`` when given; others named there stay).
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor(np.zeros((1, 2, 1))).squeeze().shape
+            (2,)
+        """
+        if dim is None:
+            dims = set(range(self.ndim))
+        else:
+            names = (dim,) if isinstance(dim, numbers.Integral) else tuple(dim)
+            dims = {_dim(d, self.ndim, "squeeze") for d in names}
+        shape = tuple(n for i, n in enumerate(self.shape) if not (i in dims and n == 1))
+        return _Reshape.apply(self, shape)
+
+    def expand(self, *sizes: Any) -> Tensor:
+        """This tensor repeated along its size-1 dimensions (and new leading ones) to ``sizes``; -1
+        keeps a dimension's size. The backward sums the gradient over the repeats. Returns a copy,
+        unlike PyTorch's view (NOTE [ Views copy ]).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([[1.0], [2.0]]).expand(2, 3).numpy()
+            array([[1., 1., 1.],
+                   [2., 2., 2.]], dtype=float32)
+        """
+        if len(sizes) == 1 and not isinstance(sizes[0], numbers.Integral):
+            sizes = tuple(sizes[0])
+        if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in sizes):
+            raise TypeError(f"expand: sizes should be ints, got {sizes!r}")
+        lead = len(sizes) - self.ndim
+        if lead < 0:
+            raise ValueError(
+                f"expand: the number of sizes provided ({len(sizes)}) must be greater or equal to the "
+                f"number of dimensions in the tensor ({self.ndim})"
+            )
+        shape = []
+        for i, n in enumerate(sizes):
+            n = int(n)
+            old = self.shape[i - lead] if i >= lead else None
+            if n == -1 and old is not None:
+                n = old
+            if n < 0:
+                raise ValueError(f"expand: sizes {sizes}: size {n} is not allowed at dimension {i}")
+            if old is not None and old != 1 and n != old:
+                raise ValueError(
+                    f"expand: the expanded size of the tensor ({n}) must match the existing size ({old}) at "
+                    f"non-singleton dimension {i}; sizes {tuple(sizes)}, tensor shape {self.shape}"
+                )
+            shape.append(n)
+        return _Expand.apply(self, tuple(shape))
+
+    def split(self, split_size_or_sections: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
+        """Pieces along ``dim``: of ``split_size_or_sections`` entries each (the last may be shorter),
+        or of the listed sizes. Each piece is a copy, unlike PyTorch's views (NOTE [ Views copy ]).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> [p.shape for p in taifuse.tensor([1.0, 2.0, 3.0, 4.0, 5.0]).split(2)]
+            [(2,), (2,), (1,)]
+        """
+        if not self.ndim:
+            raise ValueError("split: expects at least a 1-dimensional tensor")
+        d = _dim(dim, self.ndim, "split")
+        n = self.shape[d]
+        s = split_size_or_sections
+        if isinstance(s, numbers.Integral) and not isinstance(s, bool):
+            if s < 0 or (s == 0 and n):
+                raise ValueError(f"split: split_size_or_sections should be a positive int, got {s}")
+            sizes = [int(s)] * (n // s) + ([n % s] if n % s else []) if n else [0]
+        else:
+            sizes = list(s)
+            if not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 0 for k in sizes):
+                raise TypeError(
+                    f"split: split_size_or_sections should be an int or a list of non-negative ints, got {s!r}"
+                )
+            if sum(sizes) != n:
+                raise ValueError(
+                    f"split: split_size_or_sections {sizes} should sum exactly to {n} (the tensor's size at "
+                    f"dimension {d})"
+                )
+        pieces, start = [], 0
+        for k in sizes:
+            pieces.append(_narrow(self, d, start, int(k)))
+            start += k
+        return tuple(pieces)
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+        """At most ``chunks`` pieces of ``ceil(size / chunks)`` entries along ``dim`` (the last may be
+        shorter), as ``torch.chunk``. Each piece is a copy (NOTE [ Views copy ]).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> [p.shape for p in taifuse.tensor([1.0, 2.0, 3.0, 4.0, 5.0]).chunk(2)]
+            [(3,), (2,)]
+        """
+        if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral) or chunks <= 0:
+            raise ValueError(f"chunk: chunks should be a positive int, got {chunks!r}")
+        if not self.ndim:
+            raise ValueError("chunk: expects at least a 1-dimensional tensor")
+        n = self.shape[_dim(dim, self.ndim, "chunk")]
+        return self.split(-(-n // int(chunks)) if n else 0, dim)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        """NumPy/PyTorch indexing: ints, slices (any step, negative too, which PyTorch refuses),
+        ``None``, ``...``, and one integer array, list or Tensor along one dimension. Returns a copy,
+        unlike PyTorch's views of basic indexing (NOTE [ Views copy ]); the backward scatters the
+        gradient back (repeated indices accumulate).
+
+        Raises ``IndexError`` for an index out of range, as PyTorch. An integer Tensor already on
+        the taichi device is not range-checked (that would copy it to the host): an entry out of
+        range gives NaN, as a bad class index does (NOTE [ Class indices on the device ]).
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> x = taifuse.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+            >>> x[1, ::-1].numpy()
+            array([5., 4., 3.], dtype=float32)
+            >>> x[:, [0, 0]].shape
+            (2, 2)
+        """
+        return _getitem(self, index)
+
+    # -- elementwise math
+
+    def exp(self) -> Tensor:
+        """e ** x, elementwise.
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([0.0]).exp().numpy()
+            array([1.], dtype=float32)
+        """
+        return _Exp.apply(_require_float_tensor(self, "exp"))
+
+    def log(self) -> Tensor:
+        """Natural logarithm, elementwise (NaN below 0, -inf at 0).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([1.0]).log().numpy()
+            array([0.], dtype=float32)
+        """
+        return _Log.apply(_require_float_tensor(self, "log"))
+
+    def sqrt(self) -> Tensor:
+        """Square root, elementwise (NaN below 0).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([4.0]).sqrt().numpy()
+            array([2.], dtype=float32)
+        """
+        return _Sqrt.apply(_require_float_tensor(self, "sqrt"))
+
+    def masked_fill(self, mask: Any, value: float) -> Tensor:
+        """``value`` where ``mask`` is True, this tensor elsewhere; ``mask`` broadcasts with it.
+
+        ``mask`` is a boolean NumPy array (or a nested list of bools), or an integer Tensor (taifuse
+        stores booleans as integers; nonzero is True). The gradient is 0 where the mask filled.
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([1.0, 2.0]).masked_fill(np.array([True, False]), -1.0).numpy()
+            array([-1.,  2.], dtype=float32)
+        """
+        _require_float_tensor(self, "masked_fill")
+        if not _is_scalar(value):
+            raise TypeError(f"masked_fill: value should be a real number, got {type(value).__name__}")
+        mask_arr = _mask_operand(mask, self)
+        try:
+            np.broadcast_shapes(self.shape, _shape(mask_arr))
+        except ValueError:
+            raise ValueError(
+                f"masked_fill: mask of shape {_shape(mask_arr)} does not broadcast with the tensor's shape {self.shape}"
+            ) from None
+        return _MaskedFill.apply(self, mask_arr, float(value))
+
+    # -- reductions with indices
+
+    def amax(self, dim: int | Sequence[int] = (), keepdim: bool = False) -> Tensor:
+        """The largest element over ``dim`` (every dimension when ``()``), as ``torch.amax``.
+
+        The gradient is split evenly among the elements equal to the maximum.
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> x = taifuse.tensor([[1.0, 3.0], [3.0, 2.0]], requires_grad=True)
+            >>> x.amax().backward()
+            >>> x.grad.numpy()
+            array([[0. , 0.5],
+                   [0.5, 0. ]], dtype=float32)
+        """
+        _require_float_tensor(self, "amax")
+        names = (dim,) if isinstance(dim, numbers.Integral) else tuple(dim)
+        dims = tuple(_dim(d, self.ndim, "amax") for d in names) if self.ndim else ()
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"amax: dim {dim!r} repeats a dimension")
+        dims = dims if names else tuple(range(self.ndim))
+        for d in dims:
+            if self.shape[d] == 0:
+                raise _IndexOutOfRange(f"amax: expected reduction dim {d} to have non-zero size")
+        if not self.ndim:
+            return _Reshape.apply(self, ())
+        return _Amax.apply(self, dims, bool(keepdim))
+
+    def max(self, dim: int | None = None, keepdim: bool = False) -> Any:
+        """The largest element: of all (a Tensor; the gradient split evenly among ties), or along
+        ``dim`` as ``(values, indices)`` (``torch.return_types.max``; the gradient goes to the index
+        returned, the first maximum, or the first NaN). Indices are int64 on the host backends and
+        int32 on taichi (NOTE [ Class indices on the device ]).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> values, indices = taifuse.tensor([[1.0, 3.0], [4.0, 2.0]]).max(dim=1)
+            >>> values.numpy(), indices.numpy()
+            (array([3., 4.], dtype=float32), array([1, 0]))
+        """
+        if dim is None:
+            return self.amax()
+        _require_float_tensor(self, "max")
+        d = _dim(dim, self.ndim, "max")
+        src = _Reshape.apply(self, (1,)) if not self.ndim else self
+        keepdim = bool(keepdim) and self.ndim > 0
+        if src.shape[d] == 0:
+            raise _IndexOutOfRange(f"max: expected reduction dim {d} to have non-zero size")
+        m = math_for(self._be)
+        idx = m.argmax(src._data, d, True)
+        values = _MaxDim.apply(src, d, keepdim, idx)
+        if not keepdim:
+            idx = m.reshape(idx, values.shape)
+        return MaxResult(values, Tensor._wrap(idx, self._be))
 
 
 def _host_array(data: Any, dtype: Any) -> np.ndarray:
@@ -1026,6 +1353,383 @@ class _Transpose(Function):
     def backward(self, g: Any) -> tuple[Any, ...]:
         inverse = tuple(int(i) for i in np.argsort(self.axes))
         return self.m.transpose(g, inverse), None
+
+
+# ----------------------------------------------------------------------------- views and indexing
+
+# NOTE [ Views copy ]
+# A Tensor's array is always C-contiguous (NOTE [ Tensor storage ] in _tensor_math.py), so the ops
+# that are views in PyTorch (indexing, permute, transpose, expand, split, chunk) return copies
+# here: writing into the result in place does not change the tensor it came from, and vice versa.
+# reshape, view, unsqueeze and squeeze do share the data. Each copy is one gather through
+# strides (``as_strided`` in the tensor-math tables), and its backward the matching scatter.
+
+
+class _IndexOutOfRange(IndexError, ValueError):
+    """An out-of-range index or dim: ``IndexError`` as PyTorch raises, and a ``ValueError`` as every
+    bad argument in taifuse is (so code catching either works)."""
+
+
+class MaxResult(NamedTuple):
+    """What ``Tensor.max(dim)`` returns, as ``torch.return_types.max``."""
+
+    values: Tensor
+    indices: Tensor
+
+
+def _dim(dim: Any, ndim: int, op: str, name: str = "dim") -> int:
+    """``dim`` as an index into ``ndim`` dimensions (a 0-d tensor takes 0 and -1, as PyTorch)."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{op}: {name} should be an int, got {dim!r}")
+    n = max(ndim, 1)
+    if not -n <= dim < n:
+        raise _IndexOutOfRange(
+            f"{op}: {name} is out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})"
+        )
+    return int(dim) % n
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _require_float_tensor(t: Tensor, op: str) -> Tensor:
+    if t.dtype.kind != "f":
+        raise TypeError(f"{op}: needs a floating-point tensor, got dtype {t.dtype}")
+    return t
+
+
+def _narrow(t: Tensor, dim: int, start: int, length: int) -> Tensor:
+    """Entries ``start ... start + length - 1`` of ``t`` along ``dim``, as a copy."""
+    strides = _contiguous(t.shape)
+    shape = t.shape[:dim] + (length,) + t.shape[dim + 1 :]
+    return _Strided.apply(t, shape, strides, start * strides[dim] if length else 0)
+
+
+def _mask_operand(mask: Any, like: Tensor) -> Any:
+    """``masked_fill``'s mask as an array on ``like``'s backend (bool or integer, nonzero = True)."""
+    if isinstance(mask, Tensor):
+        if mask._be is not like._be:
+            raise TypeError(
+                f"masked_fill: mask lives on backend {mask._be.NAME!r}, the tensor on {like._be.NAME!r}"
+            )
+        if mask.dtype.kind not in "biu":
+            raise TypeError(f"masked_fill: mask should be boolean (or integer 0/1), got dtype {mask.dtype}")
+        return mask._data
+    arr = np.asarray(mask)
+    if arr.dtype.kind != "b":
+        raise TypeError(f"masked_fill: mask should be a boolean array, got dtype {arr.dtype}")
+    return arr if isinstance(like._data, np.ndarray) else like._be.from_numpy(np.ascontiguousarray(arr))
+
+
+def _index_array(item: Any, t: Tensor, dim: int) -> Any:
+    """An integer-array index along ``dim`` as an array on ``t``'s backend, range-checked on the host."""
+    size = t.shape[dim]
+    if isinstance(item, Tensor):
+        if item._be is not t._be:
+            raise TypeError(
+                f"index: the index tensor lives on backend {item._be.NAME!r}, the tensor on {t._be.NAME!r}"
+            )
+        if item.dtype.kind not in "iu":
+            raise TypeError(f"index: tensors used as indices must be integer tensors, got dtype {item.dtype}")
+        if not isinstance(item._data, np.ndarray):
+            return item._data  # on the device: not range-checked (Tensor.__getitem__'s docstring)
+        arr = item._data
+    else:
+        arr = np.asarray(item)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(
+                f"index: an array index should hold integers, got dtype {arr.dtype} (boolean masks are "
+                "not supported: use masked_fill)"
+            )
+    bad = (arr < -size) | (arr >= size)
+    if bad.any():
+        raise _IndexOutOfRange(
+            f"index {int(arr[bad].flat[0])} is out of bounds for dimension {dim} with size {size}"
+        )
+    arr = np.ascontiguousarray(arr % max(size, 1), dtype=np.int64)
+    return arr if isinstance(t._data, np.ndarray) else t._be.from_numpy(arr)
+
+
+def _is_array_index(item: Any) -> bool:
+    if isinstance(item, Tensor):
+        return item.ndim > 0 or item.dtype.kind == "f"
+    if isinstance(item, (list, np.ndarray)):
+        return np.ndim(item) > 0 or np.asarray(item).dtype.kind not in "iu"
+    return False
+
+
+def _getitem(t: Tensor, index: Any) -> Tensor:
+    items = index if isinstance(index, tuple) else (index,)
+    consumed = 0
+    for item in items:
+        if isinstance(item, bool) or (isinstance(item, np.ndarray) and item.dtype.kind == "b"):
+            raise TypeError("index: boolean indices are not supported (use masked_fill)")
+        if item is None or item is Ellipsis:
+            continue
+        if not (isinstance(item, (numbers.Integral, slice)) or _is_array_index(item)
+                or isinstance(item, (Tensor, np.ndarray))):  # fmt: skip
+            raise TypeError(f"index: unsupported index {item!r} of type {type(item).__name__}")
+        consumed += 1
+    if sum(item is Ellipsis for item in items) > 1:
+        raise IndexError("index: an index can only have a single ellipsis ('...')")
+    if consumed > t.ndim:
+        raise IndexError(f"index: too many indices for tensor of dimension {t.ndim}")
+    in_strides = _contiguous(t.shape)
+    shape: list[int] = []
+    strides: list[int] = []
+    offset = d = 0
+    array_item = array_dim = array_pos = None
+    advanced: list[int] = []  # positions in ``items`` of the ints and the array (NumPy's advanced indices)
+    for pos, item in enumerate(items):
+        if item is None:
+            shape.append(1)
+            strides.append(0)
+        elif item is Ellipsis:
+            for _ in range(t.ndim - consumed):
+                shape.append(t.shape[d])
+                strides.append(in_strides[d])
+                d += 1
+        elif isinstance(item, slice):
+            start, stop, step = item.indices(t.shape[d])
+            length = len(range(start, stop, step))
+            offset += start * in_strides[d] if length else 0
+            shape.append(length)
+            strides.append(step * in_strides[d])
+            d += 1
+        elif _is_array_index(item):
+            if array_item is not None:
+                raise TypeError("index: only one integer array (or Tensor) index is supported")
+            array_item, array_dim, array_pos = item, d, len(shape)
+            advanced.append(pos)
+            shape.append(t.shape[d])
+            strides.append(in_strides[d])
+            d += 1
+        else:  # an int (or a 0-d integer array or Tensor)
+            i = int(item.item()) if isinstance(item, (Tensor, np.ndarray)) else int(item)
+            n = t.shape[d]
+            if not -n <= i < n:
+                raise _IndexOutOfRange(f"index {i} is out of bounds for dimension {d} with size {n}")
+            offset += (i % n) * in_strides[d]
+            advanced.append(pos)
+            d += 1
+    shape += t.shape[d:]
+    strides += in_strides[d:]
+    out = _Strided.apply(t, tuple(shape), tuple(strides), offset)
+    if array_item is None:
+        return out
+    index_arr = _index_array(array_item, t, array_dim)
+    out = _Take.apply(out, index_arr, array_pos)
+    if advanced != list(range(advanced[0], advanced[-1] + 1)) and array_pos:
+        # NumPy's rule: advanced indices separated by a slice put their dimensions first.
+        k = index_arr.ndim
+        dims = (
+            tuple(range(array_pos, array_pos + k))
+            + tuple(range(array_pos))
+            + tuple(range(array_pos + k, out.ndim))
+        )
+        out = _Transpose.apply(out, dims)
+    return out
+
+
+class _Strided(Function):
+    """A gather through strides (basic indexing, split); the backward scatters into zeros."""
+
+    owns_grads = True
+
+    def forward(self, a: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
+        self.in_shape, self.strides, self.offset = _shape(a), strides, offset
+        return self.m.as_strided(a, shape, strides, offset)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        out = self.m.full(self.in_shape, 0.0, g.dtype)
+        self.m.scatter_strided_(out, g, self.strides, self.offset)
+        return out, None, None, None
+
+
+class _Take(Function):
+    owns_grads = True
+
+    def forward(self, a: Any, index: Any, axis: int) -> Any:
+        self.index, self.axis, self.size = index, axis, a.shape[axis]
+        return self.m.take(a, index, axis)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        return self.m.take_backward(g, self.index, self.axis, self.size), None, None
+
+
+class _Expand(Function):
+    def forward(self, a: Any, shape: tuple[int, ...]) -> Any:
+        self.in_shape = _shape(a)
+        return self.m.broadcast_to(a, shape)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        return sum_to_shape(self.m, g, self.in_shape), None
+
+
+class _MaskedFill(Function):
+    owns_grads = True
+
+    def forward(self, a: Any, mask: Any, value: float) -> Any:
+        self.in_shape, self.mask = _shape(a), mask
+        return self.m.masked_fill(a, mask, value)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        ga = sum_to_shape(self.m, self.m.masked_fill(g, self.mask, 0.0), self.in_shape)
+        return ga, None, None
+
+
+class _Exp(Function):
+    owns_grads = True
+
+    def forward(self, a: Any) -> Any:
+        self.out = self.m.exp(a)
+        return self.out
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        return (self.m.mul(g, self.out),)
+
+
+class _Log(Function):
+    owns_grads = True
+
+    def forward(self, a: Any) -> Any:
+        self.a = a
+        return self.m.log(a)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        return (self.m.div(g, self.a),)
+
+
+class _Sqrt(Function):
+    owns_grads = True
+
+    def forward(self, a: Any) -> Any:
+        self.out = self.m.sqrt(a)
+        return self.out
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        # d sqrt(x) = 1 / (2 sqrt(x))
+        return (self.m.div(g, self.m.mul(self.out, 2.0)),)
+
+
+class _Amax(Function):
+    owns_grads = True
+
+    def forward(self, a: Any, dims: tuple[int, ...], keepdim: bool) -> Any:
+        self.a, self.dims = a, dims
+        self.values = self.m.max(a, dims, True)
+        if keepdim:
+            return self.values
+        return self.m.reshape(self.values, tuple(n for i, n in enumerate(_shape(a)) if i not in dims))
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        # As torch.amax: the gradient is split evenly among the elements equal to the maximum.
+        m = self.m
+        ties = m.eq(self.a, self.values)
+        share = m.div(m.reshape(g, _shape(self.values)), m.sum(ties, self.dims, True))
+        return m.mul(ties, share), None, None
+
+
+class _MaxDim(Function):
+    owns_grads = True
+
+    def forward(self, a: Any, dim: int, keepdim: bool, index: Any) -> Any:
+        self.dim, self.size, self.index = dim, a.shape[dim], index
+        return self.m.max(a, (dim,), keepdim)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        g = self.m.reshape(g, _shape(self.index))
+        return self.m.scatter_dim(g, self.index, self.dim, self.size), None, None, None
+
+
+class _Cat(Function):
+    owns_grads = True
+
+    def forward(self, *arrays: Any, dim: int) -> Any:
+        shape = list(_shape(arrays[0]))
+        shape[dim] = sum(a.shape[dim] for a in arrays)
+        out = self.m.full(tuple(shape), 0.0, arrays[0].dtype)
+        self.strides = _contiguous(tuple(shape))
+        self.pieces: list[tuple[tuple[int, ...], int]] = []
+        offset = 0
+        for a in arrays:
+            self.m.scatter_strided_(out, a, self.strides, offset)
+            self.pieces.append((_shape(a), offset))
+            offset += a.shape[dim] * self.strides[dim]
+        return out
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        return tuple(
+            self.m.as_strided(g, shape, self.strides, offset) if need else None
+            for (shape, offset), need in zip(self.pieces, self.needs_grad)
+        )
+
+
+def _tensor_list(tensors: Any, op: str) -> list[Tensor]:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, Iterable):
+        raise TypeError(f"{op}: tensors should be a sequence of Tensors, got {type(tensors).__name__}")
+    ts = list(tensors)
+    if not ts:
+        raise ValueError(f"{op}: tensors should not be empty")
+    for i, t in enumerate(ts):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: tensors[{i}] should be a Tensor, got {type(t).__name__}")
+    _common_backend(ts, op)
+    dtype = functools.reduce(np.promote_types, (t.dtype for t in ts))
+    if dtype.kind == "f":
+        ts[0]._be.check_dtype(dtype, f"{op}: the result dtype")
+    return [t if t.dtype == dtype else _Cast.apply(t, dtype) for t in ts]
+
+
+def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """The tensors joined along the existing dimension ``dim``, as ``torch.cat``; their other sizes
+    must match. Mixed dtypes promote (NOTE [ Mixed dtypes ]). The backward slices the gradient.
+
+    Example::
+
+        >>> import taifuse
+        >>> taifuse.set_backend("numpy")
+        >>> taifuse.cat([taifuse.tensor([[1.0]]), taifuse.tensor([[2.0, 3.0]])], dim=1).numpy()
+        array([[1., 2., 3.]], dtype=float32)
+    """
+    ts = _tensor_list(tensors, "cat")
+    if not ts[0].ndim:
+        raise ValueError("cat: zero-dimensional tensor (at position 0) cannot be concatenated")
+    d = _dim(dim, ts[0].ndim, "cat")
+    first = ts[0].shape
+    for i, t in enumerate(ts):
+        if t.ndim != len(first) or any(a != b for j, (a, b) in enumerate(zip(t.shape, first)) if j != d):
+            raise ValueError(
+                f"cat: sizes of tensors must match except in dimension {d}: tensors[0] has shape {first}, "
+                f"tensors[{i}] has shape {t.shape}"
+            )
+    return _Cat.apply(*ts, dim=d)
+
+
+def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
+    """The tensors (all of one shape) joined along a new dimension ``dim``, as ``torch.stack``.
+
+    Example::
+
+        >>> import taifuse
+        >>> taifuse.set_backend("numpy")
+        >>> taifuse.stack([taifuse.tensor([1.0, 2.0]), taifuse.tensor([3.0, 4.0])], dim=1).shape
+        (2, 2)
+    """
+    ts = _tensor_list(tensors, "stack")
+    for i, t in enumerate(ts):
+        if t.shape != ts[0].shape:
+            raise ValueError(
+                f"stack: expects each tensor to be equal size, but got {ts[0].shape} at entry 0 and "
+                f"{t.shape} at entry {i}"
+            )
+    d = _dim(dim, ts[0].ndim + 1, "stack")
+    return _Cat.apply(*(t.unsqueeze(d) for t in ts), dim=d)
 
 
 def tensors_in(values: Iterable[Any]) -> bool:

@@ -38,6 +38,7 @@ import numpy as np
 from taifuse import backends, pool
 from taifuse.backends.taichi._runtime import (
     FLOAT_DTYPES,
+    INDEX_DTYPE,
     _import_taichi,
     _nd,
     _ti_dtype,
@@ -50,8 +51,14 @@ REDUCE_CHUNK = 256  # terms one thread adds per reduction pass (NOTE [ Loop limi
 # Register tile of matmul: each thread owns TILE x TILE outputs.
 TILE = 4
 
-OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_MAX, OP_MIN = 0, 1, 2, 3, 4, 5
-_OP_NAMES = {OP_ADD: "add", OP_SUB: "sub", OP_MUL: "mul", OP_DIV: "div", OP_MAX: "maximum", OP_MIN: "minimum"}
+OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_MAX, OP_MIN, OP_EQ = 0, 1, 2, 3, 4, 5, 6
+_OP_NAMES = {
+    OP_ADD: "add", OP_SUB: "sub", OP_MUL: "mul", OP_DIV: "div", OP_MAX: "maximum", OP_MIN: "minimum", OP_EQ: "eq",
+}  # fmt: skip
+UNARY_EXP, UNARY_LOG, UNARY_SQRT = 0, 1, 2
+# Terms one thread visits per launch in the index loops (take_backward, argmax); passes repeat
+# beyond it (NOTE [ Loop limits in reductions ]).
+INDEX_CHUNK = 1024
 # pow_scalar modes for a negative base: NumPy gives +|a|^e (even integer e), -|a|^e (odd), nan (else).
 POW_EVEN, POW_ODD, POW_FRACTIONAL = 0, 1, 2
 
@@ -79,6 +86,7 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
     T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
     V = ti.types.vector(MAX_DIMS, ti.i32)
 
     @ti.func
@@ -94,8 +102,10 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             r = u / v
         elif op == OP_MAX:
             r = M.nan_max(u, v)
-        else:
+        elif op == OP_MIN:
             r = M.nan_min(u, v)
+        else:
+            r = ti.select(u == v, 1.0, 0.0)
         return r
 
     @ti.func
@@ -260,6 +270,116 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                 if n0 + i < n_rows and m0 + j < m_cols:
                     out[(p * n_rows + n0 + i) * m_cols + m0 + j] = ti.cast(acc[i, j], T)
 
+    # -- views and indices (NOTE [ Views copy ] in taifuse/tensor.py)
+
+    @ti.kernel
+    def gather_at(a: X, out: X, n: ti.i32, offset: ti.i32, shape: V, sa: V):
+        for i in range(n):
+            out[i] = a[offset + _offset(i, shape, sa)]
+
+    @ti.kernel
+    def scatter_at(src: X, out: X, n: ti.i32, offset: ti.i32, shape: V, so: V):
+        # The positions never overlap (no stride 0 on a dimension longer than 1): no atomics.
+        for i in range(n):
+            out[offset + _offset(i, shape, so)] = src[i]
+
+    @ti.kernel
+    def take(a: X, index: I32, out: X, n: ti.i32, k_len: ti.i32, inner: ti.i32, size: ti.i32):
+        # out (outer, k_len, inner) = a (outer, size, inner) at index[k]; NaN out of range
+        # (a device index is not range-checked: NOTE [ Class indices on the device ]).
+        for i in range(n):
+            r = i % inner
+            t = i // inner
+            j = index[t % k_len]
+            if j < 0:
+                j += size
+            v = ti.math.nan
+            if j >= 0 and j < size:
+                v = ti.cast(a[((t // k_len) * size + j) * inner + r], ti.f32)
+            out[i] = ti.cast(v, T)
+
+    @ti.kernel
+    def take_backward(
+        g: X, index: I32, out: X, n: ti.i32, k_len: ti.i32, inner: ti.i32, size: ti.i32, k0: ti.i32,
+        k1: ti.i32, accumulate: ti.i32,
+    ):  # fmt: skip
+        # out (outer, size, inner) (+)= the sum of g (outer, k_len, inner) over the k in [k0, k1)
+        # with index[k] == j. One thread per output entry, so repeated indices need no atomics
+        # (Metal has no float atomics): each thread scans the index, at most INDEX_CHUNK per launch.
+        for i in range(n):
+            r = i % inner
+            t = i // inner
+            j = t % size
+            base = (t // size) * k_len
+            s = 0.0
+            if accumulate != 0:
+                s = ti.cast(out[i], ti.f32)
+            for k in range(k0, k1):
+                jk = index[k]
+                if jk < 0:
+                    jk += size
+                if jk == j:
+                    s += ti.cast(g[(base + k) * inner + r], ti.f32)
+            out[i] = ti.cast(s, T)
+
+    @ti.kernel
+    def masked_fill(a: X, mask: I32, out: X, n: ti.i32, value: ti.f32, shape: V, sa: V, sm: V):
+        for i in range(n):
+            v = a[_offset(i, shape, sa)]
+            if mask[_offset(i, shape, sm)] != 0:
+                v = ti.cast(value, T)
+            out[i] = v
+
+    @ti.kernel
+    def unary(a: X, out: X, n: ti.i32, op: ti.i32):
+        # NumPy's results outside the domain (a GPU's log and sqrt of a negative are undefined).
+        for i in range(n):
+            u = ti.cast(a[i], ti.f32)
+            r = ti.math.nan
+            if op == UNARY_EXP:
+                r = ti.exp(u)
+            elif op == UNARY_LOG:
+                if u > 0.0:
+                    r = ti.log(u)
+                elif u == 0.0:
+                    r = -ti.math.inf
+            elif u >= 0.0:
+                r = ti.sqrt(u)
+            if M.is_nan(u):
+                r = ti.math.nan
+            out[i] = ti.cast(r, T)
+
+    @ti.kernel
+    def first_index(
+        a: X, values: X, index: I32, n_out: ti.i32, r_len: ti.i32, inner: ti.i32, r0: ti.i32, r1: ti.i32,
+    ):  # fmt: skip
+        # index[o, c] = the first r in [r0, r1) with a[o, r, c] == values[o, c] (NaN matching NaN),
+        # unless an earlier pass found one; r_len means none yet. Passes go in increasing r.
+        for t in range(n_out):
+            c = t % inner
+            base = (t // inner) * r_len * inner + c
+            v = ti.cast(values[t], ti.f32)
+            found = r_len
+            if r0 > 0:
+                found = index[t]
+            for r in range(r0, r1):
+                u = ti.cast(a[base + r * inner], ti.f32)
+                if found == r_len and (u == v or (M.is_nan(u) and M.is_nan(v))):
+                    found = r
+            index[t] = found
+
+    @ti.kernel
+    def scatter_dim(g: X, index: I32, out: X, n: ti.i32, r_len: ti.i32, inner: ti.i32):
+        # out (outer, r_len, inner) = g (outer, 1, inner) at r == index[o, c], else 0.
+        for i in range(n):
+            c = i % inner
+            t = i // inner
+            src = (t // r_len) * inner + c
+            v = ti.cast(0.0, T)
+            if index[src] == t % r_len:
+                v = g[src]
+            out[i] = v
+
     return SimpleNamespace(
         binary_flat=binary_flat,
         binary=binary,
@@ -279,6 +399,14 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         max_from_f32=make_reduce(F32, X, T, True),
         max_same=make_reduce(X, X, T, True),
         matmul=matmul,
+        gather_at=gather_at,
+        scatter_at=scatter_at,
+        take=take,
+        take_backward=take_backward,
+        masked_fill=masked_fill,
+        unary=unary,
+        first_index=first_index,
+        scatter_dim=scatter_dim,
     )
 
 
@@ -655,6 +783,124 @@ class TaichiMath:
             kernels_for(acc.dtype).fill(_nd(acc), float(value), acc.size)
         else:  # int32 class indices: a store, not arithmetic (NOTE [ No integer arithmetic ]); Taichi's own fill
             _nd(acc).fill(int(value))
+
+    # -- views and indices (NOTE [ Views copy ] in taifuse/tensor.py)
+
+    @staticmethod
+    def as_strided(a: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
+        """A contiguous copy of ``a``'s flat storage read at ``offset + index . strides`` (in elements)."""
+        _require_float("as_strided", ("operand", a))
+        out = _new(shape, a.dtype)
+        if out.size:
+            geo = _merge(tuple(shape), tuple(strides))
+            kernels_for(a.dtype).gather_at(_nd(a), _nd(out), out.size, int(offset), *geo)
+        return out
+
+    @staticmethod
+    def scatter_strided_(out: Any, src: Any, strides: tuple[int, ...], offset: int) -> None:
+        """out's flat storage at ``offset + index . strides`` = src[index], in place (no overlaps)."""
+        _require_float("scatter", ("tensor updated", out), ("operand", src))
+        if src.dtype != out.dtype:
+            raise TypeError(f"scatter: operand has dtype {src.dtype}, the array {out.dtype}")
+        if src.size:
+            geo = _merge(tuple(src.shape), tuple(strides))
+            kernels_for(out.dtype).scatter_at(_nd(src), _nd(out), src.size, int(offset), *geo)
+
+    @staticmethod
+    def take(a: Any, index: Any, axis: int) -> Any:
+        """``numpy.take(a, index, axis)`` with an int32 device ``index``; NaN where it is out of range."""
+        _require_float("take", ("operand", a))
+        size = a.shape[axis]
+        out = _new(a.shape[:axis] + index.shape + a.shape[axis + 1 :], a.dtype)
+        if not out.size:
+            return out
+        k = kernels_for(a.dtype)
+        if not a.size:  # every index is out of range
+            k.fill(_nd(out), math.nan, out.size)
+            return out
+        inner = math.prod(a.shape[axis + 1 :])
+        k.take(_nd(a), _nd(index), _nd(out), out.size, index.size, inner, size)
+        return out
+
+    @staticmethod
+    def take_backward(g: Any, index: Any, axis: int, size: int) -> Any:
+        """The gradient of :meth:`take` (repeated indices accumulate), without atomics."""
+        _require_float("take backward", ("gradient", g))
+        k_len = index.size
+        out = _new(g.shape[:axis] + (size,) + g.shape[axis + index.ndim :], g.dtype)
+        if not out.size:
+            return out
+        k = kernels_for(g.dtype)
+        if not k_len:
+            k.fill(_nd(out), 0.0, out.size)
+            return out
+        inner = math.prod(g.shape[axis + index.ndim :])
+        for k0 in range(0, k_len, INDEX_CHUNK):
+            k1 = min(k0 + INDEX_CHUNK, k_len)
+            k.take_backward(_nd(g), _nd(index), _nd(out), out.size, k_len, inner, size, k0, k1, int(k0 > 0))
+        return out
+
+    @staticmethod
+    def masked_fill(a: Any, mask: Any, value: float) -> Any:
+        """``value`` where the int32 ``mask`` is nonzero, else ``a``; the two broadcast."""
+        _require_float("masked_fill", ("operand", a))
+        shape = tuple(np.broadcast_shapes(a.shape, mask.shape))
+        out = _new(shape, a.dtype)
+        if out.size:
+            geo = _merge(shape, _broadcast_strides(a.shape, shape), _broadcast_strides(mask.shape, shape))
+            kernels_for(a.dtype).masked_fill(_nd(a), _nd(mask), _nd(out), out.size, float(value), *geo)
+        return out
+
+    @staticmethod
+    def _unary(a: Any, op: int, name: str) -> Any:
+        _require_float(name, ("operand", a))
+        out = _new(a.shape, a.dtype)
+        if out.size:
+            kernels_for(a.dtype).unary(_nd(a), _nd(out), out.size, op)
+        return out
+
+    @staticmethod
+    def exp(a: Any) -> Any:
+        return TaichiMath._unary(a, UNARY_EXP, "exp")
+
+    @staticmethod
+    def log(a: Any) -> Any:
+        return TaichiMath._unary(a, UNARY_LOG, "log")
+
+    @staticmethod
+    def sqrt(a: Any) -> Any:
+        return TaichiMath._unary(a, UNARY_SQRT, "sqrt")
+
+    @staticmethod
+    def eq(a: Any, b: Any) -> Any:
+        """1 where ``a == b`` (broadcast), else 0, in ``a``'s dtype."""
+        return TaichiMath._binary(a, b, OP_EQ)
+
+    @staticmethod
+    def argmax(a: Any, axis: int, keepdims: bool) -> Any:
+        """Index of the first largest element along ``axis`` (of the first NaN, where there is one), int32."""
+        values = TaichiMath.max(a, (axis,), True)
+        index = _new(values.shape, INDEX_DTYPE)
+        r_len = a.shape[axis]
+        inner = math.prod(a.shape[axis + 1 :])
+        if index.size:
+            k = kernels_for(a.dtype)
+            for r0 in range(0, r_len, INDEX_CHUNK):
+                r1 = min(r0 + INDEX_CHUNK, r_len)
+                k.first_index(_nd(a), _nd(values), _nd(index), index.size, r_len, inner, r0, r1)
+        if keepdims:
+            return index
+        return index.reshape(a.shape[:axis] + a.shape[axis + 1 :])
+
+    @staticmethod
+    def scatter_dim(g: Any, index: Any, axis: int, size: int) -> Any:
+        """Zeros with ``size`` entries along ``axis`` and ``g`` put at ``index`` (the gradient of a max)."""
+        _require_float("scatter_dim", ("gradient", g))
+        out = _new(g.shape[:axis] + (size,) + g.shape[axis + 1 :], g.dtype)
+        if out.size:
+            inner = math.prod(g.shape[axis + 1 :])
+            kernels_for(g.dtype).scatter_dim(_nd(g), _nd(index), _nd(out), out.size, size, inner)
+        return out
 
     @staticmethod
     def item(a: Any) -> Any:
