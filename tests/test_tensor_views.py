@@ -312,6 +312,24 @@ def test_views_copy_but_reshape_shares(backend):
     assert v.numpy().tolist() == [1.0] * 4
 
 
+def test_iteration_goes_along_the_first_dimension(backend):
+    a = np.arange(6, dtype=work_dtype(backend)).reshape(3, 2)
+    rows = list(taifuse.tensor(a))
+    assert len(rows) == 3 and all(r.shape == (2,) for r in rows)
+    np.testing.assert_array_equal(rows[2].numpy(), a[2])
+    with pytest.raises(TypeError, match="0-d"):
+        iter(taifuse.tensor(np.array(1.0, a.dtype)))
+
+
+def test_non_float_tensors_are_refused_by_the_float_methods(backend):
+    ints = taifuse.tensor([[1, 2]])
+    for method in ("exp", "log", "sqrt", "amax", "max"):
+        with pytest.raises(TypeError, match="floating-point"):
+            getattr(ints, method)()
+    with pytest.raises(TypeError, match="floating-point"):
+        ints.masked_fill(np.array([True, False]), 0.0)
+
+
 # ----------------------------------------------------------------------------- float64 finite differences
 
 
@@ -493,6 +511,13 @@ def taichi(request: pytest.FixtureRequest):
         pytest.skip(f"{spec.param} unavailable: {reason}")
     spec.activate()
     return spec.module()
+
+
+def test_a_device_index_is_not_copied_back_to_be_checked(taichi):
+    """As a device class index (NOTE [ Class indices on the device ]): out of range gives NaN."""
+    x = taifuse.tensor(np.ones((2, 3), np.float32))
+    y = x[:, taifuse.tensor([0, 9, -1])].numpy()
+    assert np.isnan(y[:, 1]).all() and (y[:, [0, 2]] == 1.0).all()
 
 
 def _chain(q, k, index, mask):

@@ -30,7 +30,7 @@ import math
 import numbers
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -707,6 +707,12 @@ class Tensor:
             raise ValueError("chunk: expects at least a 1-dimensional tensor")
         n = self.shape[_dim(dim, self.ndim, "chunk")]
         return self.split(-(-n // int(chunks)) if n else 0, dim)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """The entries along the first dimension (``for row in t``), as PyTorch; each is a copy."""
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
 
     def __getitem__(self, index: Any) -> Tensor:
         """NumPy/PyTorch indexing: ints, slices (any step, negative too, which PyTorch refuses),
