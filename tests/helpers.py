@@ -267,6 +267,33 @@ def _ref_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return out.reshape(x.shape), np.maximum(1.0, mag).reshape(x.shape)
 
 
+def _ref_rms_norm(input, normalized_shape, weight=None, eps=None):
+    x, w = _f64(input), _f64(weight)
+    norm = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if eps is None:  # PyTorch's: the compute dtype's epsilon (float32 for float16 storage)
+        eps = float(np.finfo(np.float64 if np.asarray(input).dtype == np.float64 else np.float32).eps)
+    d = math.prod(norm)
+    x2 = x.reshape(x.size // d if d else 0, d)
+    out = np.empty_like(x2)
+    if x2.size:
+        R.rms_norm(x2, None if w is None else w.reshape(-1), eps, out, np.empty(x2.shape[0]))
+        # A float32 sum of squares is off by ~eps * sqrt(D) relative (as layer_norm's row sums).
+        rstd = 1.0 / np.sqrt((x2 * x2).mean(axis=1, keepdims=True) + eps)
+        wabs = 1.0 if w is None else np.abs(w).reshape(1, -1)
+        mag = np.abs(x2) * rstd * math.sqrt(d) * wabs
+    else:
+        mag = np.zeros_like(x2)
+    return out.reshape(x.shape), np.maximum(1.0, mag).reshape(x.shape)
+
+
+def _ref_embedding(input, weight, padding_idx=None):
+    idx = np.asarray(input)
+    w = _f64(weight)
+    out = np.empty((idx.size, w.shape[1]))
+    R.embedding(idx.reshape(-1), w, out)
+    return out.reshape(idx.shape + (w.shape[1],)), np.ones(out.shape).reshape(idx.shape + (w.shape[1],))
+
+
 def reference(op: str, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
     """(float64 result, scale) of ``taifuse.functional.<op>(*args, **kwargs)`` per backends/reference."""
     if op in ("gelu", "relu", "leaky_relu", "silu", "sigmoid", "tanh"):
@@ -281,6 +308,10 @@ def reference(op: str, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarra
         return _ref_softmax_like(op, *args, **kwargs)
     if op == "layer_norm":
         return _ref_layer_norm(*args, **kwargs)
+    if op == "rms_norm":
+        return _ref_rms_norm(*args, **kwargs)
+    if op == "embedding":
+        return _ref_embedding(*args, **kwargs)
     raise KeyError(f"no reference for {op!r}")
 
 

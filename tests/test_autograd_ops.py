@@ -151,6 +151,27 @@ def _cases() -> list[Case]:
             lambda x: TF.layer_norm(x, (2, 3)),
         ),
         Case(
+            "rms_norm",
+            lambda x, w: F.rms_norm(x, 6, w, 1e-5),
+            lambda r: [r.standard_normal((4, 6)), r.standard_normal(6)],
+            lambda x, w: TF.rms_norm(x, (6,), w, 1e-5),
+        ),
+        Case(
+            "rms_norm_2d_no_weight",
+            lambda x: F.rms_norm(x, (2, 3)),
+            lambda r: [r.standard_normal((3, 2, 3)) * 2 + 1],
+            lambda x: TF.rms_norm(x, (2, 3)),
+        ),
+        Case(
+            # Repeated indices; padding_idx (whose row's zero gradient finite differences cannot
+            # see) is checked against torch in test_rms_norm_embedding.py.
+            "embedding_repeated",
+            lambda i, w: F.embedding(i, w),
+            lambda r: [r.standard_normal((7, 3))],
+            lambda i, w: TF.embedding(i, w),
+            constants={0: np.array([[1, 5, 1, 0], [5, 5, 2, 1]])},
+        ),
+        Case(
             "dropout",
             lambda x: F.dropout(x, 0.4),
             lambda r: [r.standard_normal((5, 7))],
@@ -494,6 +515,11 @@ def _kernel_calls(rng: np.random.Generator, dtype: np.dtype, rows: int, cols: in
             lambda: ((x, arr(cols), mean, rstd, g), (out(rows, cols), out(cols), out(cols)), ()),
         )
     )
+    rms = np.empty(rows, stats)
+    R.rms_norm(x, None, 1e-5, np.empty_like(x), rms)
+    calls.append(("rms_norm_backward", lambda: ((x, arr(cols), rms, g), (out(rows, cols), out(cols)), ())))
+    idx = rng.integers(0, max(1, cols // 3), rows)  # repeated indices, some rows never seen
+    calls.append(("embedding_backward", lambda: ((idx, g), (out(cols, cols),), (int(idx[0]),))))
     for name in ("softmax", "log_softmax"):
         for shape in ((rows, cols, 1), (3, 5, 4), (rows // 8 + 1, 5, cols)):
             xs = arr(*shape)

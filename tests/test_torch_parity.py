@@ -44,6 +44,11 @@ TORCH_OPS = {
     "layer_norm": lambda x, shape, w=None, b=None, eps=1e-5: TF.layer_norm(
         x, (shape,) if isinstance(shape, int) else shape, w, b, eps
     ),
+    "rms_norm": lambda x, shape, w=None, eps=None: TF.rms_norm(
+        x, (shape,) if isinstance(shape, int) else shape, w, eps
+    ),
+    # (_to_torch hands the indices over as float64; they are small integers, exact in it)
+    "embedding": lambda i, w, padding_idx=None: TF.embedding(i.long(), w, padding_idx),
 }
 
 
@@ -130,6 +135,25 @@ def test_layer_norm(backend, normalized, params):
         w = rng.standard_normal(normalized).astype(np.float32)
         b = rng.standard_normal(normalized).astype(np.float32)
     check_torch(backend, "layer_norm", x, normalized, w, b, eps=1e-5)
+
+
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("with_weight", [False, True], ids=["noweight", "weight"])
+@pytest.mark.parametrize("normalized", [(16,), (5, 7)], ids=["1d", "2d"])
+def test_rms_norm(backend, normalized, with_weight, eps):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((3, 2) + normalized) * 4 + 2).astype(np.float32)
+    w = rng.standard_normal(normalized).astype(np.float32) if with_weight else None
+    # eps=None: float32's epsilon here and in PyTorch's float32 (not float64's: torch runs float64).
+    check_torch(backend, "rms_norm", x, normalized, w, eps=eps or float(np.finfo(np.float32).eps))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3, -1])
+def test_embedding(backend, padding_idx):
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, 9, (4, 5))
+    weight = rng.standard_normal((9, 6)).astype(np.float32)
+    check_torch(backend, "embedding", idx, weight, padding_idx=padding_idx)
 
 
 def test_dropout_semantics(backend):

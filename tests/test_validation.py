@@ -32,6 +32,23 @@ BAD_CALLS = {
     "layer_norm-bias": (lambda: F.layer_norm(X, 4, None, np.ones(5, f32)), ValueError, r"\bbias\b.*\(4,\).*\(5,\)"),
     "layer_norm-shape-str": (lambda: F.layer_norm(X, "4"), TypeError, r"normalized_shape.*'4'"),
     "layer_norm-shape-float": (lambda: F.layer_norm(X, (4.0,)), TypeError, r"normalized_shape.*4\.0"),
+    "rms_norm-shape": (lambda: F.rms_norm(X, (3,)), ValueError, r"normalized_shape.*\(3,\).*\binput\b.*\(3, 4\)"),
+    "rms_norm-weight": (lambda: F.rms_norm(X, 4, np.ones(3, f32)), ValueError, r"\bweight\b.*\(4,\).*\(3,\)"),
+    "rms_norm-eps-nan": (lambda: F.rms_norm(X, 4, eps=float("nan")), ValueError, r"\beps\b.*nan"),
+    "rms_norm-eps-negative": (lambda: F.rms_norm(X, 4, eps=-1.0), ValueError, r"\beps\b.*-1\.0"),
+    "rms_norm-weight-dtype": (lambda: F.rms_norm(X, 4, np.ones(4, np.float16)), TypeError, r"\bweight\b.*float16"),
+    "embedding-index-high": (lambda: F.embedding(np.array([0, 5]), W), IndexError, r"\binput\b.*index 5.*\[0, 5\)"),
+    "embedding-index-negative": (lambda: F.embedding(np.array([[-1]]), W), IndexError, r"\binput\b.*index -1"),
+    "embedding-float-indices": (lambda: F.embedding(np.array([0.0, 1.0]), W), TypeError, r"\binput\b.*float64"),
+    "embedding-bool-indices": (lambda: F.embedding(np.array([True]), W), TypeError, r"\binput\b.*bool"),
+    "embedding-weight-1d": (lambda: F.embedding(np.array([0]), np.ones(4, f32)), ValueError, r"\bweight\b.*2-D.*\(4,\)"),
+    "embedding-weight-int": (lambda: F.embedding(np.array([0]), np.ones((4, 2), np.int64)), TypeError, r"\bweight\b.*int64"),
+    "embedding-padding-range": (lambda: F.embedding(np.array([0]), W, padding_idx=5), ValueError, r"padding_idx.*\b5\b"),
+    "embedding-padding-type": (lambda: F.embedding(np.array([0]), W, padding_idx=1.0), TypeError, r"padding_idx.*float"),
+    "embedding-max_norm": (lambda: F.embedding(np.array([0]), W, max_norm=1.0), NotImplementedError, r"max_norm"),
+    "embedding-tensor-index-high": (
+        lambda: F.embedding(np.array([7]), taifuse.tensor(W, requires_grad=True)), IndexError, r"\binput\b.*index 7"
+    ),
     "softmax-dim-range": (lambda: F.softmax(X, dim=2), ValueError, r"\bdim\b.*\b2\b"),
     "log_softmax-dim-type": (lambda: F.log_softmax(X, dim=1.0), TypeError, r"\bdim\b.*float"),
     # unknown names

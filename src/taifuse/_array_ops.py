@@ -215,18 +215,103 @@ def layer_norm_args(normalized_shape: Any, eps: Any, op: str = "layer_norm") -> 
     return tuple(int(n) for n in normalized_shape), eps
 
 
-def check_layer_norm_input(shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> None:
-    """``normalized_shape`` must be the trailing dimensions of x."""
+def check_layer_norm_input(
+    shape: tuple[int, ...], norm_shape: tuple[int, ...], op: str = "layer_norm", xname: str = "x"
+) -> None:
+    """``normalized_shape`` must be the trailing dimensions of x (rms_norm's ``input``)."""
     k = len(norm_shape)
     if k == 0 or len(shape) < k or tuple(shape[len(shape) - k :]) != norm_shape:
         raise ValueError(
-            f"layer_norm: normalized_shape {norm_shape} should match the trailing dimensions of x {shape}"
+            f"{op}: normalized_shape {norm_shape} should match the trailing dimensions of {xname} {shape}"
         )
 
 
-def check_layer_norm_param(argname: str, shape: tuple[int, ...], norm_shape: tuple[int, ...]) -> None:
+def check_layer_norm_param(
+    argname: str, shape: tuple[int, ...], norm_shape: tuple[int, ...], op: str = "layer_norm"
+) -> None:
     if shape != norm_shape:
-        raise ValueError(f"layer_norm: {argname} should have shape {norm_shape}, got {shape}")
+        raise ValueError(f"{op}: {argname} should have shape {norm_shape}, got {shape}")
+
+
+def rms_norm_args(
+    normalized_shape: Any, eps: Any, op: str = "rms_norm"
+) -> tuple[tuple[int, ...], float | None]:
+    """Validate rms_norm's ``normalized_shape`` and ``eps`` (None stays None: :func:`rms_norm_eps`)."""
+    norm_shape, _ = layer_norm_args(normalized_shape, 0.0, op)
+    if eps is not None:
+        _, eps = layer_norm_args(norm_shape, eps, op)
+    return norm_shape, eps
+
+
+def rms_norm_eps(eps: float | None, dtype: np.dtype) -> float:
+    """rms_norm's ``eps``, where None is the machine epsilon of the compute dtype, as PyTorch's
+    (``torch.finfo(input.dtype).eps``, except that float16 computes, and takes its eps, in float32)."""
+    if eps is not None:
+        return eps
+    return float(np.finfo(np.float64 if dtype == np.float64 else np.float32).eps)
+
+
+def embedding_padding_idx(padding_idx: Any, num_embeddings: int, op: str = "embedding") -> int:
+    """``padding_idx`` as a row in ``[0, num_embeddings)``, negative counted from the end as in
+    PyTorch; -1 (the kernels' "none") for None."""
+    if padding_idx is None:
+        return -1
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+        raise TypeError(f"{op}: padding_idx should be an int or None, got {type(padding_idx).__name__}")
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(
+            f"{op}: padding_idx should be within num_embeddings {num_embeddings} "
+            f"(in [{-num_embeddings}, {num_embeddings})), got {padding_idx}"
+        )
+    return int(padding_idx) % num_embeddings
+
+
+def check_embedding_options(max_norm: Any, norm_type: Any, scale_grad_by_freq: Any, sparse: Any) -> None:
+    """PyTorch's extra ``F.embedding`` arguments, accepted at their defaults only."""
+    if max_norm is not None or norm_type != 2.0 or scale_grad_by_freq or sparse:
+        raise NotImplementedError(
+            "embedding: max_norm, norm_type, scale_grad_by_freq and sparse are not supported "
+            f"(got max_norm={max_norm!r}, norm_type={norm_type!r}, scale_grad_by_freq={scale_grad_by_freq!r}, "
+            f"sparse={sparse!r})"
+        )
+
+
+def check_embedding_weight(shape: tuple[int, ...]) -> None:
+    if len(shape) != 2:
+        raise ValueError(
+            f"embedding: weight should be 2-D (num_embeddings, embedding_dim), got shape {shape}"
+        )
+
+
+def check_index_dtype(dtype: np.dtype, op: str = "embedding") -> None:
+    if dtype.kind not in "iu":
+        raise TypeError(f"{op}: input should hold integer indices, got dtype {dtype}")
+
+
+def embedding_indices(value: Any, num_embeddings: int, be: ModuleType) -> tuple[Any, tuple[int, ...], bool]:
+    """embedding's ``input`` as ``be``'s flat integer indices, checked before anything is written:
+    ``(indices (N,), the input's shape, whether it came from the host)``.
+
+    Host data is range-checked (``IndexError`` naming the index, as PyTorch's). Indices already on
+    a device backend are not: that check would copy them back on every call (NOTE [ Class indices
+    on the device ] in ``backends/taichi/backward.py``); an index out of range there gives a NaN
+    row in the forward and adds nothing in the backward.
+    """
+    if be.is_array(value) and not isinstance(value, np.ndarray):
+        check_index_dtype(np.dtype(value.dtype))
+        return value.reshape((value.size,)), tuple(value.shape), False
+    if isinstance(value, (np.ndarray, list, tuple, numbers.Integral)):
+        host = np.asarray(value)
+    else:
+        raise TypeError(f"embedding: input should be an integer numpy.ndarray, got {type(value).__name__}")
+    check_index_dtype(host.dtype)
+    if host.size and (host.min() < 0 or host.max() >= num_embeddings):
+        bad = host[(host < 0) | (host >= num_embeddings)].flat[0]
+        raise IndexError(
+            f"embedding: input holds index {bad}, outside [0, {num_embeddings}) (num_embeddings)"
+        )
+    flat = be.from_numpy(np.ascontiguousarray(host, dtype=np.int64).reshape(-1))
+    return flat, tuple(host.shape), True
 
 
 def dropout_p(p: Any, op: str = "dropout") -> float:
@@ -498,6 +583,63 @@ def layer_norm_rows(
             rstd,
         )
     return mean, rstd
+
+
+def rms_norm(
+    input: Any, normalized_shape: Any, weight: Any = None, eps: float | None = None, out: Any = None
+) -> Any:
+    norm_shape, eps = rms_norm_args(normalized_shape, eps)
+    call = _Call("rms_norm")
+    xa = call.array(input, "input")
+    check_layer_norm_input(tuple(xa.shape), norm_shape, "rms_norm", "input")
+    wa = None
+    if weight is not None:
+        wa = call.array(weight, "weight", dtype=xa.dtype)
+        check_layer_norm_param("weight", tuple(wa.shape), norm_shape, "rms_norm")
+    o = call.out(out, tuple(xa.shape), xa.dtype, in_place=("input",))
+    rms_norm_rows(call.be, xa, wa, norm_shape, rms_norm_eps(eps, xa.dtype), o)
+    return call.result(o, out)
+
+
+def rms_norm_rows(
+    be: ModuleType, x: Any, weight: Any, norm_shape: tuple[int, ...], eps: float, out: Any
+) -> Any:
+    """The rms_norm kernel on validated backend arrays, over rows of ``prod(norm_shape)`` features;
+    returns the per-row ``rstd`` it wrote, which autograd keeps."""
+    features = math.prod(norm_shape)
+    rows = x.size // features if features else 0
+    rstd = pool.empty(be, (rows,), _stats_dtype(x.dtype))
+    if x.size:
+        be.rms_norm(
+            _reshape(x, (rows, features)),
+            None if weight is None else _reshape(weight, (features,)),
+            eps,
+            _reshape(out, (rows, features)),
+            rstd,
+        )
+    return rstd
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+def embedding(input: Any, weight: Any, padding_idx: int | None = None) -> Any:
+    call = _Call("embedding")
+    wa = call.array(weight, "weight")
+    check_embedding_weight(tuple(wa.shape))
+    embedding_padding_idx(padding_idx, wa.shape[0])  # checked; it changes only the backward
+    indices, shape, host = embedding_indices(input, wa.shape[0], call.be)
+    call.host_io = call.host_io or host
+    out = embedding_forward(call.be, indices, wa)
+    return call.result(_reshape(out, shape + (wa.shape[1],)))
+
+
+def embedding_forward(be: ModuleType, indices: Any, weight: Any) -> Any:
+    """The embedding kernel on validated backend arrays: ``(N, D)`` rows of ``weight``."""
+    out = pool.empty(be, (indices.size, weight.shape[1]), weight.dtype)
+    if out.size:
+        be.embedding(indices, weight, out)
+    return out
 
 
 # ----------------------------------------------------------------------------- dropout

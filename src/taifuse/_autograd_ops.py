@@ -418,6 +418,98 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: float
     return _LayerNorm.apply(x, params[0], params[1], norm_shape, eps)
 
 
+class _RmsNorm(_Op):
+    def forward(self, x: Any, weight: Any, norm_shape: tuple[int, ...], eps: float) -> Any:
+        features = math.prod(norm_shape)
+        rows = x.size // features if features else 0
+        self.x2 = x.reshape(rows, features)
+        self.w = None if weight is None else weight.reshape(features)
+        self.param_shape = norm_shape
+        out = _empty(self.be, x.shape, x.dtype)
+        self.rstd = A.rms_norm_rows(self.be, x, weight, norm_shape, eps, out)
+        return out
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        be, x2 = self.be, self.x2
+        rows, features = x2.shape
+        gx = _empty(be, x2.shape, x2.dtype) if self.needs_grad[0] else None
+        gw = _empty(be, (features,), x2.dtype) if self.w is not None and self.needs_grad[1] else None
+        if rows and features:
+            kernels(be).rms_norm_backward(x2, self.w, self.rstd, g.reshape(rows, features), gx, gw)
+        else:
+            gw = None if gw is None else self.m.full((features,), 0.0, x2.dtype)
+        return (
+            None if gx is None else gx.reshape(g.shape),
+            None if gw is None else gw.reshape(self.param_shape),
+            None,
+            None,
+        )
+
+
+def rms_norm(input: Any, normalized_shape: Any, weight: Any, eps: float | None, out: Any) -> Tensor:
+    x, weight = _constants("rms_norm", ("input", "weight"), input, weight)
+    _no_out("rms_norm", out)
+    norm_shape, eps = A.rms_norm_args(normalized_shape, eps)
+    x = _tensor_arg(x, "rms_norm", "input")
+    A.check_layer_norm_input(x.shape, norm_shape, "rms_norm", "input")
+    if weight is not None:
+        weight = _tensor_arg(weight, "rms_norm", "weight", like=x)
+        A.check_layer_norm_param("weight", weight.shape, norm_shape, "rms_norm")
+    return _RmsNorm.apply(x, weight, norm_shape, A.rms_norm_eps(eps, x.dtype))
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+class _Embedding(_Op):
+    def forward(self, weight: Any, indices: Any, shape: tuple[int, ...], padding_idx: int) -> Any:
+        self.indices, self.padding_idx = indices, padding_idx
+        self.wshape, self.wdtype = tuple(weight.shape), weight.dtype
+        return A.embedding_forward(self.be, indices, weight).reshape(shape + (weight.shape[1],))
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        gw = _empty(self.be, self.wshape, self.wdtype)
+        if gw.size:  # NOTE: with no indices the kernel still writes gw: all zeros
+            kernels(self.be).embedding_backward(
+                self.indices, g.reshape(self.indices.size, self.wshape[1]), gw, self.padding_idx
+            )
+        return gw, None, None, None
+
+
+def _embedding_indices(input: Any, num_embeddings: int, be: ModuleType) -> tuple[Any, tuple[int, ...]]:
+    """embedding's ``input`` (a Tensor, or what the array path takes), checked, on ``be``."""
+    if isinstance(input, Tensor):
+        if input.requires_grad:
+            raise TypeError("embedding: input (the indices) cannot require grad")
+        if input._be is not be:
+            raise TypeError(f"embedding: input lives on backend {input.backend!r}, weight on {be.NAME!r}")
+        input = input._data
+    indices, shape, _ = A.embedding_indices(input, num_embeddings, be)
+    return indices, shape
+
+
+def embedding(
+    input: Any,
+    weight: Any,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    scale_grad_by_freq: bool,
+    sparse: bool,
+) -> Any:
+    """A lookup of rows of ``weight``; see ``taifuse.functional.embedding``.
+
+    NumPy weight with a Tensor input gives a NumPy result, as a NumPy weight always does."""
+    A.check_embedding_options(max_norm, norm_type, scale_grad_by_freq, sparse)
+    host = not isinstance(weight, Tensor)
+    w = _tensor_arg(weight, "embedding", "weight")
+    A.check_embedding_weight(w.shape)
+    pad = A.embedding_padding_idx(padding_idx, w.shape[0])
+    indices, shape = _embedding_indices(input, w.shape[0], w._be)
+    out = _Embedding.apply(w, indices, shape, pad)
+    return out.numpy() if host else out
+
+
 # ----------------------------------------------------------------------------- dropout
 
 

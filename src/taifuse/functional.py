@@ -33,6 +33,7 @@ __all__ = [
     "affine",
     "cross_entropy",
     "dropout",
+    "embedding",
     "gelu",
     "layer_norm",
     "leaky_relu",
@@ -41,6 +42,7 @@ __all__ = [
     "mse_loss",
     "mul_relu",
     "relu",
+    "rms_norm",
     "scaled_dot_product_attention",
     "sigmoid",
     "silu",
@@ -207,6 +209,78 @@ def layer_norm(
     if tensors_in((x, weight, bias)):
         return _autograd_ops.layer_norm(x, normalized_shape, weight, bias, eps, out)
     return _array_ops.layer_norm(x, normalized_shape, weight, bias, eps, out)
+
+
+def rms_norm(
+    input: Any,
+    normalized_shape: int | Sequence[int],
+    weight: Any = None,
+    eps: float | None = None,
+    *,
+    out: Any = None,
+) -> Any:
+    """Root-mean-square normalization over the trailing ``normalized_shape`` dimensions, as
+    ``torch.nn.functional.rms_norm``.
+
+    y = x / sqrt(mean(x^2) + eps) * weight, the mean over the last ``len(normalized_shape)`` axes
+    (no centring and no bias, unlike ``layer_norm``). ``eps=None`` is the machine epsilon of the
+    compute dtype (``np.finfo(np.float32).eps`` for float16 and float32 input, as PyTorch). One fused
+    pass per row forward, which keeps one ``rstd`` per row for the one fused backward.
+
+    Example::
+
+        >>> import numpy as np
+        >>> import taifuse.functional as F
+        >>> F.rms_norm(np.array([[2.0, -2.0], [0.5, 0.5]], np.float32), 2, eps=0.0)  # rms 2, 0.5
+        array([[ 1., -1.],
+               [ 1.,  1.]], dtype=float32)
+    """
+    if tensors_in((input, weight)):
+        return _autograd_ops.rms_norm(input, normalized_shape, weight, eps, out)
+    return _array_ops.rms_norm(input, normalized_shape, weight, eps, out)
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+def embedding(
+    input: Any,
+    weight: Any,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Any:
+    """Rows of ``weight`` looked up by integer indices, as ``torch.nn.functional.embedding``.
+
+    out[..., :] = weight[input[...], :] for ``weight (num_embeddings, embedding_dim)`` and integer
+    ``input`` of any shape; the result has shape ``(*input.shape, embedding_dim)``. The backward
+    adds each output row's gradient into the weight row it came from (repeated indices accumulate);
+    the row ``padding_idx`` (negative counts from the end) gets no gradient. An index outside
+    ``[0, num_embeddings)`` is an ``IndexError`` and a non-integer ``input`` a ``TypeError``, raised
+    before anything is written (indices already on a device backend are not range-checked: NOTE
+    [ Class indices on the device ]). ``input`` takes no gradient. ``max_norm``, ``norm_type``,
+    ``scale_grad_by_freq`` and ``sparse`` are PyTorch's and only their defaults are supported.
+
+    Example::
+
+        >>> import numpy as np
+        >>> import taifuse.functional as F
+        >>> weight = np.arange(6, dtype=np.float32).reshape(3, 2)
+        >>> F.embedding(np.array([[2, 0], [2, 2]]), weight)
+        array([[[4., 5.],
+                [0., 1.]],
+        <BLANKLINE>
+               [[4., 5.],
+                [4., 5.]]], dtype=float32)
+    """
+    if tensors_in((input, weight)):
+        return _autograd_ops.embedding(
+            input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
+        )
+    _array_ops.check_embedding_options(max_norm, norm_type, scale_grad_by_freq, sparse)
+    return _array_ops.embedding(input, weight, padding_idx)
 
 
 # ----------------------------------------------------------------------------- dropout

@@ -26,6 +26,8 @@ KERNEL_NAMES = (
     "layer_norm",
     "dropout",
     "attention",
+    "rms_norm",
+    "embedding",
 )
 # Kernels of the autograd layer (tensor.py): a backward per differentiable op, and the losses with
 # theirs.
@@ -49,6 +51,8 @@ BACKWARD_KERNEL_NAMES = (
     "mse_loss_backward",
     "cross_entropy",
     "cross_entropy_backward",
+    "rms_norm_backward",
+    "embedding_backward",
 )
 # Fused optimizer update kernels (taifuse.optim).
 OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite")

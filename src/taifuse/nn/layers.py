@@ -167,6 +167,95 @@ class LayerNorm(Module):
         return f"{self.normalized_shape}, eps={self.eps}"
 
 
+class RMSNorm(Module):
+    """Root-mean-square normalization over the trailing ``normalized_shape`` dimensions
+    (``taifuse.functional.rms_norm``), as ``torch.nn.RMSNorm``: weight 1 at init, no bias.
+
+    Args:
+        normalized_shape: the trailing dimensions normalized over (an int or a sequence of ints).
+        eps: added to the mean square; None is the compute dtype's machine epsilon, as PyTorch's.
+        elementwise_affine: learn a per-element ``weight``.
+        dtype: float32 (default), float16 or float64.
+
+    Example::
+
+        >>> import numpy as np, taifuse, taifuse.nn as nn
+        >>> taifuse.set_backend("numpy")
+        >>> norm = nn.RMSNorm(4)
+        >>> y = norm(taifuse.tensor(np.full((2, 4), 3.0, np.float32)))
+        >>> np.round(y.numpy(), 4)
+        array([[1., 1., 1., 1.],
+               [1., 1., 1., 1.]], dtype=float32)
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        dtype: Any = np.float32,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape, self.eps = _array_ops.rms_norm_args(normalized_shape, eps, "RMSNorm")
+        self.elementwise_affine = bool(elementwise_affine)
+        self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class Embedding(Module):
+    """A lookup table of ``num_embeddings`` vectors of size ``embedding_dim``
+    (``taifuse.functional.embedding``), as ``torch.nn.Embedding``.
+
+    Args:
+        num_embeddings: the number of rows (valid indices are ``[0, num_embeddings)``).
+        embedding_dim: the size of each vector.
+        padding_idx: a row that gets no gradient and starts at zero (negative counts from the end).
+        dtype: float32 (default), float16 or float64.
+
+    Initialization is PyTorch's: weight ~ N(0, 1), drawn from taifuse's generator
+    (``taifuse.manual_seed``), with the ``padding_idx`` row zeroed.
+
+    Example::
+
+        >>> import numpy as np, taifuse, taifuse.nn as nn
+        >>> taifuse.set_backend("numpy")
+        >>> taifuse.manual_seed(0)
+        >>> emb = nn.Embedding(10, 3, padding_idx=0)
+        >>> emb(np.array([[1, 2, 0]])).shape
+        (1, 3, 3)
+        >>> emb.weight.numpy()[0]
+        array([0., 0., 0.], dtype=float32)
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, dtype: Any = np.float32
+    ) -> None:
+        super().__init__()
+        for argname, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"Embedding: {argname} should be a non-negative int, got {value!r}")
+        self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
+        pad = _array_ops.embedding_padding_idx(padding_idx, self.num_embeddings, "Embedding")
+        self.padding_idx = None if pad < 0 else pad
+        rng = np.random.default_rng(_random.next_seed())  # one draw seeds the table, as _uniform
+        weight = rng.standard_normal((self.num_embeddings, self.embedding_dim)).astype(dtype)
+        if self.padding_idx is not None:
+            weight[self.padding_idx] = 0
+        self.weight = Parameter(weight)
+
+    def forward(self, input: Any) -> Tensor:
+        return F.embedding(input, self.weight, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+
+
 class Dropout(Module):
     """Zero elements with probability ``p`` while training (scaled by 1 / (1 - p)); identity in eval mode."""
 

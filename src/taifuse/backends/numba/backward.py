@@ -667,6 +667,140 @@ def layer_norm_backward(
     kernel(_bits(x), opt[0], mean, rstd, _bits(grad_out), opt[1], opt[2], opt[3])
 
 
+# ----------------------------------------------------------------------------- rms norm backward
+
+
+@njit(**_FMA_REDUCE)
+def _rms_norm_backward_row(x, weight, rstd, g, gx, r):
+    cols = x.shape[1]
+    rs = np.float64(rstd[r])
+    s_gyx = 0.0
+    for c in range(cols):
+        gy = np.float64(_widen(g[r, c]))
+        if weight is not None:
+            gy *= _widen(weight[c])
+        s_gyx += gy * _widen(x[r, c]) * rs
+    v0 = _widen(x[r, 0])
+    rs_c, b_c = _like(rs, v0), _like(s_gyx / cols, v0)
+    for c in range(cols):
+        gyc = _widen(g[r, c])
+        if weight is not None:
+            gyc = gyc * _widen(weight[c])
+        gx[r, c] = _narrow(rs_c * (gyc - _widen(x[r, c]) * rs_c * b_c), gx)
+
+
+@njit(**_FMA_REDUCE)
+def _rms_norm_weight_cols(x, rstd, g, gw, lo, hi):
+    width = hi - lo
+    acc = np.zeros(width, np.float64)
+    for r in range(x.shape[0]):
+        rs = np.float64(rstd[r])
+        for j in range(width):
+            acc[j] += np.float64(_widen(g[r, lo + j])) * _widen(x[r, lo + j]) * rs
+    for j in range(width):
+        gw[lo + j] = _narrow(acc[j], gw)
+
+
+@njit(**_FMA)
+def _rms_norm_backward_serial(x, weight, rstd, g, gx, gw):
+    if gx is not None:
+        for r in range(x.shape[0]):
+            _rms_norm_backward_row(x, weight, rstd, g, gx, r)
+    if gw is not None:
+        _rms_norm_weight_cols(x, rstd, g, gw, 0, x.shape[1])
+
+
+@njit(**_FMA_PARALLEL)
+def _rms_norm_backward_parallel(x, weight, rstd, g, gx, gw):
+    rows, cols = x.shape
+    if gx is not None:
+        for r in prange(rows):
+            _rms_norm_backward_row(x, weight, rstd, g, gx, r)
+    if gw is not None:
+        for item in prange(_count(cols, _COL_TILE)):
+            lo, hi = _bounds(item, cols, _COL_TILE)
+            _rms_norm_weight_cols(x, rstd, g, gw, lo, hi)
+
+
+def rms_norm_backward(
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    rstd: np.ndarray,
+    grad_out: np.ndarray,
+    grad_x: np.ndarray | None,
+    grad_weight: np.ndarray | None,
+) -> None:
+    """grad_x per row from the saved rstd; grad_weight as column sums (``reference``)."""
+    kernel = _rms_norm_backward_parallel if _jit._parallel(x.size) else _rms_norm_backward_serial
+    opt = [None if a is None else _bits(a) for a in (weight, grad_x, grad_weight)]
+    kernel(_bits(x), opt[0], rstd, _bits(grad_out), opt[1], opt[2])
+
+
+# ----------------------------------------------------------------------------- embedding backward
+# NOTE [ Embedding backward without races ]
+# Repeated indices add into the same row of grad_weight, so threads must not own indices. A
+# stable sort of the indices groups equal ones; each work item then owns whole rows (one group,
+# summed in float64 in the order of n, as the reference's np.add.at) and no two write the same
+# row. O(N log N) for the sort plus O(N * D + V * D) for the sums and the zeroing, deterministic.
+
+
+@njit(**_FMA_REDUCE)
+def _embedding_grad_row(order, indices, g, gw, lo, hi, padding_idx):
+    v = indices[order[lo]]
+    cols = g.shape[1]
+    if v == padding_idx:  # its row stays as zeroed
+        return
+    acc = np.zeros(cols, np.float64)
+    for k in range(lo, hi):
+        n = order[k]
+        for c in range(cols):
+            acc[c] += _widen(g[n, c])
+    for c in range(cols):
+        gw[v, c] = _narrow(acc[c], gw)
+
+
+@njit(**_FMA)
+def _embedding_groups(indices, order):
+    # Start of each run of equal indices in the sorted order, and the end as the last entry.
+    n = indices.size
+    starts = np.empty(n + 1, np.int64)
+    count = 0
+    for k in range(n):
+        if k == 0 or indices[order[k]] != indices[order[k - 1]]:
+            starts[count] = k
+            count += 1
+    starts[count] = n
+    return starts[: count + 1]
+
+
+@njit(**_FMA)
+def _embedding_backward_serial(indices, g, gw, padding_idx):
+    gw[:, :] = 0
+    order = np.argsort(indices, kind="mergesort")
+    starts = _embedding_groups(indices, order)
+    for i in range(starts.size - 1):
+        _embedding_grad_row(order, indices, g, gw, starts[i], starts[i + 1], padding_idx)
+
+
+@njit(**_FMA_PARALLEL)
+def _embedding_backward_parallel(indices, g, gw, padding_idx):
+    for v in prange(gw.shape[0]):
+        gw[v, :] = 0
+    order = np.argsort(indices, kind="mergesort")
+    starts = _embedding_groups(indices, order)
+    for i in prange(starts.size - 1):
+        _embedding_grad_row(order, indices, g, gw, starts[i], starts[i + 1], padding_idx)
+
+
+def embedding_backward(
+    indices: np.ndarray, grad_out: np.ndarray, grad_weight: np.ndarray, padding_idx: int
+) -> None:
+    """Scatter-add of grad_out's rows into grad_weight (NOTE [ Embedding backward without races ])."""
+    par = _jit._parallel(grad_out.size + grad_weight.size)
+    kernel = _embedding_backward_parallel if par else _embedding_backward_serial
+    kernel(indices, _bits(grad_out), _bits(grad_weight), int(padding_idx))
+
+
 def dropout_backward(grad_out: np.ndarray, grad_in: np.ndarray, p: float, seed: int) -> None:
     """grad_in = grad_out * (keep / (1 - p)): the forward dropout kernel applied to grad_out."""
     dropout(grad_out, grad_in, p, seed)

@@ -521,6 +521,55 @@ def _layer_norm_parallel(x, weight, bias, eps, out, mean, rstd):
         _layer_norm_rows(x, weight, bias, eps, out, mean, rstd, r, r + 1)
 
 
+# ----------------------------------------------------------------------------- rms norm
+
+
+@njit(**_FMA_REDUCE)
+def _rms_norm_row(x, weight, eps, out):
+    # One pass for the sum of squares in float64, one write pass in compute precision; returns rstd.
+    n = x.size
+    ss = 0.0
+    for c in range(n):
+        v = np.float64(_widen(x[c]))
+        ss += v * v
+    rs = 1.0 / math.sqrt(ss / n + eps)
+    rs_c = _like(rs, _widen(x[0]))
+    if weight is None:
+        for c in range(n):
+            out[c] = _narrow(_widen(x[c]) * rs_c, out)
+    else:
+        for c in range(n):
+            out[c] = _narrow(_widen(x[c]) * rs_c * _widen(weight[c]), out)
+    return rs
+
+
+@njit(**_FMA)
+def _rms_norm_serial(x, weight, eps, out, rstd):
+    for r in range(x.shape[0]):
+        rstd[r] = _rms_norm_row(x[r], weight, eps, out[r])
+
+
+@njit(**_FMA_PARALLEL)
+def _rms_norm_parallel(x, weight, eps, out, rstd):
+    for r in prange(x.shape[0]):
+        rstd[r] = _rms_norm_row(x[r], weight, eps, out[r])
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+@njit(**_FMA)
+def _embedding_serial(indices, weight, out):
+    for n in range(indices.size):
+        out[n, :] = weight[indices[n], :]
+
+
+@njit(**_FMA_PARALLEL)
+def _embedding_parallel(indices, weight, out):
+    for n in prange(indices.size):
+        out[n, :] = weight[indices[n], :]
+
+
 # ----------------------------------------------------------------------------- kernel table
 
 
@@ -687,6 +736,20 @@ def layer_norm(
     wb = None if weight is None else _bits(_readable(weight, out))
     bb = None if bias is None else _bits(_readable(bias, out))
     kernel(_bits(x), wb, bb, float(eps), _bits(out), mean, rstd)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarray, rstd: np.ndarray) -> None:
+    """Root-mean-square normalize each row of ``x (R, D)``; writes ``out`` and the row ``rstd``."""
+    x = _readable(x, out)
+    kernel = _rms_norm_parallel if _jit._parallel(x.size) and x.shape[0] > 1 else _rms_norm_serial
+    wb = None if weight is None else _bits(_readable(weight, out))  # read by every row: see layer_norm
+    kernel(_bits(x), wb, float(eps), _bits(out), rstd)
+
+
+def embedding(indices: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+    """out[n] = weight[indices[n]], a row gather (float16 rows copied as bits)."""
+    kernel = _embedding_parallel if _jit._parallel(out.size) and indices.size > 1 else _embedding_serial
+    kernel(indices, _bits(weight), _bits(out))
 
 
 def dropout(x: np.ndarray, out: np.ndarray, p: float, seed: int) -> None:

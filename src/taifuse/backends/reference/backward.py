@@ -33,7 +33,8 @@ from taifuse.backends.reference.forward import (
 #   are needed (as PyTorch keeps the input of the activation); for ``'relu'`` the forward output
 #   works as well, since relu(pre) > 0 exactly where pre > 0. ``None`` needs no ``pre``.
 # * softmax: its output; log_softmax: its output (log-probabilities).
-# * layer_norm: ``x`` and the ``mean``/``rstd`` the forward wrote.
+# * layer_norm: ``x`` and the ``mean``/``rstd`` the forward wrote; rms_norm: ``x`` and ``rstd``.
+# * embedding: the indices and the padding row; no forward output.
 # * dropout: nothing but ``p`` and ``seed``: the mask is regenerated (NOTE [ Counter-based dropout ]).
 # * cross_entropy: the logits and the per-row log-sum-exp ``lse`` the forward wrote.
 # An optional gradient output passed as ``None`` is not computed.
@@ -231,6 +232,45 @@ def layer_norm_backward(
         _store(grad_weight, (g * xhat).sum(axis=0))
     if grad_bias is not None:
         _store(grad_bias, g.sum(axis=0))
+
+
+def rms_norm_backward(
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    rstd: np.ndarray,
+    grad_out: np.ndarray,
+    grad_x: np.ndarray | None,
+    grad_weight: np.ndarray | None,
+) -> None:
+    """Backward of :func:`rms_norm` over rows of ``x (R, D)``, from the forward's ``rstd``.
+
+    With xhat = x * rstd and gy = grad_out * weight (grad_out without a weight):
+    grad_x = rstd * (gy - xhat * mean_d(gy * xhat)), grad_weight[d] = sum_r grad_out * xhat.
+    """
+    g = _f64(grad_out)
+    r = _f64(rstd).reshape(-1, 1)
+    xhat = _f64(x) * r
+    gy = g * _f64(weight) if weight is not None else g
+    if grad_x is not None:
+        _store(grad_x, r * (gy - xhat * (gy * xhat).mean(axis=1, keepdims=True)))
+    if grad_weight is not None:
+        _store(grad_weight, (g * xhat).sum(axis=0))
+
+
+def embedding_backward(
+    indices: np.ndarray, grad_out: np.ndarray, grad_weight: np.ndarray, padding_idx: int
+) -> None:
+    """Backward of :func:`embedding`: grad_weight[v] = sum over n with indices[n] == v of grad_out[n].
+
+    A scatter-add into ``grad_weight (V, D)`` (every row written, zero where no index points),
+    accumulating repeated indices; the row ``padding_idx`` (in ``[0, V)``, or -1 for none) stays
+    zero, as PyTorch's. ``indices (N,)``, ``grad_out (N, D)``.
+    """
+    acc = np.zeros(grad_weight.shape, np.float64)
+    np.add.at(acc, np.asarray(indices, dtype=np.int64), _f64(grad_out))
+    if padding_idx >= 0:
+        acc[padding_idx] = 0.0
+    _store(grad_weight, acc)
 
 
 def dropout_backward(grad_out: np.ndarray, grad_in: np.ndarray, p: float, seed: int) -> None:

@@ -12,7 +12,8 @@ Kernel conventions (shared by all backends, see ``taifuse.backends.KERNEL_NAMES`
   (``taifuse.functional`` broadcasts before calling).
 * ``softmax`` / ``log_softmax`` take 3-D views ``(A, C, B)`` and reduce over axis 1, so any
   ``dim`` is handled without a transpose (``dim=-1`` is ``B == 1``).
-* ``layer_norm`` takes ``x (R, D)`` and normalizes rows; ``affine`` takes ``x (R, C)``.
+* ``layer_norm`` and ``rms_norm`` take ``x (R, D)`` and normalize rows; ``affine`` takes ``x (R, C)``.
+* ``embedding`` takes flat integer ``indices (N,)`` (int64 on the host backends, int32 on taichi).
 * ``linear_act`` takes 2-D ``x (N, K)``, ``w (M, K)`` (PyTorch's ``(out, in)``), ``b (M,)`` or
   ``None`` and writes ``out (N, M)``.
 """
@@ -184,6 +185,32 @@ def layer_norm(
     _store(out, y)
     _store(mean, mu.reshape(mean.shape))
     _store(rstd, r.reshape(rstd.shape))
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.ndarray, rstd: np.ndarray) -> None:
+    """Root-mean-square normalize each row of ``x (R, D)`` over its last axis.
+
+    out = x * rstd * weight, rstd = 1 / sqrt(mean_d(x^2) + eps) (no centring, no bias, as
+    ``torch.nn.functional.rms_norm``). ``rstd`` (shape ``(R,)``) is written for the backward pass.
+    """
+    x = _f64(x)
+    r = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    y = x * r
+    if weight is not None:
+        y = y * _f64(weight)
+    _store(out, y)
+    _store(rstd, r.reshape(rstd.shape))
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+def embedding(indices: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+    """out[n, :] = weight[indices[n], :] for ``indices (N,)`` integers, ``weight (V, D)``, ``out (N, D)``.
+
+    The caller checks that every index is in ``[0, V)`` (``padding_idx`` changes only the backward).
+    """
+    _store(out, _f64(weight)[np.asarray(indices, dtype=np.int64)])
 
 
 # ----------------------------------------------------------------------------- dropout

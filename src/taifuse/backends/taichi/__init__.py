@@ -47,6 +47,7 @@ from taifuse.backends.taichi.backward import (
     cross_entropy,
     cross_entropy_backward,
     dropout_backward,
+    embedding_backward,
     gelu_backward,
     layer_norm_backward,
     leaky_relu_backward,
@@ -56,6 +57,7 @@ from taifuse.backends.taichi.backward import (
     mse_loss_backward,
     mul_relu_backward,
     relu_backward,
+    rms_norm_backward,
     sigmoid_backward,
     silu_backward,
     softmax_backward,
@@ -65,6 +67,7 @@ from taifuse.backends.taichi.forward import (
     add_relu,
     affine,
     dropout,
+    embedding,
     gelu,
     layer_norm,
     leaky_relu,
@@ -72,6 +75,7 @@ from taifuse.backends.taichi.forward import (
     log_softmax,
     mul_relu,
     relu,
+    rms_norm,
     sigmoid,
     silu,
     softmax,
@@ -100,6 +104,8 @@ __all__ = [
     "describe",
     "dropout",
     "dropout_backward",
+    "embedding",
+    "embedding_backward",
     "empty",
     "from_numpy",
     "gelu",
@@ -122,6 +128,8 @@ __all__ = [
     "relu",
     "relu_backward",
     "reset_transfer_stats",
+    "rms_norm",
+    "rms_norm_backward",
     "sgd_step",
     "sigmoid",
     "sigmoid_backward",
@@ -141,12 +149,5 @@ def all_kernels() -> list[tuple[str, object]]:
     """Every (name, ti.kernel) pair the backend may launch, in every dtype specialisation (for
     ``metal_check``); Taichi must be running."""
     from taifuse.backends.taichi import backward, forward, optim, tensor_math
-    from taifuse.backends.taichi.attention import all_kernels as attention_kernels
 
-    return (
-        forward.all_kernels()
-        + tensor_math.all_kernels()
-        + backward.all_kernels()
-        + optim.all_kernels()
-        + attention_kernels()
-    )
+    return forward.all_kernels() + tensor_math.all_kernels() + backward.all_kernels() + optim.all_kernels()

@@ -21,6 +21,16 @@ Column sums (bias, layer_norm weight/bias, losses' mean/sum) go through
 (NOTE [ Loop limits in reductions ] there). Scratch buffers come from the pool
 (``tensor_math._new``).
 
+# NOTE [ Embedding backward without float atomics ]
+# grad_weight[v] sums grad_out over every n with indices[n] == v; Metal has no float atomics, so
+# no thread may add into a row that another thread adds into. ``embedding_backward`` is one kernel
+# (each top-level loop a launch, in order): a counting sort of the indices with int32 atomics
+# (count per row; an exclusive scan over the rows in blocks of SCAN_BLOCK; a scatter of each n to
+# its row's bucket), a heapsort of each bucket (the atomics fill it in any order; sorted, every
+# row sums in the order of n and gives the same bits on every run), then one thread per (row,
+# column) of grad_weight sums its bucket's grad_out rows in float32 blocks. O(N log N + (N + V) *
+# D) work, no row's sum shared between threads; the padding row is written as zeros.
+
 # NOTE [ Class indices on the device ]
 # Integer arrays on the taichi backend are int32 DeviceArrays (``from_numpy`` converts
 # integer data, refusing values outside int32): Metal has 64-bit integers only as an optional
@@ -46,6 +56,8 @@ from taifuse.backends.taichi.tensor_math import _broadcast_strides, _merge, _new
 
 # Rows per thread in the column-sum passes (bias and layer_norm parameter gradients).
 COL_CHUNK = 64
+# Counts per thread in the block-level scan of embedding_backward's counting sort.
+SCAN_BLOCK = 256
 _REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 
 
@@ -63,6 +75,7 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
     I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
     IDENTITY, RELU, LEAKY_RELU = M.IDENTITY, M.RELU, M.LEAKY_RELU
+    SB = M.SUM_BLOCK
 
     @ti.kernel
     def act_backward(x: X, g: X, gi: X, n: ti.i32, code: ti.i32, slope: ti.f32):
@@ -196,6 +209,112 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                 gv = ti.cast(g[0], ti.f32) * factor
             gi[i] = ti.cast(p * gv, T)
 
+    @ti.kernel
+    def rms_weight_partials(g: X, x: X, rstd: F32, p_gx: F32, rows: ti.i32, cols: ti.i32, chunks: ti.i32):
+        # Per (chunk, col): the partial sum of g * x * rstd, for rms_norm's weight gradient.
+        for t in range(chunks * cols):
+            ch = t // cols
+            c = t % cols
+            s = 0.0
+            for r in range(ch * COL_CHUNK, ti.min(ch * COL_CHUNK + COL_CHUNK, rows)):
+                i = r * cols + c
+                s += ti.cast(g[i], ti.f32) * ti.cast(x[i], ti.f32) * rstd[r]
+            p_gx[t] = s
+
+    @ti.func
+    def _sift_down(a: ti.template(), lo: ti.i32, root: ti.i32, n: ti.i32):
+        r = root
+        done = 0
+        while done == 0:
+            child = 2 * r + 1
+            if child >= n:
+                done = 1
+            else:
+                if child + 1 < n and a[lo + child] < a[lo + child + 1]:
+                    child += 1
+                if a[lo + r] < a[lo + child]:
+                    t = a[lo + r]
+                    a[lo + r] = a[lo + child]
+                    a[lo + child] = t
+                    r = child
+                else:
+                    done = 1
+
+    @ti.func
+    def _heapsort(a: ti.template(), lo: ti.i32, n: ti.i32):
+        start = n // 2 - 1
+        while start >= 0:
+            _sift_down(a, lo, start, n)
+            start -= 1
+        end = n - 1
+        while end > 0:
+            t = a[lo]
+            a[lo] = a[lo + end]
+            a[lo + end] = t
+            _sift_down(a, lo, 0, end)
+            end -= 1
+
+    @ti.kernel
+    def embedding_backward(
+        indices: I32,
+        g: X,
+        gw: X,
+        counts: I32,
+        starts: I32,
+        block_sums: I32,
+        order: I32,
+        n: ti.i32,
+        vocab: ti.i32,
+        cols: ti.i32,
+        padding_idx: ti.i32,
+    ):
+        # NOTE [ Embedding backward without float atomics ] (above). Each top-level loop is one
+        # launch, run in order.
+        n_blocks = (vocab + SCAN_BLOCK - 1) // SCAN_BLOCK
+        for v in range(vocab):
+            counts[v] = 0
+        for i in range(n):
+            v = indices[i]
+            if v >= 0 and v < vocab:  # NOTE [ Class indices on the device ]: others add nothing
+                ti.atomic_add(counts[v], 1)
+        for b in range(n_blocks):  # exclusive scan of counts: block totals,
+            s = 0
+            for v in range(b * SCAN_BLOCK, ti.min(b * SCAN_BLOCK + SCAN_BLOCK, vocab)):
+                s += counts[v]
+            block_sums[b] = s
+        for _ in range(1):  # their scan on one thread (vocab / SCAN_BLOCK terms),
+            acc = 0
+            for b in range(n_blocks):
+                t = block_sums[b]
+                block_sums[b] = acc
+                acc += t
+            starts[vocab] = acc
+        for b in range(n_blocks):  # then each block's own; counts become the fill cursors
+            acc = block_sums[b]
+            for v in range(b * SCAN_BLOCK, ti.min(b * SCAN_BLOCK + SCAN_BLOCK, vocab)):
+                starts[v] = acc
+                acc += counts[v]
+                counts[v] = 0
+        for i in range(n):
+            v = indices[i]
+            if v >= 0 and v < vocab:
+                order[starts[v] + ti.atomic_add(counts[v], 1)] = i
+        for v in range(vocab):  # the atomics fill a bucket in any order: sort it, for determinism
+            _heapsort(order, starts[v], starts[v + 1] - starts[v])
+        for t in range(vocab * cols):
+            v = t // cols
+            c = t % cols
+            lo = starts[v]
+            hi = starts[v + 1]
+            total = 0.0
+            if v != padding_idx:
+                for blk in range((hi - lo + SB - 1) // SB):  # blocked: see row_kernels_for's _sum
+                    inner = 0.0
+                    for k in range(lo + blk * SB, ti.min(lo + blk * SB + SB, hi)):
+                        inner += ti.cast(g[order[k] * cols + c], ti.f32)
+                    total += inner
+            gw[t] = ti.cast(total, T)
+
     return SimpleNamespace(
         act_backward=act_backward,
         mul_relu_backward=mul_relu_backward,
@@ -205,6 +324,8 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         squared_error_f32=squared_error_f32,
         mse_backward=mse_backward,
         cross_entropy_backward=cross_entropy_backward,
+        rms_weight_partials=rms_weight_partials,
+        embedding_backward=embedding_backward,
     )
 
 
@@ -313,6 +434,37 @@ def row_kernels_for(dtype: Any, gpu: bool) -> SimpleNamespace:
                 xhat = (ti.cast(x[r * cols + c], ti.f32) - mu) * inv
                 gx[r * cols + c] = ti.cast(inv * (gy - m1 - xhat * m2), T)
 
+    @ti.kernel
+    def rms_norm_backward(
+        x: X, weight: X, rstd: F32, g: X, gx: X, rows: ti.i32, cols: ti.i32, has_weight: ti.i32
+    ):
+        # gx = rstd * (gy - xhat * mean_d(gy * xhat)), xhat = x * rstd, gy = g * weight.
+        if ti.static(gpu):
+            ti.loop_config(block_dim=TH)
+        for t in range(rows * TH):
+            tid = t % TH
+            r = t // TH
+            inv = rstd[r]
+            mine = (cols - tid + TH - 1) // TH
+            s2 = 0.0
+            for blk in range((mine + SB - 1) // SB):  # blocked: see _sum
+                b2 = 0.0
+                for j in range(blk * SB, ti.min(blk * SB + SB, mine)):
+                    c = tid + j * TH
+                    gy = ti.cast(g[r * cols + c], ti.f32)
+                    if has_weight != 0:
+                        gy *= ti.cast(weight[c], ti.f32)
+                    b2 += gy * ti.cast(x[r * cols + c], ti.f32) * inv
+                s2 += b2
+            m2 = _combine(tid, s2, False) / cols
+            for j in range(mine):
+                c = tid + j * TH
+                gy = ti.cast(g[r * cols + c], ti.f32)
+                if has_weight != 0:
+                    gy *= ti.cast(weight[c], ti.f32)
+                xhat = ti.cast(x[r * cols + c], ti.f32) * inv
+                gx[r * cols + c] = ti.cast(inv * (gy - xhat * m2), T)
+
     def make_cross_entropy(OUT, OUT_T):
         @ti.kernel
         def cross_entropy(x: X, target: I32, loss: OUT, lse: F32, rows: ti.i32, cols: ti.i32):
@@ -343,6 +495,7 @@ def row_kernels_for(dtype: Any, gpu: bool) -> SimpleNamespace:
     return SimpleNamespace(
         softmax_backward=softmax_backward,
         layer_norm_backward=layer_norm_backward,
+        rms_norm_backward=rms_norm_backward,
         cross_entropy=make_cross_entropy(X, T),
         cross_entropy_f32=make_cross_entropy(F32, ti.f32),
     )
@@ -547,6 +700,57 @@ def layer_norm_backward(
             int(weight is not None),
         )
     _column_grads(grad_out, x, mean, rstd, grad_weight, grad_bias)
+
+
+def rms_norm_backward(
+    x: Any, weight: Any | None, rstd: Any, grad_out: Any, grad_x: Any | None, grad_weight: Any | None
+) -> None:
+    rows, cols = x.shape
+    if grad_x is not None:
+        row_kernels_for(x.dtype, _on_gpu()).rms_norm_backward(
+            _nd(x),
+            _optional(weight, x.dtype),
+            _nd(rstd),
+            _nd(grad_out),
+            _nd(grad_x),
+            rows,
+            cols,
+            int(weight is not None),
+        )
+    if grad_weight is not None:
+        chunks = _chunks(rows)
+        partial = _new((chunks, cols), np.float32)
+        kernels_for(x.dtype).rms_weight_partials(
+            _nd(grad_out), _nd(x), _nd(rstd), _nd(partial), rows, cols, chunks
+        )
+        tm.sum_rows_into(partial, grad_weight, chunks, cols)
+
+
+def embedding_backward(indices: Any, grad_out: Any, grad_weight: Any, padding_idx: int) -> None:
+    """See the reference's; ``indices`` is an int32 DeviceArray.
+
+    NOTE [ Embedding backward without float atomics ] says how; the scratch (counts, bucket
+    starts, block totals, the sorted order) is int32 from the pool.
+    """
+    vocab, cols = grad_weight.shape
+    n = indices.size
+    counts = _new((vocab,), np.int32)
+    starts = _new((vocab + 1,), np.int32)
+    block_sums = _new((-(-vocab // SCAN_BLOCK),), np.int32)
+    order = _new((max(n, 1),), np.int32)
+    kernels_for(grad_weight.dtype).embedding_backward(
+        _nd(indices) if n else _optional(None, np.int32),
+        _nd(grad_out) if n else _optional(None, grad_weight.dtype),
+        _nd(grad_weight),
+        _nd(counts),
+        _nd(starts),
+        _nd(block_sums),
+        _nd(order),
+        n,
+        vocab,
+        cols,
+        int(padding_idx),
+    )
 
 
 def dropout_backward(grad_out: Any, grad_in: Any, p: float, seed: int) -> None:

@@ -15,8 +15,8 @@ Rules these kernels follow (see /work/shared/FACTS.md):
   f64 and 31 buffer bindings. ``taifuse.backends.metal_check`` proves both for every kernel here.
 * Scalar math (gelu, tanh, erf...) is ``_math.py``'s, shared with the backward kernels.
 
-Row reductions (softmax, log_softmax, layer_norm) use one thread per row on ``ti.cpu`` and one
-block per row on the GPU archs.
+Row reductions (softmax, log_softmax, layer_norm, rms_norm) use one thread per row on ``ti.cpu``
+and one block per row on the GPU archs.
 """
 
 # NOTE: no `from __future__ import annotations` here: Taichi reads kernel annotations as objects.
@@ -62,6 +62,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     ROW_THREADS = M.ROW_THREADS
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
 
     @ti.kernel
     def gelu_erf(x: X, out: X, n: ti.i32):
@@ -337,6 +338,57 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     v += ti.cast(bias[c], ti.f32)
                 out[r * cols + c] = ti.cast(v, T)
 
+    @ti.kernel
+    def rms_norm(
+        x: X, weight: X, out: X, rstd: F32, rows: ti.i32, cols: ti.i32, eps: ti.f32, has_weight: ti.i32
+    ):
+        # One thread per row: the sum of squares, then one write pass.
+        for r in range(rows):
+            base = r * cols
+            inv = 1.0 / ti.sqrt(M.row_sum(x, base, 1, cols, 0.0, M.SUM_TERM_SQUARE) / cols + eps)
+            rstd[r] = inv
+            for c in range(cols):
+                v = ti.cast(x[base + c], ti.f32) * inv
+                if has_weight != 0:
+                    v *= ti.cast(weight[c], ti.f32)
+                out[base + c] = ti.cast(v, T)
+
+    @ti.kernel
+    def rms_norm_rows(
+        x: X, weight: X, out: X, rstd: F32, rows: ti.i32, cols: ti.i32, eps: ti.f32, has_weight: ti.i32
+    ):
+        # rms_norm for GPU archs: one block per row; see ROW_THREADS in _math.py.
+        ti.loop_config(block_dim=ROW_THREADS)
+        for g in range(rows * ROW_THREADS):
+            tid = g % ROW_THREADS
+            r = g // ROW_THREADS
+            red = ti.simt.block.SharedArray((ROW_THREADS,), ti.f32)
+            mine = (cols - tid + ROW_THREADS - 1) // ROW_THREADS
+            start = r * cols + tid
+            q = M.block_reduce(
+                red, tid, M.row_sum(x, start, ROW_THREADS, mine, 0.0, M.SUM_TERM_SQUARE), False
+            )
+            inv = 1.0 / ti.sqrt(q / cols + eps)
+            if tid == 0:
+                rstd[r] = inv
+            for j in range(mine):
+                c = tid + j * ROW_THREADS
+                v = ti.cast(x[r * cols + c], ti.f32) * inv
+                if has_weight != 0:
+                    v *= ti.cast(weight[c], ti.f32)
+                out[r * cols + c] = ti.cast(v, T)
+
+    @ti.kernel
+    def embedding(indices: I32, weight: X, out: X, n: ti.i32, cols: ti.i32, vocab: ti.i32):
+        # One thread per output element, a row gather. An index outside [0, vocab) (possible only for
+        # indices already on the device) gives a NaN row: NOTE [ Class indices on the device ].
+        for i in range(n * cols):
+            v = indices[i // cols]
+            if v >= 0 and v < vocab:
+                out[i] = weight[v * cols + i % cols]
+            else:
+                out[i] = ti.cast(ti.math.nan, T)
+
     return SimpleNamespace(
         gelu_erf=gelu_erf,
         gelu_tanh=gelu_tanh,
@@ -355,6 +407,9 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         layer_norm=layer_norm,
         softmax_rows=softmax_rows,
         layer_norm_rows=layer_norm_rows,
+        rms_norm=rms_norm,
+        rms_norm_rows=rms_norm_rows,
+        embedding=embedding,
     )
 
 
@@ -484,6 +539,29 @@ def layer_norm(
         int(weight is not None),
         int(bias is not None),
     )
+
+
+def rms_norm(
+    x: DeviceArray, weight: DeviceArray | None, eps: float, out: DeviceArray, rstd: DeviceArray
+) -> None:
+    rows, cols = x.shape
+    k = _k(x)
+    (k.rms_norm_rows if _on_gpu() else k.rms_norm)(
+        _nd(x),
+        _optional(weight, x.dtype),
+        _nd(out),
+        _nd(rstd),
+        rows,
+        cols,
+        float(eps),
+        int(weight is not None),
+    )
+
+
+def embedding(indices: DeviceArray, weight: DeviceArray, out: DeviceArray) -> None:
+    """See the reference's embedding; ``indices`` is an int32 DeviceArray (NOTE [ Class indices on the device ])."""
+    vocab, cols = weight.shape
+    _k(weight).embedding(_nd(indices), _nd(weight), _nd(out), indices.size, cols, vocab)
 
 
 def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
