@@ -5,7 +5,7 @@ Signatures and semantics are the reference's (``backends/reference/attention.py`
 
 NOTE [ Numba attention blocks ]
 The work is cut into query blocks of ``_BLOCK_Q`` rows over a group of batch rows (heads). For
-one block, ``q_blk @ k.T`` goes to BLAS (a stacked ``np.matmul`` over the group) into the block's
+one block, ``q_blk @ k.T`` goes to BLAS (``np.dot``, one call per head of the group) into the block's
 scores, the only scratch that grows with the key length; a jitted pass over the block's rows (a
 ``prange``) then scales, masks, takes the row max, exponentiates, normalises, applies dropout
 and writes one log-sum-exp per row; a second BLAS product multiplies the probabilities by ``v``.
@@ -168,6 +168,16 @@ def _groups(bh: int, rows: int, s: int, itemsize: int):
     return [(g0, min(g0 + g, bh)) for g0 in range(0, bh, g)], g
 
 
+def _products(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = a[i] @ b[i] for each head of the group, one BLAS call (``np.dot``) each.
+
+    NOTE: not a stacked ``np.matmul``: measured here (numpy 2 with scipy-openblas, 64x64 @
+    64x512 float32 blocks), np.matmul took 10-20x longer than np.dot on the same operands.
+    """
+    for i in range(out.shape[0]):
+        np.dot(a[i], b[i], out=out[i])
+
+
 def _block(buf: np.ndarray, *shape: int) -> np.ndarray:
     """A C-contiguous ``shape`` view of the front of a flat scratch buffer."""
     return buf[: math.prod(shape)].reshape(shape)
@@ -204,11 +214,11 @@ def attention(
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if is_causal else S
             sc = _block(buf, g1 - g0, q1 - q0, sn)
-            np.matmul(qc[g0:g1, q0:q1], kc[g0:g1, :sn].transpose(0, 2, 1), out=sc)
+            _products(qc[g0:g1, q0:q1], kc[g0:g1, :sn].transpose(0, 2, 1), sc)
             _forward_rows(
                 sc, m, has_mask, g0, q0, L, S, is_causal, ct.type(scale), drop, key, threshold, dscale, lc
             )
-            np.matmul(sc, vc[g0:g1, :sn], out=oc[g0:g1, q0:q1])
+            _products(sc, vc[g0:g1, :sn], oc[g0:g1, q0:q1])
     if oc is not out:
         np.copyto(out, oc)
     if lc is not lse:
@@ -265,8 +275,8 @@ def attention_backward(
             sn = min(S, q1) if is_causal else S
             sc = _block(buf_s, gn, q1 - q0, sn)
             dp = _block(buf_p, gn, q1 - q0, sn)
-            np.matmul(qc[g0:g1, q0:q1], kc[g0:g1, :sn].transpose(0, 2, 1), out=sc)
-            np.matmul(gc[g0:g1, q0:q1], vc[g0:g1, :sn].transpose(0, 2, 1), out=dp)
+            _products(qc[g0:g1, q0:q1], kc[g0:g1, :sn].transpose(0, 2, 1), sc)
+            _products(gc[g0:g1, q0:q1], vc[g0:g1, :sn].transpose(0, 2, 1), dp)
             _backward_rows(
                 sc,
                 dp,
@@ -286,11 +296,11 @@ def attention_backward(
                 d,
             )
             t = _block(buf_t, gn, sn, ev)
-            np.matmul(sc.transpose(0, 2, 1), gc[g0:g1, q0:q1], out=t)
+            _products(sc.transpose(0, 2, 1), gc[g0:g1, q0:q1], t)
             dv[g0:g1, :sn] += t
-            np.matmul(dp, kc[g0:g1, :sn], out=dq[g0:g1, q0:q1])
+            _products(dp, kc[g0:g1, :sn], dq[g0:g1, q0:q1])
             t = _block(buf_t, gn, sn, e)
-            np.matmul(dp.transpose(0, 2, 1), qc[g0:g1, q0:q1], out=t)
+            _products(dp.transpose(0, 2, 1), qc[g0:g1, q0:q1], t)
             dk[g0:g1, :sn] += t
     for grad, acc in ((grad_q, dq), (grad_k, dk), (grad_v, dv)):
         if grad is not None and grad is not acc:
