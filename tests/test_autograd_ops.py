@@ -520,6 +520,24 @@ def _kernel_calls(rng: np.random.Generator, dtype: np.dtype, rows: int, cols: in
     calls.append(("rms_norm_backward", lambda: ((x, arr(cols), rms, g), (out(rows, cols), out(cols)), ())))
     idx = rng.integers(0, max(1, cols // 3), rows)  # repeated indices, some rows never seen
     calls.append(("embedding_backward", lambda: ((idx, g), (out(cols, cols),), (int(idx[0]),))))
+    # attention: q (BH, L, E), k (BH, S, E), v (BH, S, Ev); causal without a mask, and an additive
+    # mask (M = 1) with dropout.
+    bh, n_q, n_k = 2, rows // 4 + 1, cols // 4 + 1
+    q, k, v, g_att = arr(bh, n_q, 24), arr(bh, n_k, 24), arr(bh, n_k, 16), arr(bh, n_q, 16)
+    additive = np.where(rng.random((1, n_q, n_k)) < 0.2, -np.inf, 0.0).astype(dtype)
+    for mask, causal, p_drop in ((None, True, 0.0), (additive, False, 0.25)):
+        o, lse = np.empty((bh, n_q, 16), dtype), np.empty((bh, n_q), stats)
+        R.attention(q, k, v, mask, causal, 0.2, p_drop, 7, o, lse)
+        calls.append(
+            (
+                "attention_backward",
+                lambda m=mask, c=causal, p=p_drop, o=o, lse=lse: (
+                    (q, k, v, m, c, 0.2, p, 7, o, lse, g_att),
+                    (out(bh, n_q, 24), out(bh, n_k, 24), out(bh, n_k, 16)),
+                    (),
+                ),
+            )
+        )
     for name in ("softmax", "log_softmax"):
         for shape in ((rows, cols, 1), (3, 5, 4), (rows // 8 + 1, 5, cols)):
             xs = arr(*shape)
