@@ -1,11 +1,15 @@
-"""A reuse pool for the buffers kernels write into: host NumPy buffers, Taichi ndarrays and fields.
+"""A reuse pool for the buffers kernels write into: host (NumPy) buffers and device buffers.
 
 Every result a kernel writes (functional ops, autograd intermediates and gradients, tensor
-arithmetic on the host, optimizer scratch) is allocated through :func:`empty`, which takes a
-buffer of the right dtype and size class from the active backend's :class:`BufferPool` or, on a
-miss, from the backend's own ``empty``. A buffer goes back to the pool when nothing refers to it
-any more (NOTE [ Buffer ownership ]), so a training step that repeats the same shapes stops
+arithmetic, kernel scratch, optimizer scratch) is allocated through :func:`empty`, which takes a
+buffer of the right dtype and size class from its memory space's :class:`BufferPool` or, on a
+miss, from that space's :class:`Allocator`. A buffer goes back to the pool when nothing refers to
+it any more (NOTE [ Buffer ownership ]), so a training step that repeats the same shapes stops
 allocating after its first step.
+
+The pool is the policy (size classes, free lists, the LRU and byte cap, statistics, the returns
+queue) and knows no backend: each backend's table exports an ``ALLOCATOR`` that makes blocks of
+its memory and leases them out as its arrays (:class:`Allocator`).
 
 Example::
 
@@ -29,23 +33,20 @@ Knobs: ``TAIFUSE_POOL_MAX_MB`` caps the bytes of free buffers a pool keeps (defa
 # A pooled buffer has exactly one owner object per lease, and the buffer returns to the pool when
 # (and only when) that owner is garbage: then nothing can read or write the memory any more, so
 # handing it out again cannot alias anything. The owner must be an object that EVERY view of the
-# buffer keeps alive:
+# buffer keeps alive. Each allocator's ``lease`` makes that owner:
 #
-# * Host (NumPy): NumPy collapses view chains -- a view's ``.base`` is the first array that owns
-#   its memory or whose base is not an ndarray -- so a finalizer on a handed-out array that is
-#   itself a view of the pool's storage would fire while views of it are alive. Instead each lease
-#   is a :class:`_HostLease` (not an ndarray) exporting the memory through
-#   ``__array_interface__``; the handed-out array's base is that lease, and every view, reshape,
-#   slice or dtype view of it keeps either the handed-out array or the lease alive. The lease's
-#   ``__del__`` returns the storage. Copies (a non-contiguous reshape, ``np.array``) own their
-#   memory and keep nothing alive, as they should.
-# * Taichi ndarrays: a DeviceArray's ``reshape`` views share its ``_storage`` object, so each lease
-#   hands out a fresh ``_storage`` (:func:`_device_lease`: a Python ``ti.Ndarray`` over the same
-#   device allocation, with no memory of its own) and its ``__del__`` returns the allocation.
-# * Taichi fields are the exception: a template kernel's cache keeps every field it was given
-#   alive, so "nothing refers to it" never happens. A field is leased through a
-#   :class:`FieldLease` handle, which owns it: the field returns when the lease is released (``with``
-#   block, :meth:`FieldLease.release`) or the handle is garbage. Using the field after that is a bug.
+# * Host (NumPy), ``_HostLease`` in ``backends/_host.py``: NumPy collapses view chains -- a view's
+#   ``.base`` is the first array that owns its memory or whose base is not an ndarray -- so a
+#   finalizer on a handed-out array that is itself a view of the pool's storage would fire while
+#   views of it are alive. Instead each lease is an object that is not an ndarray, exporting the
+#   memory through ``__array_interface__``; the handed-out array's base is that lease, and every
+#   view, reshape, slice or dtype view of it keeps either the handed-out array or the lease alive.
+#   The lease's ``__del__`` returns the block. Copies (a non-contiguous reshape, ``np.array``) own
+#   their memory and keep nothing alive, as they should.
+# * Taichi ndarrays, ``_DeviceLease`` in ``backends/taichi/_runtime.py``: a device array's
+#   ``reshape`` views share its flat ``ti.Ndarray`` object, so each lease hands out a fresh one (a
+#   Python ``ti.Ndarray`` over the block's device allocation, with no memory of its own), and its
+#   ``__del__`` returns the block.
 #
 # The pool itself keeps every block it allocated reachable until it frees it, leased or not. A lease
 # that dies inside a garbage cycle (Taichi's compiler keeps the arguments of the call that compiled a
@@ -61,23 +62,22 @@ Knobs: ``TAIFUSE_POOL_MAX_MB`` caps the bytes of free buffers a pool keeps (defa
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
-import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 __all__ = [
-    "DEFAULT_MAX_FIELDS",
     "DEFAULT_MAX_MB",
+    "Allocator",
     "BufferPool",
-    "FieldLease",
     "PoolStats",
     "empty",
     "get_pool",
@@ -87,9 +87,53 @@ __all__ = [
 ]
 
 DEFAULT_MAX_MB = 1024
-# Taichi crashes at its 512th live SNode tree (FACTS.md); every pooled field is one tree.
-DEFAULT_MAX_FIELDS = 256
 _MIN_CLASS_BYTES = 256
+
+
+# The protocol is written here, beside the policy that calls it and the NOTE its leases must keep,
+# rather than in backends/_spec.py: the kernel tables' spec is read by every layer, this contract
+# only by the pool. Allocators implement it structurally and never import this module.
+class Allocator(Protocol):
+    """One memory space, as the pool sees it: raw allocations and leases of its blocks.
+
+    Every backend's table exports one as ``ALLOCATOR``: host memory (``backends/_host.py``, shared
+    by the ``numpy`` and ``numba`` backends) or the device memory of the running Taichi runtime
+    (``backends/taichi/_runtime.py``).
+
+    Attributes:
+        ON_HOST: True for host memory, whose requests share blocks by :func:`size_class`; False for
+            device memory, whose blocks are keyed by exact element count (a device array's length
+            is visible to kernels and copies).
+    """
+
+    ON_HOST: bool
+
+    def key(self) -> tuple:
+        """The identity of the memory space now, e.g. ``("host",)``; :func:`get_pool` keys pools by it.
+
+        A key whose first element is known but whose rest changed (a re-initialised runtime) starts
+        a new pool, and the old one is dropped: its blocks died with the old runtime.
+        """
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A new, unpooled array (the backend's own ``empty``): for size 0 and disabled pools."""
+
+    def new_block(self, count: int, dtype: np.dtype) -> tuple[Any, int]:
+        """A new flat allocation of ``count`` elements: ``(storage, address)``.
+
+        The pool keeps ``storage`` reachable until it drops the block; ``address`` is for the
+        allocator's own :meth:`lease` (0 when it has no use for one).
+        """
+
+    def lease(self, block: Any, returns: deque, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """The array handed out: ``shape`` and ``dtype`` over ``block.storage`` (and ``block.address``).
+
+        Its owner appends ``block`` to ``returns`` when it is garbage, never before and without
+        taking a lock (NOTE [ Buffer ownership ]).
+        """
+
+    def fill(self, array: Any, value: float) -> None:
+        """Set every element of an array this allocator made to ``value``."""
 
 
 def size_class(nbytes: int) -> int:
@@ -139,9 +183,9 @@ class PoolStats:
         bytes_in_use: bytes of buffers handed out and still referenced.
         peak_bytes: the most ``bytes_pooled + bytes_in_use`` has been since the pool was made (or
             :meth:`BufferPool.reset_stats`).
-        evictions: free buffers dropped to keep ``bytes_pooled`` under the byte cap (or the
-            field count under its limit); :meth:`BufferPool.clear` and
-            :meth:`BufferPool.shrink_to_fit` are not counted here, they return what they freed.
+        evictions: free buffers dropped to keep ``bytes_pooled`` under the byte cap;
+            :meth:`BufferPool.clear` and :meth:`BufferPool.shrink_to_fit` are not counted here,
+            they return what they freed.
     """
 
     allocations: int
@@ -154,11 +198,11 @@ class PoolStats:
 
 
 class _Block:
-    """One pooled allocation: the backend storage and its accounting."""
+    """One pooled allocation: the allocator's storage and its accounting."""
 
     __slots__ = ("address", "dtype", "key", "nbytes", "storage")
 
-    def __init__(self, key: tuple, storage: Any, nbytes: int, dtype: np.dtype, address: int = 0) -> None:
+    def __init__(self, key: tuple, storage: Any, nbytes: int, dtype: np.dtype, address: int) -> None:
         self.key = key
         self.storage = storage
         self.nbytes = nbytes
@@ -166,114 +210,21 @@ class _Block:
         self.address = address
 
 
-# ----------------------------------------------------------------------------- host leases
-
-
-class _HostLease:
-    """Owner of one lease of a host block (see NOTE [ Buffer ownership ])."""
-
-    __slots__ = ("__array_interface__", "__weakref__", "_block", "_returns")
-
-    def __del__(self) -> None:
-        # Never take a lock here (see the NOTE); deque.append is atomic.
-        self._returns.append(self._block)
-
-
-def _host_view(block: _Block, returns: deque, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    lease = _HostLease()
-    lease._block = block
-    lease._returns = returns
-    lease.__array_interface__ = {
-        "data": (block.address, False),
-        "shape": shape,
-        "typestr": dtype.str,
-        "version": 3,
-    }
-    return np.asarray(lease)
-
-
-# ----------------------------------------------------------------------------- device leases
-
-_device_lease_class: type | None = None
-
-
-def _device_lease(block: _Block, returns: deque) -> Any:
-    """A per-lease ``ti.Ndarray`` over ``block``'s device allocation (see NOTE [ Buffer ownership ])."""
-    global _device_lease_class
-    if _device_lease_class is None:
-        from taichi.lang._ndarray import ScalarNdarray
-
-        class _DeviceLease(ScalarNdarray):
-            # Built without __init__ (no allocation of its own); it borrows the pooled storage's
-            # attributes, including the C++ handle ``arr``, so kernels see the same memory.
-            # Held by the class: at interpreter exit this module's globals (sys) may be None already.
-            _is_finalizing = staticmethod(sys.is_finalizing)
-
-            def __del__(self) -> None:
-                if self._is_finalizing():
-                    return
-                self._returns.append(self._block)
-
-        _device_lease_class = _DeviceLease
-    lease = _device_lease_class.__new__(_device_lease_class)
-    lease.__dict__.update(block.storage.__dict__)
-    lease._block = block
-    lease._returns = returns
-    return lease
-
-
-# ----------------------------------------------------------------------------- field leases
-
-
-class FieldLease:
-    """A Taichi field leased from a pool; it owns the field (see NOTE [ Buffer ownership ]).
-
-    Use it as a context manager, or call :meth:`release`; a lease that is garbage-collected
-    releases itself. ``lease.field`` is the ``ti.field`` (contents are whatever the last user left
-    unless it came from ``field(..., zero=True)``).
-    """
-
-    __slots__ = ("__weakref__", "_block", "_returns", "field")
-    _is_finalizing = staticmethod(sys.is_finalizing)  # as _DeviceLease's: globals may be gone at exit
-
-    def __init__(self, block: _Block, returns: deque) -> None:
-        self._block: _Block | None = block
-        self._returns = returns
-        self.field = block.storage[0]
-
-    def release(self) -> None:
-        """Give the field back to its pool; the lease (and ``self.field``) must not be used after."""
-        block, self._block = self._block, None
-        if block is not None:
-            self.field = None
-            self._returns.append(block)
-
-    def __enter__(self) -> Any:
-        return self.field
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        if not self._is_finalizing():
-            self.release()
-
-
 # ----------------------------------------------------------------------------- the pool
 
 
 class BufferPool:
-    """Free buffers of one backend/device, handed out by dtype and size class.
+    """Free buffers of one memory space, handed out by dtype and size class.
 
     Host pools (the ``numpy`` and ``numba`` backends share one: both hold ``numpy.ndarray``)
-    round requests up to :func:`size_class`. Taichi pools key ndarrays by exact element count
-    (a ``ti.Ndarray``'s length is visible to kernels and copies) and fields by exact shape.
+    round requests up to :func:`size_class`. Device pools key blocks by exact element count
+    (see :attr:`Allocator.ON_HOST`).
 
     Args:
         name: for messages and ``repr``.
-        backend: the backend module whose ``empty`` allocates on a miss (``None``: NumPy's).
+        backend: a backend module (its ``ALLOCATOR`` is used) or an :class:`Allocator`; ``None``:
+            host memory.
         max_bytes: cap on :attr:`PoolStats.bytes_pooled` (default from ``TAIFUSE_POOL_MAX_MB``).
-        max_fields: most Taichi fields alive at once (leased or free).
 
     Thread-safe: acquisitions and the bookkeeping take one lock; returns never block.
     """
@@ -281,18 +232,17 @@ class BufferPool:
     def __init__(
         self,
         name: str,
-        backend: ModuleType | None = None,
+        backend: ModuleType | Allocator | None = None,
         *,
         max_bytes: int | None = None,
-        max_fields: int = DEFAULT_MAX_FIELDS,
     ) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"BufferPool max_bytes should be non-negative, got {max_bytes}")
         self.name = name
-        self.backend = backend
-        self._device = backend is not None and not backend.is_array(np.empty(0))
+        self.backend = backend  # as given: BufferPool(name, other.backend) pools the same memory
+        self.allocator: Allocator = _host_allocator() if backend is None else _allocator_of(backend)
+        self._on_host = bool(self.allocator.ON_HOST)
         self.max_bytes = _max_bytes_from_env() if max_bytes is None else int(max_bytes)
-        self.max_fields = int(max_fields)
         self._lock = threading.Lock()
         self._returns: deque[_Block] = deque()
         self._free: dict[tuple, list[_Block]] = {}
@@ -300,7 +250,6 @@ class BufferPool:
         # Every block, leased or free, stays reachable from here: see NOTE [ Buffer ownership ].
         self._owned: dict[int, _Block] = {}
         self._disabled = 1 if os.environ.get("TAIFUSE_POOL", "").strip() == "0" else 0
-        self._fields_alive = 0
         # For tests and debugging: fill every buffer handed out (not zeroed) with this value, so
         # that a kernel reading memory it did not write shows up (NaN is a good choice).
         self.fill_on_reuse: float | None = None
@@ -376,21 +325,22 @@ class BufferPool:
         return freed
 
     def acquire(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = False) -> Any:
-        """A buffer of ``shape`` and ``dtype``: a NumPy array, or a Taichi ``DeviceArray``.
+        """A buffer of ``shape`` and ``dtype``: an array of the pool's memory space (NumPy on the host).
 
         Its contents are undefined (stale data from an earlier user) unless ``zero`` is True.
-        Empty shapes and a disabled pool go straight to the backend.
+        Empty shapes and a disabled pool go straight to the allocator's ``empty``.
         """
         dtype = np.dtype(dtype)
         shape = tuple(map(int, shape))
         size = math.prod(shape)
+        allocator = self.allocator
         if size == 0 or self._disabled:
-            out = self._raw_empty(shape, dtype)
+            out = allocator.empty(shape, dtype)
             if zero and size:
-                self._zero(out)
+                allocator.fill(out, 0)
             return out
         nbytes = size * dtype.itemsize
-        key = (dtype, size) if self._device else (dtype, size_class(nbytes))
+        key = (dtype, size_class(nbytes)) if self._on_host else (dtype, size)
         with self._lock:
             if self._returns:
                 self._drain()
@@ -398,60 +348,18 @@ class BufferPool:
             if block is not None:
                 self._reuses += 1
             else:
-                block = self._new_block(key, dtype, size, nbytes)
+                block = self._new_block(key, dtype, nbytes)
                 self._owned[id(block)] = block
                 self._allocations += 1
             self._bytes_in_use += block.nbytes
             held = self._bytes_in_use + self._bytes_pooled
             self._peak = max(self._peak, held)
-        out = self._lease(block, shape, dtype)
+        out = allocator.lease(block, self._returns, shape, dtype)
         if zero:
-            self._zero(out)
+            allocator.fill(out, 0)
         elif self.fill_on_reuse is not None:
-            self._fill(out, self.fill_on_reuse)
+            allocator.fill(out, self.fill_on_reuse)
         return out
-
-    def field(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = False) -> FieldLease:
-        """Lease a Taichi field of ``shape`` and ``dtype`` (reused, never one per call).
-
-        A new field lives in its own SNode tree (``ti.FieldsBuilder``), freed with
-        ``SNodeTree.destroy()`` when evicted or cleared. At most ``max_fields`` fields exist at
-        once: free ones are evicted first, and a request beyond that with every field leased
-        raises ``RuntimeError`` (Taichi would crash at its 512th tree).
-        """
-        if not self._device or self.backend is None or self.backend.NAME != "taichi":
-            raise TypeError(f"{self!r}: fields exist only on the taichi backend")
-        dtype = np.dtype(dtype)
-        shape = tuple(int(s) for s in shape)
-        if not shape or any(s <= 0 for s in shape):
-            raise ValueError(f"field: shape should be non-empty with positive sizes, got {shape}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        key = ("field", dtype, shape)
-        with self._lock:
-            self._drain()
-            block = self._take(key)
-            if block is not None:
-                self._reuses += 1
-            else:
-                if self._fields_alive >= self.max_fields:
-                    self._evict_until(
-                        lambda: self._fields_alive < self.max_fields, fields_only=True, count=True
-                    )
-                if self._fields_alive >= self.max_fields:
-                    raise RuntimeError(
-                        f"field: all {self.max_fields} pooled fields are leased; release some first "
-                        "(Taichi crashes at its 512th field tree)"
-                    )
-                block = _Block(key, _new_field(shape, dtype), nbytes, dtype)
-                self._owned[id(block)] = block
-                self._fields_alive += 1
-                self._allocations += 1
-            self._bytes_in_use += block.nbytes
-            self._peak = max(self._peak, self._bytes_in_use + self._bytes_pooled)
-        lease = FieldLease(block, self._returns)
-        if zero:
-            lease.field.fill(0)
-        return lease
 
     # -- internals (called with the lock held unless said otherwise)
 
@@ -468,7 +376,8 @@ class BufferPool:
             self._lru[id(block)] = block
             self._bytes_pooled += block.nbytes
             if self._bytes_pooled > self.max_bytes:
-                self._evict_until(lambda: self._bytes_pooled <= self.max_bytes, count=True)
+                _, dropped = self._evict_until(lambda: self._bytes_pooled <= self.max_bytes)
+                self._evictions += dropped
 
     def _take(self, key: tuple) -> _Block | None:
         stack = self._free.get(key)
@@ -479,82 +388,28 @@ class BufferPool:
         self._bytes_pooled -= block.nbytes
         return block
 
-    def _evict_until(self, done, *, fields_only: bool = False, count: bool = False) -> tuple[int, int]:
+    def _evict_until(self, done) -> tuple[int, int]:
+        """Drop least recently returned free blocks until ``done()``: (bytes, blocks) dropped."""
         freed = dropped = 0
-        candidates = [b for b in self._lru.values() if b.key[0] == "field"] if fields_only else None
-        while not done():
-            if candidates is not None:
-                if not candidates:
-                    break
-                block = candidates.pop(0)
-            elif self._lru:
-                block = next(iter(self._lru.values()))
-            else:
-                break
+        while self._lru and not done():
+            block = next(iter(self._lru.values()))
             del self._lru[id(block)]
             self._free[block.key].remove(block)
             self._bytes_pooled -= block.nbytes
             self._drop(block)
             freed += block.nbytes
             dropped += 1
-        if count:
-            self._evictions += dropped
         return freed, dropped
 
     def _drop(self, block: _Block) -> None:
         del self._owned[id(block)]
-        if block.key[0] == "field":
-            self._fields_alive -= 1
-            if _taichi_generation() == block.storage[2]:
-                block.storage[1].destroy()
-        block.storage = None  # host/ndarray memory goes with the last reference
+        block.storage = None  # the memory goes with the last reference
 
-    def _raw_empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        if self.backend is None:
-            return np.empty(shape, dtype)
-        return self.backend.empty(shape, dtype)
-
-    def _new_block(self, key: tuple, dtype: np.dtype, size: int, nbytes: int) -> _Block:
-        if self._device:
-            storage = self.backend.empty((size,), dtype)._storage  # type: ignore[union-attr]
-            return _Block(key, storage, nbytes, dtype)
-        class_bytes = key[1]
-        storage = self._raw_empty((class_bytes // dtype.itemsize,), dtype)
-        return _Block(key, storage, class_bytes, dtype, storage.__array_interface__["data"][0])
-
-    def _lease(self, block: _Block, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        if not self._device:
-            return _host_view(block, self._returns, shape, dtype)
-        be = self.backend
-        return be.DeviceArray(_device_lease(block, self._returns), shape, dtype, block.storage._generation)  # type: ignore[union-attr]
-
-    def _zero(self, out: Any) -> None:
-        self._fill(out, 0)
-
-    def _fill(self, out: Any, value: float) -> None:
-        if isinstance(out, np.ndarray):
-            out.fill(value)
-        elif out.size:
-            out._ndarray().fill(value)
-
-
-def _taichi_generation() -> int:
-    from taifuse.backends import taichi_gpu
-
-    return taichi_gpu._state["generation"]
-
-
-def _new_field(shape: tuple[int, ...], dtype: np.dtype) -> tuple:
-    """A field in its own SNode tree: (field, tree, runtime generation)."""
-    from taifuse.backends import taichi_gpu
-
-    ti = taichi_gpu._import_taichi()
-    taichi_gpu._require_init()
-    builder = ti.FieldsBuilder()
-    f = ti.field(taichi_gpu._ti_dtype(dtype))
-    builder.dense(ti.axes(*range(len(shape))), shape).place(f)
-    tree = builder.finalize()
-    return (f, tree, _taichi_generation())
+    def _new_block(self, key: tuple, dtype: np.dtype, nbytes: int) -> _Block:
+        if self._on_host:
+            nbytes = key[1]  # the whole size class, so any request of the class fits
+        storage, address = self.allocator.new_block(nbytes // dtype.itemsize, dtype)
+        return _Block(key, storage, nbytes, dtype, address)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -563,57 +418,57 @@ _pools: dict[tuple, BufferPool] = {}
 _registry_lock = threading.Lock()
 
 
-_HOST_KEY = ("host",)
-_HOST_BACKENDS = ("numpy", "numba")
+def _allocator_of(backend: ModuleType | Allocator) -> Allocator:
+    return getattr(backend, "ALLOCATOR", backend)
 
 
-def _pool_key(be: ModuleType) -> tuple:
-    if be.NAME in _HOST_BACKENDS or be.is_array(np.empty(0)):
-        return _HOST_KEY  # numpy and numba hold the same kind of memory
-    state = getattr(be, "_state", None)
-    if state is not None:  # taichi: see NOTE [ Re-initialising Taichi ] in taichi_gpu.py
-        return (be.NAME, state["actual"], state["generation"])
-    return (be.NAME,)
+@functools.cache
+def _host_allocator() -> Allocator:
+    # The reference backend is always installed, and the numba backend exports the same allocator.
+    from taifuse import backends
+
+    return backends.get_module("numpy").ALLOCATOR
 
 
-def get_pool(backend: ModuleType | None = None) -> BufferPool:
-    """The pool of ``backend`` (default: the active one): one per backend/device.
+def get_pool(backend: ModuleType | Allocator | None = None) -> BufferPool:
+    """The pool of ``backend`` (default: the active one): one per memory space.
 
-    The ``numpy`` and ``numba`` backends share the host pool. A Taichi re-initialisation (arch
-    switch) starts a new pool; the old one's buffers died with the old runtime.
+    ``backend`` is a backend module or its ``ALLOCATOR`` (kernels inside a backend package pass
+    the allocator, so they need not import their own package's table). The ``numpy`` and
+    ``numba`` backends share the host pool. A Taichi re-initialisation (arch switch) starts a new
+    pool; the old one's buffers died with the old runtime.
     """
     if backend is None:
         from taifuse import backends
 
         backend = backends.active()
-    key = _HOST_KEY if backend.NAME in _HOST_BACKENDS else _pool_key(backend)
+    allocator = _allocator_of(backend)
+    key = allocator.key()
     pool = _pools.get(key)
     if pool is not None:
         return pool
     with _registry_lock:
         pool = _pools.get(key)
         if pool is None:
-            for stale in [k for k in _pools if k[0] == key[0] and k != key and key[0] != "host"]:
-                del _pools[stale]  # see NOTE [ Re-initialising Taichi ] in taichi_gpu.py
-            pool = BufferPool(":".join(str(k) for k in key), None if key == _HOST_KEY else backend)
+            # A new key of a known memory space is a new runtime: the old pool's blocks are gone
+            # (NOTE [ Re-initialising Taichi ] in backends/taichi/_runtime.py).
+            for stale in [k for k in _pools if k[0] == key[0]]:
+                del _pools[stale]
+            pool = BufferPool(":".join(str(k) for k in key), allocator)
             _pools[key] = pool
     return pool
 
 
 def host_pool() -> BufferPool:
     """The pool of host (NumPy) buffers, shared by the ``numpy`` and ``numba`` backends."""
-    pool = _pools.get(_HOST_KEY)
-    if pool is None:
-        with _registry_lock:
-            pool = _pools.setdefault(_HOST_KEY, BufferPool("host"))
-    return pool
+    return get_pool(_host_allocator())
 
 
-def empty(be: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
+def empty(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any:
     """An uninitialised array of ``shape`` and ``dtype`` on backend ``be``, from its pool.
 
-    The one allocation path for everything above the kernels (see NOTE [ Buffer ownership ]):
-    the caller must write every element before reading it.
+    The one allocation path for results and scratch (see NOTE [ Buffer ownership ]): the caller
+    must write every element before reading it. ``be`` is a backend module or its ``ALLOCATOR``.
 
     Example::
 
@@ -626,6 +481,6 @@ def empty(be: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
     return get_pool(be).acquire(shape, dtype)
 
 
-def zeros(be: ModuleType, shape: tuple[int, ...], dtype: Any) -> Any:
+def zeros(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any:
     """Like :func:`empty`, zero-filled: for kernels that accumulate into their output."""
     return get_pool(be).acquire(shape, dtype, zero=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from taifuse.backends._host import check_dtype, empty, from_numpy, is_array, to_numpy
+from taifuse.backends._host import ALLOCATOR, check_dtype, empty, from_numpy, is_array, to_numpy
 from taifuse.backends.numba._jit import (
     _parallel_min_elements,
     _threading_layer,
@@ -83,6 +83,7 @@ def describe() -> dict:
 
 
 __all__ = [
+    "ALLOCATOR",
     "NAME",
     "adam_step",
     "add_relu",

@@ -249,7 +249,10 @@ def mul_relu_backward(
 # ----------------------------------------------------------------------------- column sums
 # Bias, scale and weight gradients are sums over rows. Each work item owns a tile of columns
 # and walks the rows, accumulating in float64 into a small scratch, so threads never share an
-# output and the inner loop runs along a contiguous row.
+# output and the inner loop runs along a contiguous row. That scratch (one tile or row wide) is
+# the work item's own and is made inside the jitted code, which cannot reach the pool; the
+# losses' per-block and per-row partial sums, sized by the input, come from the host pool through
+# their wrappers.
 
 
 @njit(**_FMA_REDUCE)
@@ -832,10 +835,9 @@ def _mse_serial(x, t, out, reduction):
 
 
 @njit(**_FMA_PARALLEL)
-def _mse_parallel(x, t, out, reduction):
+def _mse_parallel(x, t, out, reduction, partial):
     n = x.size
     blocks = _count(n, _BLOCK)
-    partial = np.zeros(blocks, np.float64)
     for item in prange(blocks):
         lo, hi = _bounds(item, n, _BLOCK)
         partial[item] = _mse_span(x, t, out, reduction, lo, hi)
@@ -846,8 +848,12 @@ def _mse_parallel(x, t, out, reduction):
 
 def mse_loss(input: np.ndarray, target: np.ndarray, out: np.ndarray, reduction: str) -> None:
     """(input - target)^2, unreduced into ``out`` or summed/averaged (float64 sum) into ``out (1,)``."""
-    kernel = _mse_parallel if _jit._parallel(input.size) else _mse_serial
-    kernel(_flat(input), _flat(target), _flat(out), _REDUCTION_CODES[reduction])
+    code = _REDUCTION_CODES[reduction]
+    if _jit._parallel(input.size):
+        partial = pool.host_pool().acquire((_count(input.size, _BLOCK),), np.float64)  # one per block
+        _mse_parallel(_flat(input), _flat(target), _flat(out), code, partial)
+    else:
+        _mse_serial(_flat(input), _flat(target), _flat(out), code)
 
 
 @njit(**_FMA)
@@ -916,9 +922,8 @@ def _cross_entropy_serial(x, target, out, reduction, lse):
 
 
 @njit(**_FMA_PARALLEL)
-def _cross_entropy_parallel(x, target, out, reduction, lse):
+def _cross_entropy_parallel(x, target, out, reduction, lse, losses):
     rows = x.shape[0]
-    losses = np.empty(rows, np.float64)
     for r in prange(rows):
         losses[r] = _cross_entropy_row(x, target, lse, r)
     if reduction == _NONE:
@@ -933,12 +938,12 @@ def cross_entropy(
     logits: np.ndarray, target: np.ndarray, out: np.ndarray, reduction: str, lse: np.ndarray
 ) -> None:
     """loss[n] = lse[n] - logits[n, target[n]], reduced as asked; writes ``lse`` for the backward."""
-    kernel = (
-        _cross_entropy_parallel
-        if _jit._parallel(logits.size) and logits.shape[0] > 1
-        else _cross_entropy_serial
-    )
-    kernel(_bits(logits), target, _bits(out), _REDUCTION_CODES[reduction], lse)
+    code = _REDUCTION_CODES[reduction]
+    if _jit._parallel(logits.size) and logits.shape[0] > 1:
+        losses = pool.host_pool().acquire((logits.shape[0],), np.float64)  # each row's, in float64
+        _cross_entropy_parallel(_bits(logits), target, _bits(out), code, lse, losses)
+    else:
+        _cross_entropy_serial(_bits(logits), target, _bits(out), code, lse)
 
 
 @njit(**_FMA)

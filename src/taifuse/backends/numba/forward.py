@@ -415,7 +415,8 @@ def _softmax_rows_parallel(x, out, log):
 @njit(**_FMA)
 def _softmax_strided_tile(x, out, a, lo, hi, log):
     # Reduce over axis 1 of x (A, C, B) for positions lo <= b < hi: the inner loops run along
-    # the contiguous B axis and vectorize; m and s hold one running value per b (float64).
+    # the contiguous B axis and vectorize; m and s hold one running value per b (float64), the
+    # work item's own scratch (the column sums' comment in backward.py says why not the pool's).
     channels = x.shape[1]
     width = hi - lo
     m = np.empty(width, np.float64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taifuse.backends._host import check_dtype, empty, from_numpy, is_array, to_numpy
+from taifuse.backends._host import ALLOCATOR, check_dtype, empty, from_numpy, is_array, to_numpy
 from taifuse.backends._spec import ACTIVATIONS
 from taifuse.backends.reference.attention import attention, attention_backward
 from taifuse.backends.reference.backward import (
@@ -73,6 +73,7 @@ def describe() -> dict:
 
 __all__ = [
     "ACTIVATIONS",
+    "ALLOCATOR",
     "LOSS_REDUCTIONS",
     "NAME",
     "adam_step",

@@ -1,10 +1,11 @@
 """The Taichi backend: taifuse's kernels on Taichi's Metal arch (and Vulkan, CUDA or CPU).
 
 This module is the backend's table (``taifuse.backends.KERNEL_NAMES``, ``BACKWARD_KERNEL_NAMES``,
-``OPTIM_KERNEL_NAMES`` and the array API); the code lives in the modules below it, which import
-in one direction only::
+``OPTIM_KERNEL_NAMES``, the array API and the pool's ``ALLOCATOR``); the code lives in the
+modules below it, which import in one direction only::
 
-    _runtime      Taichi's init, DeviceArray, the array API, transfer counters (imports nothing here)
+    _runtime      Taichi's init, DeviceArray, the array API, the pool's allocator, transfer counters
+                  (imports nothing here)
     _math         @ti.func scalar math shared by every kernel factory
     forward       forward kernels and their wrappers
     tensor_math   TaichiMath, the Tensor arithmetic table (and the reductions, matmul)
@@ -19,6 +20,7 @@ time (NOTE [ Re-initialising Taichi ] in ``_runtime.py`` says what a re-initiali
 """
 
 from taifuse.backends.taichi._runtime import (
+    ALLOCATOR,
     INDEX_DTYPE,
     NAME,
     DeviceArray,
@@ -33,13 +35,6 @@ from taifuse.backends.taichi._runtime import (
     to_numpy,
     transfer_stats,
 )
-
-# (read by taifuse.pool until it talks to an allocator)
-from taifuse.backends.taichi._runtime import _import_taichi as _import_taichi
-from taifuse.backends.taichi._runtime import _make_storage as _make_storage
-from taifuse.backends.taichi._runtime import _require_init as _require_init
-from taifuse.backends.taichi._runtime import _state as _state
-from taifuse.backends.taichi._runtime import _ti_dtype as _ti_dtype
 from taifuse.backends.taichi.attention import attention, attention_backward
 from taifuse.backends.taichi.backward import (
     add_relu_backward,
@@ -85,6 +80,7 @@ from taifuse.backends.taichi.optim import adam_step, all_finite, lion_step, sgd_
 from taifuse.backends.taichi.tensor_math import TENSOR_MATH
 
 __all__ = [
+    "ALLOCATOR",
     "INDEX_DTYPE",
     "NAME",
     "TENSOR_MATH",

@@ -1,4 +1,5 @@
-"""The bottom of the taichi backend: the runtime, :class:`DeviceArray` and the array API.
+"""The bottom of the taichi backend: the runtime, :class:`DeviceArray`, the array API and the
+pool's :data:`ALLOCATOR` of device memory.
 
 Data lives on the device in :class:`DeviceArray` (a flat ``ti.Ndarray`` with a logical shape).
 Host<->device copies happen only in :func:`from_numpy`, :func:`to_numpy` and
@@ -24,6 +25,7 @@ import contextlib
 import io
 import math
 import os
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,7 @@ _TI_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", INDEX_DT
 # Kernels index with 32-bit ints (64-bit indices are slow or missing on some GPUs).
 _MAX_ELEMENTS = 2**31 - 1
 
-# Mutated in place, never rebound: the package re-exports this very dict.
+# Mutated in place, never rebound: the package's modules import this very dict.
 _state: dict[str, Any] = {
     "ti": None,  # the taichi module, once imported
     "requested": None,  # arch name the caller asked for
@@ -301,7 +303,11 @@ def is_array(obj: object) -> bool:
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
-    """Allocate a DeviceArray (Taichi zero-fills it); size 0 allocates nothing."""
+    """Allocate a new, unpooled DeviceArray (Taichi zero-fills it); size 0 allocates nothing.
+
+    What the pool's :data:`ALLOCATOR` calls on a miss; results and scratch come from
+    ``taifuse.pool`` instead.
+    """
     _require_init()
     dtype = np.dtype(dtype)
     if dtype != INDEX_DTYPE:
@@ -350,5 +356,68 @@ def _optional(arr: DeviceArray | None, dtype: np.dtype):
         return _nd(arr)
     dtype = np.dtype(dtype)
     if dtype not in _dummies:
+        # Not from the pool: one element per dtype, never written, kept as long as the runtime.
         _dummies[dtype] = _make_storage(_ti_dtype(dtype), 1)
     return _dummies[dtype]
+
+
+# ----------------------------------------------------------------------------- the pool's allocator
+
+_device_lease_class: type | None = None
+
+
+def _device_lease(block: Any, returns: deque) -> Any:
+    """A per-lease ``ti.Ndarray`` over ``block``'s device allocation (NOTE [ Buffer ownership ] in
+    taifuse/pool.py): reshaped DeviceArrays share their ``_storage``, so this object is what every
+    view of the lease keeps alive."""
+    global _device_lease_class
+    if _device_lease_class is None:
+        import sys as _sys
+
+        from taichi.lang._ndarray import ScalarNdarray
+
+        class _DeviceLease(ScalarNdarray):
+            # Built without __init__ (no allocation of its own); it borrows the pooled storage's
+            # attributes, including the C++ handle ``arr``, so kernels see the same memory.
+            # Held by the class: at interpreter exit this module's globals may be None already.
+            _is_finalizing = staticmethod(_sys.is_finalizing)
+
+            def __del__(self) -> None:
+                if self._is_finalizing():
+                    return
+                self._returns.append(self._block)
+
+        _device_lease_class = _DeviceLease
+    lease = _device_lease_class.__new__(_device_lease_class)
+    lease.__dict__.update(block.storage.__dict__)
+    lease._block = block
+    lease._returns = returns
+    return lease
+
+
+class TaichiAllocator:
+    """Device memory of the running Taichi runtime for ``taifuse.pool``: blocks are flat
+    ``ti.Ndarray`` storages, leases DeviceArrays over a per-lease ndarray sharing the block's memory."""
+
+    ON_HOST = False  # exact element counts: a ti.Ndarray's length is visible to kernels and copies
+
+    def key(self) -> tuple:
+        # A re-initialised runtime is another memory space: the old pool's blocks died with the old
+        # runtime (NOTE [ Re-initialising Taichi ]).
+        return (NAME, _state["actual"], _state["generation"])
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
+        return empty(shape, dtype)
+
+    def new_block(self, count: int, dtype: np.dtype) -> tuple[Any, int]:
+        return empty((count,), dtype)._storage, 0
+
+    def lease(self, block: Any, returns: deque, shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
+        return DeviceArray(_device_lease(block, returns), shape, dtype, block.storage._generation)
+
+    def fill(self, array: DeviceArray, value: float) -> None:
+        if array.size:
+            array._ndarray().fill(value)
+
+
+ALLOCATOR = TaichiAllocator()

@@ -30,13 +30,14 @@ allocation path of this module and of ``backward.py``.
 import functools
 import math
 import numbers
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from taifuse import backends, pool
+from taifuse import pool
 from taifuse.backends.taichi._runtime import (
+    ALLOCATOR,
     FLOAT_DTYPES,
     INDEX_DTYPE,
     _import_taichi,
@@ -63,15 +64,9 @@ INDEX_CHUNK = 1024
 POW_EVEN, POW_ODD, POW_FRACTIONAL = 0, 1, 2
 
 
-def _table() -> ModuleType:
-    # The backend's table (the package), which the pool is keyed by. The package imports this
-    # module, so it is looked up by name when a buffer is needed, never imported here.
-    return backends.get_module("taichi")
-
-
 def _new(shape: tuple[int, ...], dtype: Any) -> Any:
     """A result or scratch buffer from the pool (its contents are stale: write every element)."""
-    return pool.empty(_table(), tuple(int(s) for s in shape), np.dtype(dtype))
+    return pool.empty(ALLOCATOR, tuple(int(s) for s in shape), np.dtype(dtype))
 
 
 # ----------------------------------------------------------------------------- kernels
