@@ -318,3 +318,238 @@ def test_train_mlp_example_reaches_its_stated_accuracy():
     with taifuse.use_backend("numba" if "numba" in taifuse.available_backends() else "numpy"):
         accuracy = example.main(quiet=True)
     assert accuracy >= example.TARGET_ACCURACY, f"accuracy {accuracy} < stated {example.TARGET_ACCURACY}"
+
+
+# ----------------------------------------------------------------------------- ModuleList
+
+
+def test_module_list_names_and_list_operations(grad_backend):
+    blocks = nn.ModuleList([nn.Linear(2, 3), nn.ReLU()])
+    blocks.append(nn.Linear(3, 1, bias=False))
+    assert len(blocks) == 3 and isinstance(blocks[-1], nn.Linear) and blocks[-1] is blocks[2]
+    assert [name for name, _ in blocks.named_parameters()] == ["0.weight", "0.bias", "2.weight"]
+    blocks.insert(1, nn.Tanh())
+    assert [type(m).__name__ for m in blocks] == ["Linear", "Tanh", "ReLU", "Linear"]
+    assert [name for name, _ in blocks.named_children()] == ["0", "1", "2", "3"]
+    blocks.extend([nn.SiLU()])
+    blocks += [nn.Sigmoid()]
+    del blocks[1]
+    assert [type(m).__name__ for m in blocks] == ["Linear", "ReLU", "Linear", "SiLU", "Sigmoid"]
+    assert [name for name, _ in blocks.named_parameters()] == ["0.weight", "0.bias", "2.weight"]
+    assert isinstance(blocks[1:3], nn.ModuleList) and len(blocks[1:3]) == 2
+    blocks[1] = nn.GELU()
+    assert isinstance(blocks[1], nn.GELU)
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.LayerNorm(4) for _ in range(2))
+
+    assert list(Owner().state_dict()) == [
+        "blocks.0.weight",
+        "blocks.0.bias",
+        "blocks.1.weight",
+        "blocks.1.bias",
+    ]
+
+
+def test_module_list_errors(grad_backend):
+    blocks = nn.ModuleList([nn.ReLU()])
+    with pytest.raises(IndexError, match="index 1"):
+        blocks[1]
+    with pytest.raises(TypeError, match="Module"):
+        blocks.append(3)
+    with pytest.raises(TypeError, match="Module"):
+        blocks.extend([nn.ReLU(), "relu"])
+    assert len(blocks) == 1  # the failed extend added nothing
+
+
+# ----------------------------------------------------------------------------- CausalSelfAttention
+
+
+def _attention_reference(x, w_attn, b_attn, w_proj, b_proj, n_head, grad_out):
+    """CausalSelfAttention's forward and backward in float64 NumPy: (out, {name: grad})."""
+    x, w_attn, b_attn, w_proj, b_proj, grad_out = (
+        np.asarray(a, np.float64) for a in (x, w_attn, b_attn, w_proj, b_proj, grad_out)
+    )
+    b, t, c = x.shape
+    d = c // n_head
+
+    def heads(a):  # (B, T, C) -> (B, H, T, D)
+        return a.reshape(b, t, n_head, d).transpose(0, 2, 1, 3)
+
+    def merge(a):  # (B, H, T, D) -> (B, T, C)
+        return a.transpose(0, 2, 1, 3).reshape(b, t, c)
+
+    qkv = x @ w_attn.T + b_attn
+    q, k, v = (heads(p) for p in np.split(qkv, 3, axis=-1))
+    scale = 1.0 / math.sqrt(d)
+    scores = q @ k.swapaxes(-1, -2) * scale + np.triu(np.full((t, t), -np.inf), 1)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    y = merge(probs @ v)
+    out = y @ w_proj.T + b_proj
+
+    g_y = heads(grad_out @ w_proj)
+    g_probs = g_y @ v.swapaxes(-1, -2)
+    g_v = probs.swapaxes(-1, -2) @ g_y
+    g_scores = probs * (g_probs - (g_probs * probs).sum(-1, keepdims=True)) * scale
+    g_q, g_k = g_scores @ k, g_scores.swapaxes(-1, -2) @ q
+    g_qkv = np.concatenate([merge(g_q), merge(g_k), merge(g_v)], axis=-1)
+    grads = {
+        "x": g_qkv @ w_attn,
+        "c_attn.weight": g_qkv.reshape(-1, 3 * c).T @ x.reshape(-1, c),
+        "c_attn.bias": g_qkv.sum((0, 1)),
+        "c_proj.weight": grad_out.reshape(-1, c).T @ y.reshape(-1, c),
+        "c_proj.bias": grad_out.sum((0, 1)),
+    }
+    return out, grads
+
+
+def _attention_case(b=2, t=7, c=12, n_head=3, seed=0):
+    taifuse.manual_seed(seed)
+    attn = nn.CausalSelfAttention(c, n_head)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((b, t, c)).astype(np.float32)
+    grad_out = rng.standard_normal((b, t, c)).astype(np.float32)
+    return attn, x, grad_out
+
+
+def _run_attention(attn, x, grad_out):
+    xt = taifuse.tensor(x, requires_grad=True)
+    out = attn(xt)
+    (out * taifuse.tensor(grad_out)).sum().backward()
+    grads = {name: p.grad.numpy() for name, p in attn.named_parameters()}
+    grads["x"] = xt.grad.numpy()
+    return out.numpy(), grads
+
+
+def _assert_close_scaled(got, ref, what, rtol):
+    # float32 against a float64 or float32 twin: errors scale with the largest value the sums
+    # produce, so the bound is relative to the array's largest magnitude, not to each element.
+    bound = rtol * max(float(np.abs(ref).max()), 1e-30)
+    err = float(np.abs(np.asarray(got, np.float64) - ref).max())
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g} (rtol {rtol} of max |ref|)"
+
+
+# float32 against float64: a dozen roundings in sums of 12 to 42 terms, ~1e-6 of the largest value;
+# 2e-5 leaves room for the backends' different summation orders.
+ATTENTION_RTOL = 2e-5
+
+
+@pytest.mark.parametrize("b,t,c,n_head", [(2, 7, 12, 3), (1, 1, 8, 2), (3, 16, 8, 1)])
+def test_causal_self_attention_matches_the_numpy_reference(backend, b, t, c, n_head):
+    backend.activate()
+    attn, x, grad_out = _attention_case(b, t, c, n_head)
+    out, grads = _run_attention(attn, x, grad_out)
+    params = {name: p.numpy() for name, p in attn.named_parameters()}
+    ref_out, ref_grads = _attention_reference(
+        x,
+        params["c_attn.weight"],
+        params["c_attn.bias"],
+        params["c_proj.weight"],
+        params["c_proj.bias"],
+        n_head,
+        grad_out,
+    )
+    _assert_close_scaled(out, ref_out, f"output on {backend.param}", ATTENTION_RTOL)
+    for name, ref in ref_grads.items():
+        _assert_close_scaled(grads[name], ref, f"grad {name} on {backend.param}", ATTENTION_RTOL)
+
+
+def _torch_attention(torch, params, n_head):
+    """The same layer written by hand in PyTorch (nn.MultiheadAttention lays its weights out otherwise)."""
+
+    class TorchCausalSelfAttention(torch.nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.c_attn = torch.nn.Linear(c, 3 * c)
+            self.c_proj = torch.nn.Linear(c, c)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = (
+                p.view(b, t, n_head, c // n_head).transpose(1, 2) for p in self.c_attn(x).split(c, dim=2)
+            )
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+    model = TorchCausalSelfAttention(params["c_proj.weight"].shape[0])
+    model.load_state_dict({name: torch.from_numpy(value) for name, value in params.items()})
+    return model
+
+
+def test_causal_self_attention_matches_torch(backend):
+    torch = pytest.importorskip("torch")
+    backend.activate()
+    attn, x, grad_out = _attention_case(2, 9, 16, 4)
+    out, grads = _run_attention(attn, x, grad_out)
+    model = _torch_attention(torch, {name: p.numpy() for name, p in attn.named_parameters()}, 4)
+    xt = torch.tensor(x, requires_grad=True)
+    ref = model(xt)
+    (ref * torch.from_numpy(grad_out)).sum().backward()
+    # float32 on both sides, two summation orders: twice the float64 reference's tolerance.
+    _assert_close_scaled(
+        out, ref.detach().numpy().astype(np.float64), f"output on {backend.param}", 2 * ATTENTION_RTOL
+    )
+    ref_grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
+    ref_grads["x"] = xt.grad.numpy()
+    for name, value in ref_grads.items():
+        _assert_close_scaled(
+            grads[name], value.astype(np.float64), f"grad {name} on {backend.param}", 2 * ATTENTION_RTOL
+        )
+
+
+def test_causal_self_attention_is_causal(grad_backend):
+    attn, x, _ = _attention_case(1, 6, 8, 2)
+    before = attn(taifuse.tensor(x)).numpy()
+    x[:, 4:] += 10.0  # later tokens change: the earlier outputs may not
+    after = attn(taifuse.tensor(x)).numpy()
+    np.testing.assert_array_equal(before[:, :4], after[:, :4])
+    assert not np.allclose(before[:, 4:], after[:, 4:])
+
+
+def test_causal_self_attention_dropout_only_while_training(grad_backend):
+    taifuse.manual_seed(1)
+    attn = nn.CausalSelfAttention(8, 2, dropout=0.5)
+    plain = nn.CausalSelfAttention(8, 2)
+    plain.load_state_dict(attn.state_dict())
+    x = taifuse.tensor(np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32))
+    assert not np.allclose(attn(x).numpy(), plain(x).numpy())
+    attn.eval()
+    np.testing.assert_array_equal(attn(x).numpy(), plain(x).numpy())
+
+
+def test_causal_self_attention_names_repr_and_bias(grad_backend):
+    attn = nn.CausalSelfAttention(8, 2, bias=False)
+    assert [name for name, _ in attn.named_parameters()] == ["c_attn.weight", "c_proj.weight"]
+    assert attn.c_attn.weight.shape == (24, 8)
+    assert repr(attn).splitlines() == [
+        "CausalSelfAttention(",
+        "  d_model=8, n_head=2, dropout=0.0",
+        "  (c_attn): Linear(in_features=8, out_features=24, bias=False)",
+        "  (c_proj): Linear(in_features=8, out_features=8, bias=False)",
+        "  (resid_dropout): Dropout(p=0.0)",
+        ")",
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"d_model": 10, "n_head": 4}, "n_head"),
+        ({"d_model": 8, "n_head": 0}, "n_head"),
+        ({"d_model": 0, "n_head": 1}, "d_model"),
+        ({"d_model": 8, "n_head": 2, "dropout": 1.5}, "dropout|p"),
+    ],
+)
+def test_causal_self_attention_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        nn.CausalSelfAttention(**kwargs)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 6), (5, 8), (1, 2, 5, 8)])
+def test_causal_self_attention_bad_input(grad_backend, shape):
+    attn = nn.CausalSelfAttention(8, 2)
+    with pytest.raises(ValueError, match="input"):
+        attn(taifuse.tensor(np.zeros(shape, np.float32)))

@@ -15,12 +15,14 @@ Example::
 from taifuse.nn.checkpoint import Checkpoint
 from taifuse.nn.layers import (
     GELU,
+    CausalSelfAttention,
     CrossEntropyLoss,
     Dropout,
     Embedding,
     LayerNorm,
     LeakyReLU,
     Linear,
+    ModuleList,
     MSELoss,
     ReLU,
     RMSNorm,
@@ -33,6 +35,7 @@ from taifuse.nn.module import Module, Parameter
 
 __all__ = [
     "GELU",
+    "CausalSelfAttention",
     "Checkpoint",
     "CrossEntropyLoss",
     "Dropout",
@@ -42,6 +45,7 @@ __all__ = [
     "Linear",
     "MSELoss",
     "Module",
+    "ModuleList",
     "Parameter",
     "RMSNorm",
     "ReLU",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,6 +14,9 @@ import taifuse.functional as F
 from taifuse import _array_ops, _random
 from taifuse.nn.module import Module, Parameter
 from taifuse.tensor import Tensor
+
+if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 
 def _uniform(shape: tuple[int, ...], bound: float, dtype: Any) -> np.ndarray:
@@ -86,6 +89,98 @@ class Sequential(Module):
 
     def __iter__(self) -> Iterator[Module]:
         return iter(self._modules.values())
+
+
+class ModuleList(Module):
+    """A list of modules, registered as children named ``'0'``, ``'1'``, ... as ``torch.nn.ModuleList``,
+    so a model's parameters read ``blocks.0.ln1.weight``. It has no ``forward``: the owner loops over it.
+
+    Example::
+
+        >>> import taifuse.nn as nn
+        >>> layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(2)])
+        >>> layers.append(nn.Linear(2, 1, bias=False))
+        ModuleList(
+          (0): Linear(in_features=2, out_features=2, bias=True)
+          (1): Linear(in_features=2, out_features=2, bias=True)
+          (2): Linear(in_features=2, out_features=1, bias=False)
+        )
+        >>> len(layers), [name for name, _ in layers.named_parameters()][-1]
+        (3, '2.weight')
+    """
+
+    def __init__(self, modules: Iterable[Module] | None = None) -> None:
+        super().__init__()
+        if modules is not None:
+            self.extend(modules)
+
+    @staticmethod
+    def _checked(module: Any, where: str) -> Module:
+        if not isinstance(module, Module):
+            raise TypeError(f"ModuleList.{where}: module should be a Module, got {type(module).__name__}")
+        return module
+
+    def _index(self, idx: Any) -> int:
+        if isinstance(idx, bool) or not isinstance(idx, numbers.Integral):
+            raise TypeError(f"ModuleList indices should be integers or slices, got {type(idx).__name__}")
+        n = len(self._modules)
+        if not -n <= idx < n:
+            raise IndexError(f"ModuleList: index {idx} is out of range for {n} modules")
+        return int(idx) % n
+
+    def _renumber(self, modules: list[Module]) -> None:
+        self._modules.clear()
+        for i, module in enumerate(modules):
+            self._modules[str(i)] = module
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        if isinstance(idx, slice):
+            return ModuleList(list(self._modules.values())[idx])
+        return self._modules[str(self._index(idx))]
+
+    def __setitem__(self, idx: int, module: Module) -> None:
+        self._modules[str(self._index(idx))] = self._checked(module, "__setitem__")
+
+    def __delitem__(self, idx: int | slice) -> None:
+        modules = list(self._modules.values())
+        if isinstance(idx, slice):
+            del modules[idx]
+        else:
+            del modules[self._index(idx)]
+        self._renumber(modules)  # torch renumbers too, so the names stay '0'..'n-1'
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(list(self._modules.values()))
+
+    def __iadd__(self, modules: Iterable[Module]) -> Self:
+        return self.extend(modules)
+
+    def append(self, module: Module) -> ModuleList:
+        """Add ``module`` at the end; returns self."""
+        self._modules[str(len(self._modules))] = self._checked(module, "append")
+        return self
+
+    def extend(self, modules: Iterable[Module]) -> ModuleList:
+        """Append every module of an iterable; returns self."""
+        if isinstance(modules, Module) and not isinstance(modules, ModuleList):
+            raise TypeError(
+                f"ModuleList.extend should be called with an iterable of Modules, got {type(modules).__name__}"
+            )
+        checked = [self._checked(m, "extend") for m in modules]  # all checked before any is added
+        for module in checked:
+            self.append(module)
+        return self
+
+    def insert(self, index: int, module: Module) -> None:
+        """Insert ``module`` before ``index`` (as ``list.insert``: any int, clamped to the ends)."""
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+            raise TypeError(f"ModuleList.insert: index should be an int, got {type(index).__name__}")
+        modules = list(self._modules.values())
+        modules.insert(int(index), self._checked(module, "insert"))
+        self._renumber(modules)
 
 
 class GELU(Module):
@@ -269,6 +364,84 @@ class Dropout(Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention as nanoGPT's: one fused projection to queries, keys and
+    values, ``taifuse.functional.scaled_dot_product_attention`` with ``is_causal=True`` per head, the
+    heads merged and projected back, then residual dropout.
+
+    For ``x`` of shape ``(B, T, d_model)``::
+
+        q, k, v = c_attn(x).split(d_model, dim=2)          # each viewed as (B, n_head, T, d_model // n_head)
+        y = scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout if training else 0)
+        out = resid_dropout(c_proj(y.transpose(1, 2).reshape(B, T, d_model)))
+
+    Args:
+        d_model: the embedding size; a multiple of ``n_head``.
+        n_head: the number of heads (each of size ``d_model // n_head``).
+        dropout: the dropout probability on the attention weights and on the output, while training.
+        bias: learn biases in ``c_attn`` and ``c_proj``.
+        dtype: float32 (default), float16 or float64.
+
+    Parameters are named as nanoGPT's ``CausalSelfAttention`` (``c_attn.weight`` of shape
+    ``(3 * d_model, d_model)``, its rows the query, key and value projections in that order;
+    ``c_proj.weight``), so its PyTorch twin loads this module's ``state_dict`` unchanged.
+
+    Example::
+
+        >>> import numpy as np, taifuse, taifuse.nn as nn
+        >>> taifuse.set_backend("numpy")
+        >>> taifuse.manual_seed(0)
+        >>> attn = nn.CausalSelfAttention(8, n_head=2)
+        >>> attn
+        CausalSelfAttention(
+          d_model=8, n_head=2, dropout=0.0
+          (c_attn): Linear(in_features=8, out_features=24, bias=True)
+          (c_proj): Linear(in_features=8, out_features=8, bias=True)
+          (resid_dropout): Dropout(p=0.0)
+        )
+        >>> x = taifuse.tensor(np.ones((3, 5, 8), np.float32))
+        >>> attn(x).shape
+        (3, 5, 8)
+    """
+
+    def __init__(
+        self, d_model: int, n_head: int, dropout: float = 0.0, bias: bool = True, dtype: Any = np.float32
+    ) -> None:
+        super().__init__()
+        for argname, value in (("d_model", d_model), ("n_head", n_head)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"CausalSelfAttention: {argname} should be a positive int, got {value!r}")
+        if d_model % n_head:
+            raise ValueError(
+                f"CausalSelfAttention: d_model ({d_model}) should be a multiple of n_head, got n_head={n_head}"
+            )
+        self.d_model, self.n_head = int(d_model), int(n_head)
+        self.dropout = _array_ops.dropout_p(dropout, "CausalSelfAttention")
+        self.c_attn = Linear(d_model, 3 * d_model, bias=bias, dtype=dtype)
+        self.c_proj = Linear(d_model, d_model, bias=bias, dtype=dtype)
+        self.resid_dropout = Dropout(self.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            x = Tensor(x)
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"CausalSelfAttention: input should have shape (batch, time, {self.d_model}), got {x.shape}"
+            )
+        b, t, c = x.shape
+        h = self.n_head
+        q, k, v = (
+            part.view(b, t, h, c // h).transpose(1, 2) for part in self.c_attn(x).split(self.d_model, dim=2)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, c)))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_head={self.n_head}, dropout={self.dropout}"
 
 
 class MSELoss(Module):

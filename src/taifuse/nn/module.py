@@ -158,11 +158,15 @@ class Module:
         return ""
 
     def __repr__(self) -> str:
-        lines = [f"({name}): " + repr(module).replace("\n", "\n  ") for name, module in self._modules.items()]
-        head = f"{type(self).__name__}({self.extra_repr()}"
-        if not lines:
-            return head + ")"
-        return head + "\n  " + "\n  ".join(lines) + "\n)"
+        # PyTorch's layout: the extra_repr alone on one line, else it and the children one per line.
+        extra = self.extra_repr().split("\n") if self.extra_repr() else []
+        children = [
+            f"({name}): " + repr(module).replace("\n", "\n  ") for name, module in self._modules.items()
+        ]
+        head = f"{type(self).__name__}("
+        if not children:
+            return head + "\n".join(extra) + ")"
+        return head + "\n  " + "\n  ".join(extra + children) + "\n)"
 
     # -- state
 
