@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import tracemalloc
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -324,3 +325,63 @@ def test_numba_memory_is_not_quadratic():
             tracemalloc.stop()
         quadratic = L * S * 4
         assert peak < quadratic / 4, f"peak {peak} bytes against {quadratic} for one (L, S) float32 matrix"
+
+
+# ----------------------------------------------------------------------------- Taichi's tiled kernels
+
+
+def _taichi_attention_module():
+    import importlib
+
+    return importlib.import_module("taifuse.backends.taichi.attention")
+
+
+# (batch, L, S, E, Ev, causal, mask kind, dropout_p): sizes that cut the tiles of the threadgroup
+# kernels (BLOCK_Q = BLOCK_KV = 64 rows per block, TILE_K = TILE_Q = 16), the largest head dim
+# they take, and head dims past it (the untiled fallback).
+TAICHI_CASES = [
+    ((2,), 130, 150, 128, 128, True, None, 0.0),  # E = Ev = MAX_HEAD_DIM, three query blocks
+    ((2, 2), 65, 17, 33, 7, False, "float", 0.2),  # one row / one key past a block and a tile
+    ((1,), 16, 64, 5, 16, False, "bool", 0.0),  # exactly one tile of queries, one block of keys
+    ((2,), 20, 33, 160, 8, False, "float", 0.0),  # E past MAX_HEAD_DIM: untiled
+    ((2,), 21, 18, 8, 129, True, None, 0.3),  # Ev past MAX_HEAD_DIM: untiled
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("arch", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+@pytest.mark.parametrize("case", TAICHI_CASES, ids=lambda c: f"L{c[1]}-S{c[2]}-E{c[3]}-Ev{c[4]}")
+def test_taichi_tiled_and_untiled_kernels(arch, case, dtype):
+    """Against the reference, forward and backward; and the path that ran: the threadgroup-memory
+    kernels on the GPU archs for head dims up to MAX_HEAD_DIM, the untiled ones on ti.cpu and past
+    it (so a GPU run cannot fall back silently)."""
+    pytest.importorskip("taichi")
+    batch, L, S, E, Ev, causal, mask_kind, p = case
+    A = _taichi_attention_module()
+    try:
+        taifuse.set_backend("taichi", arch=arch)
+    except RuntimeError as exc:
+        pytest.skip(f"taichi-{arch} unavailable: {exc}")
+    try:
+        rng = np.random.default_rng(L * 100 + E)
+        q, k, v, mask = _inputs(rng, batch, L, S, E, Ev, dtype, mask_kind)
+        g = rng.standard_normal(batch + (L, Ev)).astype(dtype)
+        tq, tk, tv = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+        before = A.launches.copy()
+        out, (ref, ref_grads) = _seeded_call(
+            lambda seed: (
+                SDPA(tq, tk, tv, attn_mask=mask, is_causal=causal, dropout_p=p),
+                reference_sdpa(q, k, v, mask, causal, None, p, seed, grad=g),
+            )
+        )
+        out.backward(taifuse.tensor(g))
+        what = f"taichi-{arch} {case} {dtype}"
+        _close(out.numpy(), ref, dtype, f"forward {what}")
+        for name, t, r in zip("qkv", (tq, tk, tv), ref_grads):
+            _close(t.grad.numpy(), r, dtype, f"grad_{name} {what}")
+        tiled = arch != "cpu" and max(E, Ev) <= A.MAX_HEAD_DIM
+        suffix = "_tiled" if tiled else ""
+        ran = A.launches - before
+        assert ran == Counter({f"{n}{suffix}": 1 for n in ("forward", "backward_q", "backward_kv")}), ran
+    finally:
+        taifuse.set_backend("numpy")

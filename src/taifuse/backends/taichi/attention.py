@@ -4,29 +4,67 @@ Signatures and semantics are the reference's (``backends/reference/attention.py`
 [ Attention kernel arguments ]).
 
 NOTE [ Taichi attention kernels ]
-Forward, one kernel: one thread per query row walks the keys with an online softmax (running
-max ``m`` and sum ``l``, the accumulator rescaled by exp(m_old - m_new) when the max grows) and
-writes the output row and its log-sum-exp. The accumulator is a float32 row of a ``(BH, L, Ev)``
-scratch buffer: O(L) per head, never O(L * S).
-Backward, two kernels, so that no two threads ever add into the same element (Metal has no float
-atomics): one thread per query row recomputes its probabilities and writes grad_q (and
-D = rowsum(grad_out * out)); then one thread per key row walks the queries that see it and
-writes grad_k and grad_v. Each recomputes P = exp(s - lse), dS = P * (dP * Z - D).
-float16 is storage only (float32 arithmetic). These kernels use no threadgroup memory yet (the
-``linear_act_shared`` style tiling of K and V is the next step), so they run unchanged on
-``ti.cpu`` and the GPU archs.
+Two kernel sets, the same numbers (P = exp(s - lse), dS = P * (dP * Z - D), float32 arithmetic,
+float16 as storage only), and never an (L, S) score matrix:
+
+* Tiled (the GPU archs, ``E`` and ``Ev`` at most ``MAX_HEAD_DIM``): threadgroup-memory tiles, as
+  ``linear_act_shared``. Forward, one kernel: a block of ``BLOCK_Q`` threads owns ``BLOCK_Q``
+  query rows of one batch-head; it walks the keys in tiles of ``TILE_K`` keys, each tile's K
+  (``TILE_K x E``) and V (``TILE_K x Ev``) loaded once, cooperatively and coalesced, into
+  threadgroup memory, then a barrier; each thread computes its row's ``TILE_K`` scores into
+  registers (its q element read once per tile, the K element a broadcast from threadgroup memory),
+  takes the tile's max, rescales its accumulator once per tile (online softmax: running max ``m``
+  and sum ``l``) and adds the tile's ``P V``; a second barrier before the next tile overwrites
+  the shared arrays. Only ``TILE_K`` scores per thread ever exist. Backward, two kernels, so that
+  no two threads ever add into one element (Metal has no float atomics): ``backward_q_tiled``
+  (one thread per query row, K/V tiles as the forward: writes grad_q and D = rowsum(dO * O)),
+  then ``backward_kv_tiled`` (a block of ``BLOCK_KV`` threads owns ``BLOCK_KV`` key rows; it walks
+  the queries in tiles of ``TILE_Q``: Q, dO, lse and D loaded into threadgroup memory; each thread
+  adds its key row's grad_k and grad_v). Under ``is_causal`` a block stops (forward, grad_q) or
+  starts (grad_k/grad_v) at the tile its last (first) row needs; every thread of a block runs the
+  same number of tiles, so each reaches every barrier. Threadgroup memory per block:
+  ``2 * TILE_K * MAX_HEAD_DIM`` floats (16 KiB), under Metal's 32 KiB. The float32 accumulators
+  (one row per thread) live in a scratch buffer laid out feature-major (``acc[d * rows + r]``)
+  so that a block's threads touch consecutive addresses: O(L * Ev) (O(S * (E + Ev)) for the
+  key side), never O(L * S).
+* Untiled (``ti.cpu``, which runs no threadgroup memory, as ``linear_act``; and any head dim
+  above ``MAX_HEAD_DIM``, whose tile would not fit): one thread per query row walks the keys one
+  by one with the same online softmax; the backward is the same two-kernel split, one thread per
+  query row then one per key row, with row-major scratch.
+
+``launches`` counts the kernels each call ran, by name: the tests read it to prove which path ran.
 """
 
 # NOTE: no `from __future__ import annotations` here: Taichi reads kernel annotations as objects.
 
 import functools
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 
 from taifuse.backends import reference
-from taifuse.backends.taichi._runtime import FLOAT_DTYPES, DeviceArray, _import_taichi, _nd, _optional
+from taifuse.backends.taichi._runtime import (
+    FLOAT_DTYPES,
+    DeviceArray,
+    _import_taichi,
+    _nd,
+    _on_gpu,
+    _optional,
+)
 from taifuse.backends.taichi.tensor_math import _new
+
+# Tiled kernels (NOTE [ Taichi attention kernels ]): BLOCK_Q query rows per block (one thread
+# each) walk the keys TILE_K at a time; BLOCK_KV key rows per block walk the queries TILE_Q at a
+# time. A shared tile holds TILE rows of at most MAX_HEAD_DIM features (16 KiB for K plus V).
+BLOCK_Q = 64
+TILE_K = 16
+BLOCK_KV = 64
+TILE_Q = 16
+MAX_HEAD_DIM = 128
+
+# Kernel launches by name since the process started (the tests check which path ran).
+launches: Counter = Counter()
 
 
 @functools.cache
@@ -57,6 +95,35 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             keep = ti.bit_shr(M.hash32(idx ^ key), 8) >= threshold
             z = ti.select(keep, dscale, 0.0)
         return z
+
+    @ti.func
+    def load_tile(src: ti.template(), dst: ti.template(), base, n, size, tid, threads: ti.template()):
+        # The block's threads copy src[base : base + n] to dst[0 : n] as float32, consecutive
+        # threads reading consecutive elements, and zero dst[n : size].
+        for it in range((size + threads - 1) // threads):
+            e = tid + it * threads
+            if e < size:
+                x = 0.0
+                if e < n:
+                    x = ti.cast(src[base + e], ti.f32)
+                dst[e] = x
+
+    @ti.func
+    def tile_scores(q: ti.template(), ks: ti.template(), mask: ti.template(), qo, mo, E, scale, has_mask, n):
+        # The scaled, masked scores of one query row against a K tile: -inf past the n visible keys.
+        s = ti.Vector.zero(ti.f32, TILE_K)
+        for d in range(E):
+            qd = ti.cast(q[qo + d], ti.f32)
+            for j in ti.static(range(TILE_K)):
+                s[j] += qd * ks[j * E + d]
+        for j in ti.static(range(TILE_K)):
+            x = -ti.math.inf
+            if j < n:
+                x = s[j] * scale
+                if has_mask != 0:
+                    x += ti.cast(mask[mo + j], ti.f32)
+            s[j] = x
+        return s
 
     @ti.kernel
     def forward(
@@ -175,7 +242,245 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             for d in range(EV):
                 gv[vo + d] = ti.cast(acc[ao + E + d], T)
 
-    return SimpleNamespace(forward=forward, backward_q=backward_q, backward_kv=backward_kv)
+    # ------------------------------------------------------------------ tiled (threadgroup memory)
+
+    @ti.kernel
+    def forward_tiled(
+        q: X, k: X, v: X, mask: X, out: X, lse: F32, acc: F32,
+        bh_n: ti.i32, L: ti.i32, S: ti.i32, E: ti.i32, EV: ti.i32,
+        mask_rows: ti.i32, causal: ti.i32, scale: ti.f32, key: ti.u32, threshold: ti.u32, dscale: ti.f32,
+    ):  # fmt: skip
+        # Loop index g = block * BLOCK_Q + thread; a block's rows belong to one batch-head b.
+        # acc is feature-major: acc[d * nr + r].
+        qblocks = (L + BLOCK_Q - 1) // BLOCK_Q
+        nr = bh_n * L
+        ti.loop_config(block_dim=BLOCK_Q)
+        for g in range(bh_n * qblocks * BLOCK_Q):
+            tid = g % BLOCK_Q
+            blk = g // BLOCK_Q
+            b = blk // qblocks
+            q0 = (blk % qblocks) * BLOCK_Q
+            qi = q0 + tid
+            live = qi < L
+            r = b * L + ti.min(qi, L - 1)
+            ks = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
+            vs = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
+            lim = 0  # keys [0, lim) are visible to this row
+            if live:
+                lim = S
+                if causal != 0:
+                    lim = ti.min(qi + 1, S)
+                for d in range(EV):
+                    acc[d * nr + r] = 0.0
+            block_lim = S  # the most keys any row of the block sees
+            if causal != 0:
+                block_lim = ti.min(ti.min(q0 + BLOCK_Q, L), S)
+            mrow = ((b if mask_rows > 1 else 0) * L + ti.min(qi, L - 1)) * S
+            drop = dscale != 1.0
+            m = -ti.math.inf
+            total = 0.0
+            for t in range((block_lim + TILE_K - 1) // TILE_K):
+                j0 = t * TILE_K
+                nk = ti.min(TILE_K, S - j0)
+                load_tile(k, ks, (b * S + j0) * E, nk * E, TILE_K * E, tid, BLOCK_Q)
+                load_tile(v, vs, (b * S + j0) * EV, nk * EV, TILE_K * EV, tid, BLOCK_Q)
+                ti.simt.block.sync()
+                if j0 < lim:
+                    s = tile_scores(q, ks, mask, r * E, mrow + j0, E, scale, mask_rows, lim - j0)
+                    mt = -ti.math.inf
+                    for j in ti.static(range(TILE_K)):
+                        mt = ti.max(mt, s[j])
+                    if mt > -ti.math.inf:
+                        m_new = ti.max(m, mt)
+                        c = ti.exp(m - m_new)
+                        pz = ti.Vector.zero(ti.f32, TILE_K)
+                        psum = 0.0
+                        for j in ti.static(range(TILE_K)):
+                            p = ti.exp(s[j] - m_new)
+                            psum += p
+                            pz[j] = p * keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                        total = total * c + psum
+                        for d in range(EV):
+                            a = acc[d * nr + r] * c
+                            for j in ti.static(range(TILE_K)):
+                                a += pz[j] * vs[j * EV + d]
+                            acc[d * nr + r] = a
+                        m = m_new
+                ti.simt.block.sync()  # the next tile overwrites ks/vs
+            if live:
+                inv = 0.0
+                lse[r] = -ti.math.inf
+                if total > 0.0:
+                    inv = 1.0 / total
+                    lse[r] = m + ti.log(total)
+                for d in range(EV):
+                    out[r * EV + d] = ti.cast(acc[d * nr + r] * inv, T)
+
+    @ti.kernel
+    def backward_q_tiled(
+        q: X, k: X, v: X, mask: X, out: X, lse: F32, g: X, gq: X, dsum: F32, acc: F32,
+        bh_n: ti.i32, L: ti.i32, S: ti.i32, E: ti.i32, EV: ti.i32,
+        mask_rows: ti.i32, causal: ti.i32, scale: ti.f32, key: ti.u32, threshold: ti.u32, dscale: ti.f32,
+        write_q: ti.i32,
+    ):  # fmt: skip
+        # The forward's blocks and K/V tiles; acc[d * nr + r] sums grad_q's row r.
+        qblocks = (L + BLOCK_Q - 1) // BLOCK_Q
+        nr = bh_n * L
+        ti.loop_config(block_dim=BLOCK_Q)
+        for gi in range(bh_n * qblocks * BLOCK_Q):
+            tid = gi % BLOCK_Q
+            blk = gi // BLOCK_Q
+            b = blk // qblocks
+            q0 = (blk % qblocks) * BLOCK_Q
+            qi = q0 + tid
+            live = qi < L
+            r = b * L + ti.min(qi, L - 1)
+            ks = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
+            vs = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
+            go = r * EV
+            di = 0.0
+            lr = -ti.math.inf
+            lim = 0
+            if live:
+                for d in range(EV):
+                    di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
+                dsum[r] = di
+                lr = lse[r]
+                if write_q != 0:
+                    for d in range(E):
+                        acc[d * nr + r] = 0.0
+                    if lr > -ti.math.inf:  # a fully masked row has no gradient
+                        lim = S
+                        if causal != 0:
+                            lim = ti.min(qi + 1, S)
+            block_lim = 0
+            if write_q != 0:
+                block_lim = S
+                if causal != 0:
+                    block_lim = ti.min(ti.min(q0 + BLOCK_Q, L), S)
+            mrow = ((b if mask_rows > 1 else 0) * L + ti.min(qi, L - 1)) * S
+            drop = dscale != 1.0
+            for t in range((block_lim + TILE_K - 1) // TILE_K):
+                j0 = t * TILE_K
+                nk = ti.min(TILE_K, S - j0)
+                load_tile(k, ks, (b * S + j0) * E, nk * E, TILE_K * E, tid, BLOCK_Q)
+                load_tile(v, vs, (b * S + j0) * EV, nk * EV, TILE_K * EV, tid, BLOCK_Q)
+                ti.simt.block.sync()
+                if j0 < lim:
+                    s = tile_scores(q, ks, mask, r * E, mrow + j0, E, scale, mask_rows, lim - j0)
+                    dp = ti.Vector.zero(ti.f32, TILE_K)
+                    for d in range(EV):
+                        gd = ti.cast(g[go + d], ti.f32)
+                        for j in ti.static(range(TILE_K)):
+                            dp[j] += gd * vs[j * EV + d]
+                    ds = ti.Vector.zero(ti.f32, TILE_K)
+                    for j in ti.static(range(TILE_K)):
+                        p = ti.exp(s[j] - lr)
+                        z = keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                        ds[j] = p * (dp[j] * z - di)
+                    for d in range(E):
+                        a = acc[d * nr + r]
+                        for j in ti.static(range(TILE_K)):
+                            a += ds[j] * ks[j * E + d]
+                        acc[d * nr + r] = a
+                ti.simt.block.sync()  # the next tile overwrites ks/vs
+            if live and write_q != 0:
+                for d in range(E):
+                    gq[r * E + d] = ti.cast(acc[d * nr + r] * scale, T)
+
+    @ti.kernel
+    def backward_kv_tiled(
+        q: X, k: X, v: X, mask: X, lse: F32, g: X, gk: X, gv: X, dsum: F32, acc: F32,
+        bh_n: ti.i32, L: ti.i32, S: ti.i32, E: ti.i32, EV: ti.i32,
+        mask_rows: ti.i32, causal: ti.i32, scale: ti.f32, key: ti.u32, threshold: ti.u32, dscale: ti.f32,
+    ):  # fmt: skip
+        # One thread per key row t = b * S + j, BLOCK_KV rows of one batch-head per block, walking
+        # the queries TILE_Q at a time. acc[d * nk + t] sums grad_k (d < E) then grad_v.
+        kblocks = (S + BLOCK_KV - 1) // BLOCK_KV
+        nk = bh_n * S
+        ti.loop_config(block_dim=BLOCK_KV)
+        for gi in range(bh_n * kblocks * BLOCK_KV):
+            tid = gi % BLOCK_KV
+            blk = gi // BLOCK_KV
+            b = blk // kblocks
+            j0 = (blk % kblocks) * BLOCK_KV
+            j = j0 + tid
+            live = j < S
+            t = b * S + ti.min(j, S - 1)
+            qs = ti.simt.block.SharedArray((TILE_Q * MAX_HEAD_DIM,), ti.f32)
+            gs = ti.simt.block.SharedArray((TILE_Q * MAX_HEAD_DIM,), ti.f32)
+            ls = ti.simt.block.SharedArray((TILE_Q,), ti.f32)
+            dl = ti.simt.block.SharedArray((TILE_Q,), ti.f32)
+            if live:
+                for d in range(E + EV):
+                    acc[d * nk + t] = 0.0
+            first = 0  # queries i >= j see key j: the block's first tile is its first key's
+            if causal != 0:
+                first = ti.min(j0, L) // TILE_Q
+            mbase = (b if mask_rows > 1 else 0) * L * S + ti.min(j, S - 1)
+            drop = dscale != 1.0
+            for tt in range(first, (L + TILE_Q - 1) // TILE_Q):
+                i0 = tt * TILE_Q
+                nq = ti.min(TILE_Q, L - i0)
+                load_tile(q, qs, (b * L + i0) * E, nq * E, TILE_Q * E, tid, BLOCK_KV)
+                load_tile(g, gs, (b * L + i0) * EV, nq * EV, TILE_Q * EV, tid, BLOCK_KV)
+                if tid < TILE_Q:
+                    lv = -ti.math.inf
+                    dv = 0.0
+                    if tid < nq:
+                        lv = lse[b * L + i0 + tid]
+                        dv = dsum[b * L + i0 + tid]
+                    ls[tid] = lv
+                    dl[tid] = dv
+                ti.simt.block.sync()
+                if live and (causal == 0 or i0 + nq - 1 >= j):
+                    s = ti.Vector.zero(ti.f32, TILE_Q)
+                    for d in range(E):
+                        kd = ti.cast(k[t * E + d], ti.f32)
+                        for i in ti.static(range(TILE_Q)):
+                            s[i] += qs[i * E + d] * kd
+                    p = ti.Vector.zero(ti.f32, TILE_Q)
+                    z = ti.Vector.zero(ti.f32, TILE_Q)
+                    for i in ti.static(range(TILE_Q)):
+                        qi = i0 + i
+                        if qi < L and (causal == 0 or qi >= j) and ls[i] > -ti.math.inf:
+                            x = s[i] * scale
+                            if mask_rows != 0:
+                                x += ti.cast(mask[mbase + qi * S], ti.f32)
+                            p[i] = ti.exp(x - ls[i])
+                            z[i] = keep_scale(b * L + qi, L, S, j, key, threshold, dscale, drop)
+                    dp = ti.Vector.zero(ti.f32, TILE_Q)
+                    for d in range(EV):
+                        vd = ti.cast(v[t * EV + d], ti.f32)
+                        a = acc[(E + d) * nk + t]
+                        for i in ti.static(range(TILE_Q)):
+                            gd = gs[i * EV + d]
+                            dp[i] += gd * vd
+                            a += p[i] * z[i] * gd
+                        acc[(E + d) * nk + t] = a
+                    ds = ti.Vector.zero(ti.f32, TILE_Q)
+                    for i in ti.static(range(TILE_Q)):
+                        ds[i] = p[i] * (dp[i] * z[i] - dl[i])
+                    for d in range(E):
+                        a = acc[d * nk + t]
+                        for i in ti.static(range(TILE_Q)):
+                            a += ds[i] * qs[i * E + d]
+                        acc[d * nk + t] = a
+                ti.simt.block.sync()  # the next tile overwrites qs/gs/ls/dl
+            if live:
+                for d in range(E):
+                    gk[t * E + d] = ti.cast(acc[d * nk + t] * scale, T)
+                for d in range(EV):
+                    gv[t * EV + d] = ti.cast(acc[(E + d) * nk + t], T)
+
+    return SimpleNamespace(
+        forward=forward,
+        backward_q=backward_q,
+        backward_kv=backward_kv,
+        forward_tiled=forward_tiled,
+        backward_q_tiled=backward_q_tiled,
+        backward_kv_tiled=backward_kv_tiled,
+    )
 
 
 def all_kernels() -> list[tuple[str, object]]:
@@ -200,6 +505,16 @@ def _common(
     return (bh, L, S, E, ev, mask_rows), (key, reference.dropout_threshold(dropout_p), dscale)
 
 
+def _tiled(E: int, ev: int) -> bool:
+    """Whether the threadgroup-memory kernels run: on the GPU archs, when a tile row fits."""
+    return _on_gpu() and E <= MAX_HEAD_DIM and ev <= MAX_HEAD_DIM
+
+
+def _launch(ks: SimpleNamespace, name: str, *args) -> None:
+    launches[name] += 1
+    getattr(ks, name)(*args)
+
+
 def attention(
     q: DeviceArray,
     k: DeviceArray,
@@ -215,7 +530,9 @@ def attention(
     """As ``reference.attention``, fused (NOTE [ Taichi attention kernels ])."""
     (bh, L, S, E, ev, mask_rows), drop = _common(q, k, v, mask, dropout_p, seed)
     acc = _new((bh * L * ev,), np.float32)
-    kernels_for(q.dtype).forward(
+    name = "forward_tiled" if _tiled(E, ev) else "forward"
+    _launch(
+        kernels_for(q.dtype), name,
         _nd(q), _nd(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(acc),
         bh, L, S, E, ev, mask_rows, int(is_causal), float(scale), *drop,
     )  # fmt: skip
@@ -240,9 +557,11 @@ def attention_backward(
     """As ``reference.attention_backward``: two kernels (NOTE [ Taichi attention kernels ])."""
     (bh, L, S, E, ev, mask_rows), drop = _common(q, k, v, mask, dropout_p, seed)
     ks = kernels_for(q.dtype)
+    suffix = "_tiled" if _tiled(E, ev) else ""
     dsum = _new((bh * L,), np.float32)
     acc_q = _new((max(bh * L * E, 1),), np.float32)
-    ks.backward_q(
+    _launch(
+        ks, "backward_q" + suffix,
         _nd(q), _nd(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(grad_out),
         _optional(grad_q, q.dtype), _nd(dsum), _nd(acc_q),
         bh, L, S, E, ev, mask_rows, int(is_causal), float(scale), *drop, int(grad_q is not None),
@@ -252,7 +571,8 @@ def attention_backward(
     gk = grad_k if grad_k is not None else _new(k.shape, k.dtype)
     gv = grad_v if grad_v is not None else _new(v.shape, v.dtype)
     acc_kv = _new((bh * S * (E + ev),), np.float32)
-    ks.backward_kv(
+    _launch(
+        ks, "backward_kv" + suffix,
         _nd(q), _nd(k), _nd(v), _optional(mask, q.dtype), _nd(lse), _nd(grad_out), _nd(gk), _nd(gv),
         _nd(dsum), _nd(acc_kv), bh, L, S, E, ev, mask_rows, int(is_causal), float(scale), *drop,
     )  # fmt: skip
