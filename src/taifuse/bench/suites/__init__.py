@@ -18,6 +18,7 @@ SUITES = {
     "memory": "taifuse.bench.suites.memory",
     "training": "taifuse.bench.suites.training",
     "pool": "taifuse.bench.suites.pool",
+    "transformer": "taifuse.bench.suites.transformer",
 }
 
 

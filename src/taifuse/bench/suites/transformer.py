@@ -1,0 +1,359 @@
+"""Transformer suite: fused attention's time and peak memory, and one GPT training step, against
+PyTorch CPU (timed in processes of its own) and the naive softmax(QK^T)V.
+
+Three kinds of case:
+
+* ``attention forward+backward`` and ``attention forward`` (float32, B=8, H=8, L=S=512, E=64,
+  causal): ``F.scaled_dot_product_attention`` on the active backend, on Tensors (forward, then
+  backward of a fixed gradient), against PyTorch CPU's ``F.scaled_dot_product_attention`` (its
+  own flash kernel on CPU) and the naive attention in NumPy (the (L, S) probabilities stored
+  whole). The full size in quick mode too: it is the size of issue 16's goal.
+* ``attention peak memory`` (a :class:`~taifuse.bench.suites.memory.MemoryCase`, one head,
+  L=S=4096, E=64, no mask): the peak memory of a forward, and of a forward and backward, above
+  what the process held before (the inputs), fused against naive, each variant in fresh processes
+  measured as ``suites/memory.py`` measures (NOTE [ Measuring peak memory ] there).
+* ``gpt step``: one training step (forward, cross entropy, backward, gradient clipping, AdamW) of
+  ``examples/gpt.py``'s GPT against the same model in PyTorch with the same weights and batch
+  (NOTE [ The GPT example from the checkout ]).
+
+NOTE [ Attention FLOPs ]
+One head attends P (query, key) pairs: L * S without a mask, L * (L + 1) / 2 when causal with
+L = S (query i sees keys 0..i). Each pair costs 2 * E flops per product. The forward has two
+products (Q K^T and P V): 4 * E * P. The backward has five (the scores recomputed, dV = P^T dO,
+dP = dO V^T, dQ = dS K, dK = dS^T Q): 10 * E * P, 2.5x the forward, as FlashAttention-2 counts it.
+Forward and backward: 14 * E * P per head, times B * H. The softmax's exponentials are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from taifuse.bench.case import Case, Variant
+from taifuse.bench.suites.memory import MemoryCase, measure_memory
+from taifuse.bench.suites.training import StepOutput
+
+__all__ = ["StepOutput", "attention_flops", "cases"]
+
+SUITE = "transformer"
+# Issue 16's goal size: batch, heads, query and key length, head dim.
+BATCH, HEADS, SEQ, HEAD_DIM = 8, 8, 512, 64
+# The peak-memory case: one head, long sequences (the (L, S) scores are 64 MiB in float32).
+MEM_SEQ = 4096
+
+_SUITE_IMPORT = "taifuse.bench.suites.transformer as suite"
+_TAIFUSE = ("numpy as np", "taifuse", "taifuse.functional as F", _SUITE_IMPORT)
+_TORCH = ("numpy as np", "torch", "torch.nn.functional as TF", _SUITE_IMPORT)
+_NUMPY = ("numpy as np", _SUITE_IMPORT)
+
+
+def attention_pairs(L: int, S: int, causal: bool) -> int:
+    """The (query, key) pairs one head attends: ``L * S``, or with ``causal`` (top-left aligned)
+    ``sum(min(i + 1, S) for i in range(L))``, which is ``L * (L + 1) / 2`` when ``L == S``."""
+    if not causal:
+        return L * S
+    full = max(L - S, 0)  # queries past the last key see all S keys
+    seen = min(L, S)
+    return seen * (seen + 1) // 2 + full * S
+
+
+def attention_flops(batch: int, heads: int, L: int, S: int, E: int, causal: bool, backward: bool) -> int:
+    """Flops of attention's products (NOTE [ Attention FLOPs ]): ``4 * E * P`` per head forward,
+    ``14 * E * P`` forward and backward, with ``P`` from :func:`attention_pairs`."""
+    per_pair = 14 if backward else 4
+    return per_pair * E * attention_pairs(L, S, causal) * batch * heads
+
+
+# ----------------------------------------------------------------------------- attention time
+
+
+def _attention_inputs(seed: int, shape: tuple[int, ...]) -> dict:
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    return {"q": q, "k": k, "v": v, "g": g}
+
+
+def _attention_setup_code(shape: tuple[int, ...]) -> str:
+    return (
+        f"rng = np.random.default_rng(seed); q, k, v, g = (rng.standard_normal({shape}, "
+        "dtype=np.float32) for _ in range(4)); g is the fixed gradient of the output"
+    )
+
+
+_TAIFUSE_BACKWARD_PREPARE = """
+qt, kt, vt = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))
+gt = taifuse.tensor(g)
+out = None
+step = suite.StepOutput(lambda: [out.numpy(), qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()])
+"""
+
+_TAIFUSE_BACKWARD = """
+qt.grad = kt.grad = vt.grad = None
+out = F.scaled_dot_product_attention(qt, kt, vt, is_causal={causal})
+out.backward(gt)
+"""
+
+_TORCH_BACKWARD_PREPARE = """
+qt, kt, vt = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+gt = torch.from_numpy(g)
+out = None
+step = suite.StepOutput(lambda: [out.detach().numpy(), qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()])
+"""
+
+_TORCH_BACKWARD = """
+qt.grad = kt.grad = vt.grad = None
+out = TF.scaled_dot_product_attention(qt, kt, vt, is_causal={causal})
+out.backward(gt)
+"""
+
+# The naive attention in NumPy, as tight as NumPy allows: head by head (each product one 2-D
+# sgemm, one head's (L, S) scores alive at a time), the scores become the probabilities in place
+# and the backward's dP becomes dS in place. `bias` is the
+# causal mask as an additive (L, S) array of 0 and -inf (0.0 without a mask).
+_NUMPY_PREPARE = """
+L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+q3, k3, v3, g3 = (a.reshape(-1, *a.shape[-2:]) for a in (q, k, v, g))
+bias = np.where(np.triu(np.ones((L, S), bool), 1), np.float32(-np.inf), np.float32(0)) if {causal} else None
+scale = np.float32(1 / np.sqrt(E))
+"""
+
+_NUMPY_FORWARD = """
+o = np.empty(q.shape[:-1] + v.shape[-1:], np.float32)
+o3 = o.reshape(-1, *o.shape[-2:])
+{grads}for h in range(q3.shape[0]):
+    s = q3[h] @ k3[h].T
+    s *= scale
+    if bias is not None:
+        s += bias
+    s -= s.max(-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(-1, keepdims=True)
+    np.matmul(s, v3[h], out=o3[h])
+"""
+
+_NUMPY_GRADS = """gq, gk, gv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+gq3, gk3, gv3 = (a.reshape(-1, *a.shape[-2:]) for a in (gq, gk, gv))
+"""
+
+_NUMPY_BACKWARD = """
+    np.matmul(s.T, g3[h], out=gv3[h])
+    ds = g3[h] @ v3[h].T
+    ds -= (g3[h] * o3[h]).sum(-1, keepdims=True)
+    ds *= s
+    ds *= scale
+    np.matmul(ds, k3[h], out=gq3[h])
+    np.matmul(ds.T, q3[h], out=gk3[h])
+"""
+
+
+def _taifuse_backward(label: str, causal: bool) -> Variant:
+    return Variant(
+        label,
+        _TAIFUSE_BACKWARD.format(causal=causal),
+        result="step",
+        prepare=_TAIFUSE_BACKWARD_PREPARE,
+        imports=_TAIFUSE,
+        note="taifuse Tensors: F.scaled_dot_product_attention, then out.backward(g)",
+    )
+
+
+def _numpy_naive(label: str, causal: bool, backward: bool) -> Variant:
+    code = _NUMPY_FORWARD.format(grads=_NUMPY_GRADS if backward else "").rstrip("\n") + "\n"
+    code += _NUMPY_BACKWARD if backward else ""
+    outputs = "[o, gq, gk, gv]" if backward else "[o]"
+    return Variant(
+        label,
+        code,
+        result=f"suite.StepOutput(lambda: {outputs})",
+        prepare=_NUMPY_PREPARE.format(causal=causal),
+        imports=_NUMPY,
+        note="the naive attention in NumPy: softmax(Q K^T * scale + mask) stored whole (in place), "
+        "then P V" + ("; backward from the stored probabilities" if backward else ""),
+    )
+
+
+def _torch_attention(causal: bool, backward: bool) -> Variant:
+    if backward:
+        code, prepare = _TORCH_BACKWARD.format(causal=causal), _TORCH_BACKWARD_PREPARE
+        note = "PyTorch CPU F.scaled_dot_product_attention (its flash kernel on CPU), then out.backward(g)"
+    else:
+        code = f"out = TF.scaled_dot_product_attention(qt, kt, vt, is_causal={causal})"
+        prepare = "qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))\nout = None\n"
+        prepare += "step = suite.StepOutput(lambda: [out.numpy()])"
+        note = "PyTorch CPU F.scaled_dot_product_attention on tensors without grad (zero-copy views)"
+    return Variant(
+        "torch",
+        code,
+        result="step",
+        prepare=prepare,
+        imports=_TORCH,
+        note=note,
+        # PyTorch's OpenMP pool beside Numba's and OpenBLAS's threads: NOTE [ Isolated baselines ].
+        isolated=True,
+    )
+
+
+def attention_case(
+    compare_torch: bool,
+    *,
+    backward: bool,
+    shape: tuple[int, int, int, int] = (BATCH, HEADS, SEQ, HEAD_DIM),
+    causal: bool = True,
+) -> Case:
+    """Attention forward (and backward) at ``shape`` = (B, H, L, E), L = S, float32."""
+    b, h, seq, e = shape
+    if backward:
+        candidate = _taifuse_backward("taifuse", causal)
+    else:
+        candidate = Variant(
+            "taifuse",
+            f"out = F.scaled_dot_product_attention(qt, kt, vt, is_causal={causal})",
+            result="step",
+            prepare="qt, kt, vt = (taifuse.tensor(a) for a in (q, k, v))\nout = None\n"
+            "step = suite.StepOutput(lambda: [out.numpy()])",
+            imports=_TAIFUSE,
+            note="taifuse Tensors that need no gradient: the forward kernel alone",
+        )
+    baselines = [_numpy_naive("numpy naive", causal, backward)]
+    if compare_torch:
+        baselines.append(_torch_attention(causal, backward))
+    arrays = 8 if backward else 4  # q, k, v (and g) in; out (and three gradients) out
+    elements = b * h * seq * e
+    mask = "causal" if causal else "no mask"
+    what = "forward+backward" if backward else "forward"
+    return Case(
+        suite=SUITE,
+        name=f"attention {what}(B={b}, H={h}, L=S={seq}, E={e}, {mask})",
+        setup=functools.partial(_attention_inputs, shape=shape),
+        setup_code=_attention_setup_code(shape),
+        candidate=candidate,
+        baselines=tuple(baselines),
+        dtype="float32",
+        shape=f"q, k, v ({b}, {h}, {seq}, {e}), {mask}"
+        + ("; outputs: out, then the gradients of q, k, v" if backward else ""),
+        bytes_moved=4 * arrays * elements,
+        bytes_written=4 * (arrays // 2) * elements,
+        flops=attention_flops(b, h, seq, seq, e, causal, backward),
+        # Measured against torch 2.13 with seed 0 at B=H=2: at most 5e-7 apart (outputs up to ~5).
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+# ----------------------------------------------------------------------------- attention memory
+
+_MEM_SHAPE = (1, 1, MEM_SEQ, HEAD_DIM)
+_MEM_SETUP = functools.partial(_attention_inputs, shape=_MEM_SHAPE)
+
+_TAIFUSE_MEM_FORWARD_PREPARE = "qt, kt, vt = (taifuse.tensor(a) for a in (q, k, v))"
+_TAIFUSE_MEM_BACKWARD_PREPARE = (
+    "qt, kt, vt = (taifuse.tensor(a, requires_grad=True) for a in (q, k, v))\ngt = taifuse.tensor(g)"
+)
+# The step leaves nothing behind (gradients dropped at its end), so each step starts from the
+# same held memory: the inputs.
+_TAIFUSE_MEM_BACKWARD = """
+out = F.scaled_dot_product_attention(qt, kt, vt)
+out.backward(gt)
+grads = [qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()]
+qt.grad = kt.grad = vt.grad = None
+"""
+_TAIFUSE_NAIVE_BACKWARD = """
+scores = (qt @ kt.transpose(-2, -1)) * (1 / math.sqrt(qt.shape[-1]))
+out = F.softmax(scores, dim=-1) @ vt
+out.backward(gt)
+grads = [qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()]
+qt.grad = kt.grad = vt.grad = None
+"""
+
+
+def _memory_variants() -> dict[str, Variant]:
+    imports = (*_TAIFUSE, "math")
+    return {
+        v.label: v
+        for v in (
+            Variant(
+                "taifuse fused forward",
+                "out = F.scaled_dot_product_attention(qt, kt, vt)",
+                result="suite.StepOutput(lambda: [out.numpy()])",
+                prepare=_TAIFUSE_MEM_FORWARD_PREPARE,
+                imports=imports,
+            ),
+            _numpy_naive("numpy naive forward", False, False),
+            Variant(
+                "taifuse fused forward+backward",
+                _TAIFUSE_MEM_BACKWARD,
+                result="suite.StepOutput(lambda: [out.numpy(), *grads])",
+                prepare=_TAIFUSE_MEM_BACKWARD_PREPARE,
+                imports=imports,
+            ),
+            _numpy_naive("numpy naive forward+backward", False, True),
+            Variant(
+                "taifuse naive forward+backward",
+                _TAIFUSE_NAIVE_BACKWARD,
+                result="suite.StepOutput(lambda: [out.numpy(), *grads])",
+                prepare=_TAIFUSE_MEM_BACKWARD_PREPARE,
+                imports=imports,
+                note="the naive attention in taifuse Tensor ops: q @ k^T, softmax, @ v, autograd",
+            ),
+        )
+    }
+
+
+MEMORY_VARIANTS = _memory_variants()
+# (fused, naive) pairs: each pair row is naive's peak over fused's; issue 16's goal is at least 8.
+MEMORY_PAIRS = (
+    ("taifuse fused forward", "numpy naive forward"),
+    ("taifuse fused forward+backward", "numpy naive forward+backward"),
+    ("taifuse fused forward+backward", "taifuse naive forward+backward"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMemoryCase(MemoryCase):
+    """The memory suite's peak-memory case on attention's inputs (``setup(seed)``) instead of its MLP."""
+
+    setup: Callable[[int], dict[str, Any]] = _MEM_SETUP
+
+    def run_job(self, job: dict) -> dict:
+        variant = self.variant(job["variant"])
+        # measure_memory keeps tracemalloc's peak for taifuse's labels only, because PyTorch
+        # allocates where tracemalloc cannot see; NumPy's arrays it sees, so measure them under a
+        # taifuse label and give the result its own label back.
+        result = measure_memory(
+            dataclasses.replace(variant, label=f"taifuse ({variant.label})"), self.setup(self.seed)
+        )
+        result["variant"] = variant.label
+        if not variant.label.startswith("taifuse"):
+            result["pool_peak_bytes"] = None
+        return result
+
+
+def attention_memory_case() -> AttentionMemoryCase:
+    """Peak memory above the inputs of fused and naive attention, one head, L = S = 4096."""
+    b, h, seq, e = _MEM_SHAPE
+    return AttentionMemoryCase(
+        suite=SUITE,
+        name=f"attention peak memory(B={b}, H={h}, L=S={seq}, E={e}, no mask)",
+        variants=tuple(MEMORY_VARIANTS.values()),
+        pairs=MEMORY_PAIRS,
+        setup_code=_attention_setup_code(_MEM_SHAPE),
+        shape=f"q, k, v ({b}, {h}, {seq}, {e}) float32 (1 MiB each), no mask; the naive (L, S) scores "
+        f"are {4 * seq * seq // 2**20} MiB",
+    )
+
+
+# ----------------------------------------------------------------------------- suite
+
+
+def cases(quick: bool = False, compare_torch: bool = False) -> list:
+    """Attention forward+backward and forward at issue 16's size (quick mode too), and the
+    attention peak-memory case."""
+    return [
+        attention_case(compare_torch, backward=True),
+        attention_case(compare_torch, backward=False),
+        attention_memory_case(),
+    ]

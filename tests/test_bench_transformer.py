@@ -1,0 +1,185 @@
+"""The transformer benchmark suite: its cases, the FLOP count of attention, and that every variant
+of a case computes the same thing (on small inputs: no benchmark runs here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+
+import numpy as np
+import pytest
+
+import taifuse
+from taifuse import backends
+from taifuse.bench.case import check_outputs
+from taifuse.bench.suites import load_cases, suite_names, transformer
+
+SMALL = (2, 3, 37, 8)  # B, H, L = S (cuts the numba kernel's query blocks), E
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+
+
+@pytest.fixture(params=["numpy", "numba"])
+def host_backend(request):
+    with backends.preserved_choice():
+        taifuse.set_backend(request.param)
+        yield request.param
+
+
+def _outputs(case, labels, inputs):
+    return {label: case.variant(label).build(inputs)().numpy() for label in labels}
+
+
+def test_registered():
+    assert "transformer" in suite_names()
+    for quick in (False, True):
+        ids = [c.id for c in load_cases(["transformer"], quick=quick, compare_torch=False)]
+        # The goal's size in quick mode too.
+        assert ids[:2] == [
+            "transformer/attention forward+backward(B=8, H=8, L=S=512, E=64, causal)",
+            "transformer/attention forward(B=8, H=8, L=S=512, E=64, causal)",
+        ]
+        assert ids[2] == "transformer/attention peak memory(B=1, H=1, L=S=4096, E=64, no mask)"
+
+
+def test_torch_baselines_only_with_compare_torch_and_isolated():
+    for backward in (True, False):
+        plain = transformer.attention_case(False, backward=backward)
+        assert [b.label for b in plain.baselines] == ["numpy naive"]
+        with_torch = transformer.attention_case(True, backward=backward)
+        torch_variant = with_torch.variant("torch")
+        assert torch_variant.isolated and torch_variant.peer
+        assert not with_torch.variant("numpy naive").isolated
+
+
+@pytest.mark.parametrize(("L", "S"), [(1, 1), (7, 7), (7, 3), (3, 7), (64, 64)])
+def test_attention_pairs_count_the_mask(L, S):
+    causal = np.tril(np.ones((L, S), bool))  # top-left aligned, as is_causal
+    assert transformer.attention_pairs(L, S, causal=True) == causal.sum()
+    assert transformer.attention_pairs(L, S, causal=False) == L * S
+    if L == S:
+        assert transformer.attention_pairs(L, S, causal=True) == L * (L + 1) // 2
+
+
+def test_attention_flops():
+    b, h, L, e = 2, 3, 5, 4
+    pairs = L * (L + 1) // 2
+    # Forward: Q K^T and P V. Backward: the scores again, dV, dP, dQ, dK.
+    assert (
+        transformer.attention_flops(b, h, L, L, e, causal=True, backward=False) == b * h * 2 * 2 * e * pairs
+    )
+    assert transformer.attention_flops(b, h, L, L, e, causal=True, backward=True) == b * h * 7 * 2 * e * pairs
+    case = transformer.attention_case(False, backward=True)
+    assert case.flops == transformer.attention_flops(8, 8, 512, 512, 64, causal=True, backward=True)
+
+
+@pytest.mark.parametrize("backward", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_variants_agree(host_backend, backward, causal):
+    case = transformer.attention_case(False, backward=backward, shape=SMALL, causal=causal)
+    inputs = case.setup(0)
+    out = _outputs(case, ["taifuse", "numpy naive"], inputs)
+    check = check_outputs(out["taifuse"], out["numpy naive"], case.rtol, case.atol)
+    assert check["ok"], check
+    b, h, L, e = SMALL
+    assert out["taifuse"].shape == ((4 if backward else 1) * b * h * L * e,)
+
+
+def test_numpy_naive_matches_the_reference_gradients(host_backend):
+    # The naive baseline is not checked against itself: its gradients against float64 finite
+    # differences of the reference forward, on one entry of each input.
+    case = transformer.attention_case(False, backward=True, shape=(1, 1, 5, 3))
+    inputs = {k: v.astype(np.float64).astype(np.float32) for k, v in case.setup(3).items()}
+    out = case.variant("numpy naive").build(inputs)().numpy().reshape(4, 5, 3)
+
+    def loss(q, k, v):
+        s = q[0, 0] @ k[0, 0].T / np.sqrt(3) + np.where(np.triu(np.ones((5, 5)), 1) > 0, -np.inf, 0)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return ((p / p.sum(-1, keepdims=True)) @ v[0, 0] * inputs["g"][0, 0]).sum()
+
+    x64 = {k: inputs[k].astype(np.float64) for k in "qkv"}
+    for i, name in enumerate("qkv", start=1):
+        bumped = {k: a.copy() for k, a in x64.items()}
+        bumped[name][0, 0, 2, 1] += 1e-6
+        lowered = {k: a.copy() for k, a in x64.items()}
+        lowered[name][0, 0, 2, 1] -= 1e-6
+        numeric = (loss(**bumped) - loss(**lowered)) / 2e-6
+        assert out[i, 2, 1] == pytest.approx(numeric, rel=1e-3, abs=1e-5)
+
+
+@needs_torch
+@pytest.mark.parametrize("backward", [True, False])
+def test_torch_variant_agrees(backward):
+    with backends.preserved_choice():
+        taifuse.set_backend("numba")
+        case = transformer.attention_case(True, backward=backward, shape=SMALL)
+        out = _outputs(case, ["taifuse", "torch"], case.setup(0))
+    check = check_outputs(out["taifuse"], out["torch"], case.rtol, case.atol)
+    assert check["ok"], check
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _small_memory_case():
+    return dataclasses.replace(
+        transformer.attention_memory_case(),
+        setup=functools.partial(transformer._attention_inputs, shape=(1, 1, 70, 8)),
+    )
+
+
+def test_memory_variants_agree(host_backend):
+    case = _small_memory_case()
+    inputs = case.setup(0)
+    out = {v.label: v.build(inputs)().numpy() for v in case.variants}
+    fused, naive = out["taifuse fused forward"], out["numpy naive forward"]
+    assert check_outputs(fused, naive, 1e-4, 1e-5)["ok"]
+    for label in ("numpy naive forward+backward", "taifuse naive forward+backward"):
+        check = check_outputs(out["taifuse fused forward+backward"], out[label], 1e-4, 1e-5)
+        assert check["ok"], (label, check)
+
+
+def test_memory_pairs_are_fused_against_naive():
+    case = transformer.attention_memory_case()
+    labels = {v.label for v in case.variants}
+    for fused, naive in case.pairs:
+        assert fused in labels and naive in labels
+        assert "fused" in fused and "naive" in naive
+
+
+def test_memory_step_leaves_no_gradients(host_backend):
+    # Each measured step starts from the inputs alone: the fused and naive backward steps drop
+    # the gradients they made, so a warm-up step's gradients are not held under the measured one.
+    case = _small_memory_case()
+    inputs = case.setup(0)
+    for label in ("taifuse fused forward+backward", "taifuse naive forward+backward"):
+        call = case.variant(label).build(inputs)
+        call()
+        namespace = call.__globals__
+        assert all(namespace[name].grad is None for name in ("qt", "kt", "vt"))
+
+
+def test_memory_job_measures_each_variant(host_backend):
+    case = _small_memory_case()
+    for label in ("taifuse fused forward", "numpy naive forward"):
+        result = case.run_job({"variant": label, "process": 0})
+        assert result["variant"] == label
+        # tracemalloc sees NumPy's arrays as well as taifuse's
+        assert result["traced_peak_bytes"] is not None and result["traced_peak_bytes"] > 0
+        assert (result["pool_peak_bytes"] is None) == label.startswith("numpy")
+
+
+def test_memory_pair_row_is_naive_over_fused():
+    case = transformer.attention_memory_case()
+    fused, naive = case.pairs[1]
+    mib = 2**20
+    runs = []
+    for i in range(3):
+        runs.append(
+            {"variant": fused, "rss_peak_bytes": (7 + i) * mib, "traced_peak_bytes": None, "step_ns": 1}
+        )
+        runs.append({"variant": naive, "rss_peak_bytes": 132 * mib, "traced_peak_bytes": None, "step_ns": 1})
+    rows = {r["id"]: r for r in case.rows(runs)}
+    row = rows[f"{case.id}/{fused} vs {naive}"]
+    assert row["unit"] == "x less memory"
+    assert row["value"] == pytest.approx(132 / 8)
