@@ -313,3 +313,81 @@ def test_layers_match_torch(grad_backend):
     np.testing.assert_allclose(emb.weight.grad.numpy(), t_emb.weight.grad.numpy(), **tol)
     np.testing.assert_allclose(norm.weight.grad.numpy(), t_norm.weight.grad.numpy(), **tol)
     assert not emb.weight.grad.numpy()[2].any()
+
+
+# ----------------------------------------------------------------------------- numba embedding backward
+
+
+def _numba_embedding_backward(idx, g, vocab, pad, force, monkeypatch):
+    """The numba kernel's grad_weight on its serial or parallel path, from a NaN-filled buffer."""
+    from taifuse.backends import numba as NB
+    from taifuse.backends.numba import _jit
+
+    monkeypatch.setattr(_jit, "_parallel", lambda size, transcendental=False: force == "parallel")
+    out = np.full((vocab, g.shape[1]), np.nan, g.dtype)
+    NB.embedding_backward(idx, g, out, pad)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("force", ["serial", "parallel"])
+def test_numba_embedding_backward_is_the_references_bits(dtype, force, monkeypatch):
+    """NOTE [ Embedding backward without races ]: every row summed in float64 in the order of n,
+    from 0.0, as the reference's np.add.at, so float32 and float64 give the reference's bits,
+    with one thread or two, however skewed the indices (the work cuts move, the sums do not)."""
+    numba = pytest.importorskip("numba")
+    rng = np.random.default_rng(11)
+    vocab, n = 3001, 5000
+    idx = rng.integers(0, vocab, n)
+    idx[: n // 2] = 17  # one row holds half the indices
+    idx[idx == vocab - 2] = 18
+    idx[n // 2] = vocab - 2  # a row with one index, whose gradient is -0.0: the sum makes it +0.0
+    g = (rng.standard_normal((n, 24)) * 10.0 ** rng.integers(-4, 5, (n, 1))).astype(dtype)
+    g[n // 2] = -0.0
+    threads = [1, 2] if force == "parallel" and numba.config.NUMBA_NUM_THREADS >= 2 else [1]
+    before = numba.get_num_threads()
+    try:
+        for pad in (-1, 17, 3):
+            ref = np.empty((vocab, 24), dtype)
+            R.embedding_backward(idx, g, ref, pad)
+            for t in threads:
+                numba.set_num_threads(t)
+                got = _numba_embedding_backward(idx, g, vocab, pad, force, monkeypatch)
+                np.testing.assert_array_equal(
+                    got.view(np.uint8), ref.view(np.uint8), f"pad={pad} threads={t}"
+                )
+    finally:
+        numba.set_num_threads(before)
+    assert not np.signbit(got[vocab - 2]).any()
+
+
+@pytest.mark.parametrize("force", ["serial", "parallel"])
+def test_numba_embedding_backward_skips_indices_out_of_range(force, monkeypatch):
+    """The array path rejects them; a direct kernel call adds nothing for them, never writing
+    outside grad_weight (NOTE [ Embedding backward without races ])."""
+    pytest.importorskip("numba")
+    idx = np.array([0, -1, 5, 2, 99, 2, -7])
+    g = np.random.default_rng(2).standard_normal((idx.size, 3)).astype(np.float32)
+    keep = (idx >= 0) & (idx < 5)
+    ref = np.empty((5, 3), np.float32)
+    R.embedding_backward(idx[keep], g[keep], ref, -1)
+    got = _numba_embedding_backward(idx, g, 5, -1, force, monkeypatch)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_numba_embedding_backward_scratch_comes_from_the_pool():
+    """The sort's arrays and the float64 rows are pool leases: a repeat call allocates nothing."""
+    pytest.importorskip("numba")
+    from taifuse import pool
+    from taifuse.backends import numba as NB
+
+    idx = np.random.default_rng(4).integers(0, 300, 2000)
+    g = np.ones((2000, 40), np.float32)
+    out = np.empty((300, 40), np.float32)
+    host = pool.host_pool()
+    NB.embedding_backward(idx, g, out, -1)
+    first = host.stats()
+    NB.embedding_backward(idx, g, out, -1)
+    second = host.stats()
+    assert second.allocations == first.allocations
+    assert second.reuses == first.reuses + 2

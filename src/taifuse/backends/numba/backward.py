@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -741,67 +742,119 @@ def rms_norm_backward(
 
 # ----------------------------------------------------------------------------- embedding backward
 # NOTE [ Embedding backward without races ]
-# Repeated indices add into the same row of grad_weight, so threads must not own indices. A
-# stable sort of the indices groups equal ones; each work item then owns whole rows (one group,
-# summed in float64 in the order of n, as the reference's np.add.at) and no two write the same
-# row. O(N log N) for the sort plus O(N * D + V * D) for the sums and the zeroing, deterministic.
+# Repeated indices add into the same row of grad_weight, so threads must not own indices; they
+# own rows. A stable counting sort of the indices by row (O(N + V), serial: a D-th of the sums'
+# work) lists each row's n in increasing order; each work item then takes a range of whole rows
+# and sums every row in float64 in the order of n, from 0.0, as the reference's np.add.at does.
+# No two items write the same row and the sums do not depend on the cut, so the result is the
+# same bits on every run and for any thread count (for float32 and float64, the reference's bits).
+# The ranges are cut to equal work (elements summed plus rows looked at), so that a few frequent
+# tokens do not leave one thread with most of it. Indices outside [0, V) add nothing: the array
+# path has rejected them already, and a kernel must not write out of bounds. Scratch (the sort's
+# int64 arrays, one float64 row per work item) comes from the pool.
+# NOTE: the zero fill stays a pass of its own, one memset of the whole of grad_weight before the
+# sums. Writing each row once instead (zeros or its sum, in the row pass) was measured slower:
+# for a large grad_weight (50257 x 768 float32) glibc's memset of the whole takes non-temporal
+# stores, ~2 ms here, while zeroing the same bytes in runs between the written rows (or in
+# per-thread slabs below glibc's non-temporal threshold) took 9-12 ms. The rows with an index,
+# written twice, are at most N of the V.
+
+_EMBEDDING_ITEMS_PER_THREAD = 4  # work items per thread: slack for rows of unequal cost
 
 
-@njit(**_FMA_REDUCE)
-def _embedding_grad_row(order, indices, g, gw, lo, hi, padding_idx):
-    v = indices[order[lo]]
-    cols = g.shape[1]
-    if v == padding_idx:  # its row stays as zeroed
-        return
-    acc = np.zeros(cols, np.float64)
-    for k in range(lo, hi):
-        n = order[k]
+@njit(**_FMA)
+def _embedding_sort(indices, starts, order):
+    # starts (V + 2,), order (N,): afterwards row v's indices are order[starts[v]:starts[v + 1]],
+    # in increasing n. Counting into starts[v + 2] and scattering through starts[v + 1] leaves
+    # starts[v + 1] at the end of row v, that is the start of row v + 1.
+    vocab = starts.size - 2
+    starts[:] = 0
+    for n in range(indices.size):
+        v = indices[n]
+        if 0 <= v < vocab:
+            starts[v + 2] += 1
+    for v in range(2, vocab + 2):
+        starts[v] += starts[v - 1]
+    for n in range(indices.size):
+        v = indices[n]
+        if 0 <= v < vocab:
+            order[starts[v + 1]] = n
+            starts[v + 1] += 1
+
+
+@njit(**_FMA)
+def _embedding_cuts(starts, cols, cuts):
+    # cuts (items + 1,): row ranges [cuts[i], cuts[i + 1]) of about equal work, counted as the
+    # elements summed before row v plus one per row looked at: starts[v] * cols + v, increasing.
+    vocab = starts.size - 2
+    items = cuts.size - 1
+    total = starts[vocab] * cols + vocab
+    v = 0
+    for i in range(items):
+        target = (total * i) // items
+        while v < vocab and starts[v] * cols + v < target:
+            v += 1
+        cuts[i] = v
+    cuts[items] = vocab
+
+
+@njit(**_FMA)
+def _embedding_zero(gw):
+    gw[:, :] = 0  # one memset: see the NOTE
+
+
+@njit(**_FMA)
+def _embedding_rows(order, starts, g, gw, padding_idx, acc, lo, hi):
+    cols = gw.shape[1]
+    for v in range(lo, hi):
+        first, last = starts[v], starts[v + 1]
+        if v == padding_idx or first == last:
+            continue  # stays zero
+        n = order[first]
+        if last - first == 1:  # no sum: one pass; 0.0 + x makes -0.0 +0.0, as the reference's
+            for c in range(cols):
+                gw[v, c] = _narrow(0.0 + _widen(g[n, c]), gw)
+            continue
         for c in range(cols):
-            acc[c] += _widen(g[n, c])
-    for c in range(cols):
-        gw[v, c] = _narrow(acc[c], gw)
+            acc[c] = 0.0 + _widen(g[n, c])
+        for k in range(first + 1, last):
+            n = order[k]
+            for c in range(cols):
+                acc[c] += _widen(g[n, c])
+        for c in range(cols):
+            gw[v, c] = _narrow(acc[c], gw)
 
 
 @njit(**_FMA)
-def _embedding_groups(indices, order):
-    # Start of each run of equal indices in the sorted order, and the end as the last entry.
-    n = indices.size
-    starts = np.empty(n + 1, np.int64)
-    count = 0
-    for k in range(n):
-        if k == 0 or indices[order[k]] != indices[order[k - 1]]:
-            starts[count] = k
-            count += 1
-    starts[count] = n
-    return starts[: count + 1]
-
-
-@njit(**_FMA)
-def _embedding_backward_serial(indices, g, gw, padding_idx):
-    gw[:, :] = 0
-    order = np.argsort(indices, kind="mergesort")
-    starts = _embedding_groups(indices, order)
-    for i in range(starts.size - 1):
-        _embedding_grad_row(order, indices, g, gw, starts[i], starts[i + 1], padding_idx)
+def _embedding_backward_serial(indices, g, gw, padding_idx, starts, order, cuts, acc):
+    _embedding_zero(gw)
+    _embedding_sort(indices, starts, order)
+    _embedding_rows(order, starts, g, gw, padding_idx, acc[0], 0, gw.shape[0])
 
 
 @njit(**_FMA_PARALLEL)
-def _embedding_backward_parallel(indices, g, gw, padding_idx):
-    for v in prange(gw.shape[0]):
-        gw[v, :] = 0
-    order = np.argsort(indices, kind="mergesort")
-    starts = _embedding_groups(indices, order)
-    for i in prange(starts.size - 1):
-        _embedding_grad_row(order, indices, g, gw, starts[i], starts[i + 1], padding_idx)
+def _embedding_backward_parallel(indices, g, gw, padding_idx, starts, order, cuts, acc):
+    _embedding_zero(gw)
+    _embedding_sort(indices, starts, order)
+    _embedding_cuts(starts, gw.shape[1], cuts)
+    for i in prange(cuts.size - 1):
+        _embedding_rows(order, starts, g, gw, padding_idx, acc[i], cuts[i], cuts[i + 1])
 
 
 def embedding_backward(
     indices: np.ndarray, grad_out: np.ndarray, grad_weight: np.ndarray, padding_idx: int
 ) -> None:
     """Scatter-add of grad_out's rows into grad_weight (NOTE [ Embedding backward without races ])."""
+    vocab, dim = grad_weight.shape
     par = _jit._parallel(grad_out.size + grad_weight.size)
+    items = _EMBEDDING_ITEMS_PER_THREAD * numba.get_num_threads() if par else 1
     kernel = _embedding_backward_parallel if par else _embedding_backward_serial
-    kernel(indices, _bits(grad_out), _bits(grad_weight), int(padding_idx))
+    scratch = pool.host_pool()
+    ints = scratch.acquire((vocab + 2 + indices.size + items + 1,), np.int64)
+    order_at, cuts_at = vocab + 2, vocab + 2 + indices.size
+    starts, order, cuts = ints[:order_at], ints[order_at:cuts_at], ints[cuts_at:]
+    acc = scratch.acquire((items, dim), np.float64)
+    kernel(indices, _bits(grad_out), _bits(grad_weight), int(padding_idx), starts, order, cuts, acc)
 
 
 def dropout_backward(grad_out: np.ndarray, grad_in: np.ndarray, p: float, seed: int) -> None:
