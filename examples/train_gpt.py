@@ -1,0 +1,395 @@
+"""Train a character-level GPT on the source of Python's standard library, with taifuse.
+
+The corpus is on every machine that runs this script: the top-level ``*.py`` files of
+``sysconfig.get_paths()["stdlib"]`` (not its packages), sorted by file name, read as UTF-8 with
+undecodable bytes replaced, joined with a newline and cut to the first ``CORPUS_CHARS``
+characters, so it is the same wherever the Python version is. The vocabulary is fixed: the 95
+printable ASCII characters, the newline, and one unknown symbol for every other character (tabs,
+carriage returns, non-ASCII text), so it does not depend on the machine either. The first 90% of
+the characters train, the last 10% validate.
+
+The model is ``examples/gpt.py``'s GPT (token and position embeddings, pre-LayerNorm blocks with
+causal self-attention and a GELU MLP). It trains with AdamW (weight decay on matrices only, from
+``GPT.configure_optimizer``), a linear warm-up into a cosine decay of the learning rate
+(``WarmupCosineLR`` below, a ``taifuse.optim.lr_scheduler.LRScheduler``) and gradient clipping
+(``taifuse.optim.clip_grad_norm_``). A tqdm bar (when tqdm is installed) shows the loss and
+tokens/s; every ``--eval-interval`` steps the train and validation losses are estimated on fixed
+batches (no_grad, eval mode). At the end it saves a checkpoint (model and optimizer state, config
+and step, pickled; ``--resume`` continues from it), prints a sample of generated text, the final
+validation loss, the training throughput and the wall time, and exits with status 1 if the
+validation loss is not below TARGET_VAL_LOSS. For scale it also prints the corpus's unigram
+entropy: the loss of a model that knows only how often each character occurs.
+
+Batches are a function of ``--seed`` and the step number, so a run resumed from a checkpoint sees
+the same batches as one that was never interrupted.
+
+    python examples/train_gpt.py                          # the default config on the active backend
+    python examples/train_gpt.py --backend numpy --steps 50 --n-layer 1
+    python examples/train_gpt.py --steps 4000 --resume    # train a saved run further
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pickle
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gpt import GPT, GPTConfig
+
+import taifuse
+from taifuse.optim import clip_grad_norm_
+from taifuse.optim.lr_scheduler import LRScheduler
+
+TARGET_VAL_LOSS = 1.6
+CORPUS_CHARS = 2_000_000
+VOCAB = "".join(chr(c) for c in range(32, 127)) + "\n"
+UNKNOWN = len(VOCAB)  # the id of every character outside VOCAB
+VOCAB_SIZE = len(VOCAB) + 1
+SAMPLE_PROMPT = "def "
+
+
+# ---------------------------------------------------------------------------------------------
+# The corpus
+
+
+def corpus_files() -> list[Path]:
+    """The top-level ``*.py`` files of the standard library, sorted by name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted((p for p in root.glob("*.py") if p.is_file()), key=lambda p: p.name)
+
+
+def load_corpus(max_chars: int = CORPUS_CHARS) -> str:
+    """The files of :func:`corpus_files` read in order, joined by newlines, cut to ``max_chars``."""
+    parts, total = [], 0
+    for path in corpus_files():
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        parts.append(text)
+        total += len(text) + 1
+        if total >= max_chars:
+            break
+    return "\n".join(parts)[:max_chars]
+
+
+_ENCODE_TABLE = np.full(0x110000, UNKNOWN, dtype=np.uint8)
+_ENCODE_TABLE[[ord(c) for c in VOCAB]] = np.arange(len(VOCAB), dtype=np.uint8)
+
+
+def encode(text: str) -> np.ndarray:
+    """Token ids (uint8) of ``text``: its position in VOCAB, or UNKNOWN."""
+    codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    return _ENCODE_TABLE[codepoints]
+
+
+def decode(ids: Any) -> str:
+    """Text of token ids; UNKNOWN shows as U+FFFD."""
+    return "".join(VOCAB[i] if i < len(VOCAB) else "\ufffd" for i in np.asarray(ids).ravel().tolist())
+
+
+def unigram_entropy(ids: np.ndarray) -> float:
+    """Entropy in nats of the characters' frequencies: the loss of the best model that ignores context."""
+    counts = np.bincount(ids, minlength=VOCAB_SIZE).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def get_batch(data: np.ndarray, batch_size: int, block_size: int, rng: np.random.Generator):
+    """``batch_size`` random windows of ``data`` (inputs) and the same windows shifted by one (targets)."""
+    starts = rng.integers(0, len(data) - block_size, size=batch_size)
+    windows = data[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
+    return windows[:, :-1], windows[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+class WarmupCosineLR(LRScheduler):
+    """A linear warm-up over ``warmup_steps`` that reaches the initial lr at step ``warmup_steps``,
+    then a cosine decay to ``min_lr_ratio`` times it at ``total_steps`` (constant after), as
+    nanoGPT's schedule.
+
+    The lr is a function of the step alone (as ``torch.optim.lr_scheduler.LambdaLR``'s), so a
+    resumed schedule (``last_epoch = step - 1``) continues exactly where the saved one stopped.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        warmup_steps: int,
+        total_steps: int,
+        min_lr_ratio: float = 0.1,
+        last_epoch: int = -1,
+    ) -> None:
+        if warmup_steps < 0 or total_steps < 1:
+            raise ValueError(
+                f"WarmupCosineLR needs warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}"
+            )
+        self.warmup_steps, self.total_steps, self.min_lr_ratio = warmup_steps, total_steps, min_lr_ratio
+        super().__init__(optimizer, last_epoch)
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def get_lr(self) -> list[float]:
+        return [base * self.factor(self.last_epoch) for base in self.base_lrs]
+
+
+@dataclass
+class Result:
+    """What a run reached: the last losses, the training throughput and the wall time."""
+
+    val_loss: float
+    train_loss: float
+    tokens_per_s: float
+    wall_s: float
+    unigram_entropy: float
+    step: int
+    checkpoint: Path
+    sample: str
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train, val)
+
+
+def estimate_loss(model: GPT, batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    """Mean loss over ``batches`` in eval mode without a graph."""
+    model.eval()
+    with taifuse.no_grad():
+        losses = [model(x, y)[1].item() for x, y in batches]
+    model.train()
+    return float(np.mean(losses))
+
+
+def save_checkpoint(path: Path, model: GPT, optimizer: Any, config: GPTConfig, step: int, args: Any) -> None:
+    """Pickle the model's and optimizer's state (NumPy arrays), the config and the step; written
+    to a temporary file first, so an interrupted save leaves the previous checkpoint whole."""
+    state = {
+        "model": {name: t.numpy() for name, t in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "config": asdict(config),
+        "step": step,
+        "vocab": VOCAB,
+        "args": vars(args),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """What :func:`save_checkpoint` wrote. Unpickling runs code: load only checkpoints you made."""
+    with open(path, "rb") as f:
+        state = pickle.load(f)
+    if state.get("vocab") != VOCAB:
+        raise ValueError(f"{path} was trained with another vocabulary")
+    return state
+
+
+def _progress(total: int, initial: int, quiet: bool):
+    if quiet:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional (the `bench` extra)
+        return None
+    return tqdm(total=total, initial=initial, desc="steps", dynamic_ncols=True)
+
+
+def _log(bar: Any, line: str, quiet: bool) -> None:
+    if quiet:
+        return
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--backend", choices=taifuse.backends.BACKENDS, default=None, help="default: the active one"
+    )
+    p.add_argument(
+        "--steps", type=int, default=2000, help="total optimizer steps (a resumed run counts its own)"
+    )
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a fraction of --lr"
+    )
+    p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-interval", type=int, default=250)
+    p.add_argument("--eval-batches", type=int, default=8, help="fixed batches per loss estimate")
+    p.add_argument("--sample-tokens", type=int, default=300)
+    p.add_argument("--out", type=Path, default=Path("train_gpt.ckpt.pkl"), help="checkpoint file")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint at --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
+    args = p.parse_args(argv)
+    for name in (
+        "steps",
+        "batch_size",
+        "block_size",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "eval_interval",
+        "eval_batches",
+    ):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} should be a positive int, got {getattr(args, name)}")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd ({args.n_embd}) should be a multiple of --n-head ({args.n_head})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Result:
+    """Train as the command line ``argv`` says (``sys.argv[1:]`` when None) and return the result."""
+    args = parse_args(argv)
+    start_wall = time.perf_counter()
+    if args.backend:
+        taifuse.set_backend(args.backend)
+    quiet = args.quiet
+
+    data = encode(load_corpus())
+    split = len(data) * 9 // 10
+    train_data, val_data = data[:split], data[split:]
+    baseline = unigram_entropy(data)
+
+    state = load_checkpoint(args.out) if args.resume else None
+    if state is not None:
+        config = GPTConfig(**state["config"])
+    else:
+        config = GPTConfig(
+            vocab_size=VOCAB_SIZE,
+            block_size=args.block_size,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_embd=args.n_embd,
+            dropout=args.dropout,
+            bias=True,
+        )
+    taifuse.manual_seed(args.seed)
+    model = GPT(config)
+    optimizer = model.configure_optimizer(weight_decay=args.weight_decay, lr=args.lr, betas=(0.9, 0.99))
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    scheduler = WarmupCosineLR(optimizer, args.warmup, args.steps, args.min_lr_ratio, last_epoch=start - 1)
+
+    block = config.block_size
+    eval_rng = np.random.default_rng([args.seed, 1])
+    eval_sets = {
+        name: [get_batch(split_data, args.batch_size, block, eval_rng) for _ in range(args.eval_batches)]
+        for name, split_data in (("train", train_data), ("val", val_data))
+    }
+    n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
+    _log(
+        None,
+        f"corpus: {len(data):,} characters from the top-level *.py files of {sysconfig.get_paths()['stdlib']} "
+        f"({len(train_data):,} train, {len(val_data):,} validation); unigram entropy {baseline:.3f} nats/char",
+        quiet,
+    )
+    _log(
+        None,
+        f"model: {n_params:,} parameters, {config}; backend {taifuse.get_backend()}; "
+        f"steps {start}..{args.steps} of {args.batch_size} x {block} tokens",
+        quiet,
+    )
+
+    history: list[tuple[int, float, float]] = []
+
+    def evaluate(step: int, bar: Any) -> None:
+        train_loss, val_loss = (estimate_loss(model, eval_sets[k]) for k in ("train", "val"))
+        history.append((step, train_loss, val_loss))
+        _log(bar, f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}", quiet)
+
+    bar = _progress(args.steps, start, quiet)
+    tokens_per_step = args.batch_size * block
+    train_time, timed_tokens = 0.0, 0
+    done = start  # steps completed
+    if start < args.steps:
+        evaluate(start, bar)
+    for step in range(start, args.steps):
+        x, y = get_batch(train_data, args.batch_size, block, np.random.default_rng([args.seed, 0, step]))
+        t0 = time.perf_counter()
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        loss_value = loss.item()
+        elapsed = time.perf_counter() - t0
+        if step > start:  # the first step of a process compiles the kernels: leave it out of the rate
+            train_time += elapsed
+            timed_tokens += tokens_per_step
+        done = step + 1
+        if not math.isfinite(loss_value):
+            _log(bar, f"step {done}: the loss is {loss_value}; stopping", quiet)
+            evaluate(done, bar)
+            break
+        if bar is not None:
+            rate = timed_tokens / train_time if train_time > 0 else 0.0
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+            bar.update(1)
+        if done % args.eval_interval == 0 or done == args.steps:
+            evaluate(done, bar)
+    if bar is not None:
+        bar.close()
+    if not history:  # nothing left to train: still report where the checkpoint stands
+        evaluate(start, None)
+    save_checkpoint(args.out, model, optimizer, config, done, args)
+
+    prompt = encode(SAMPLE_PROMPT)[None, :].astype(np.int64)
+    model.eval()
+    with taifuse.no_grad():
+        sample = decode(
+            model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=20, seed=args.seed)[0]
+        )
+    model.train()
+
+    _, train_loss, val_loss = history[-1]
+    tokens_per_s = timed_tokens / train_time if train_time > 0 else float("nan")
+    wall_s = time.perf_counter() - start_wall
+    _log(None, f"checkpoint: {args.out} (step {done})", quiet)
+    _log(None, f"sample (temperature 0.8, top-k 20):\n{'-' * 60}\n{sample}\n{'-' * 60}", quiet)
+    _log(
+        None,
+        f"final validation loss {val_loss:.4f} nats/char (train {train_loss:.4f}; unigram entropy {baseline:.4f}; "
+        f"target < {TARGET_VAL_LOSS}); {tokens_per_s:,.0f} tokens/s over the training steps after the first; "
+        f"wall time {wall_s:.1f} s",
+        quiet,
+    )
+    return Result(val_loss, train_loss, tokens_per_s, wall_s, baseline, done, args.out, sample, history)
+
+
+if __name__ == "__main__":
+    result = main()
+    if not result.val_loss < TARGET_VAL_LOSS:
+        print(
+            f"FAILED: validation loss {result.val_loss:.4f} is not below the stated {TARGET_VAL_LOSS}",
+            file=sys.stderr,
+        )
+        sys.exit(1)

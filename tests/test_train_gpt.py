@@ -1,0 +1,130 @@
+"""examples/train_gpt.py in-process with a tiny config for a few steps (seconds, never the default
+config): the corpus and vocabulary, the schedule, the printed losses, the checkpoint and --resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import pickle
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import taifuse
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _load(name: str):
+    # Registered under the names the script uses (it imports "gpt"; the dataclasses need their
+    # module in sys.modules); a module already loaded from the same file is reused.
+    path = EXAMPLES / f"{name}.py"
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpt = _load("gpt")
+train_gpt = _load("train_gpt")
+
+BACKEND = "numba" if "numba" in taifuse.available_backends() else "numpy"
+TINY = [
+    "--batch-size", "4", "--block-size", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+    "--lr", "1e-2", "--warmup", "2", "--eval-interval", "4", "--eval-batches", "2", "--sample-tokens", "12",
+]  # fmt: skip
+LOSS_LINE = re.compile(r"step +(\d+) +train loss (\S+) +val loss (\S+)")
+
+
+def _run(argv: list[str]):
+    with taifuse.backends.preserved_choice(), taifuse.use_backend(BACKEND):
+        return train_gpt.main(TINY + argv)
+
+
+def test_vocabulary_is_fixed_and_maps_the_rest_to_unknown():
+    assert train_gpt.VOCAB_SIZE == 97 and train_gpt.UNKNOWN == 96
+    ids = train_gpt.encode("a\tb\né")
+    assert ids.tolist() == [train_gpt.VOCAB.index("a"), 96, train_gpt.VOCAB.index("b"), 95, 96]
+    assert train_gpt.decode(ids) == "a\ufffdb\n\ufffd"
+    text = "def f(x):\n    return x + 1  # ~\n"
+    assert train_gpt.decode(train_gpt.encode(text)) == text
+
+
+def test_corpus_is_the_sorted_stdlib_prefix():
+    files = train_gpt.corpus_files()
+    assert [p.name for p in files] == sorted(p.name for p in files) and len(files) > 10
+    corpus = train_gpt.load_corpus(50_000)
+    assert len(corpus) == 50_000
+    first = files[0].read_bytes().decode("utf-8", errors="replace")
+    assert corpus.startswith(first[:1000])
+    entropy = train_gpt.unigram_entropy(train_gpt.encode(corpus))
+    assert 1.0 < entropy < math.log(train_gpt.VOCAB_SIZE)
+
+
+def test_warmup_cosine_schedule():
+    p = taifuse.tensor(np.zeros(1, np.float32), requires_grad=True)
+    opt = taifuse.optim.AdamW([p], lr=1.0)
+    sched = train_gpt.WarmupCosineLR(opt, warmup_steps=4, total_steps=12, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(14):
+        lrs.append(sched.get_last_lr()[0])
+        sched.step()
+    np.testing.assert_allclose(lrs[:5], [0.2, 0.4, 0.6, 0.8, 1.0])  # the peak when the warm-up ends
+    assert all(a > b for a, b in itertools.pairwise(lrs[4:13]))  # then decays
+    np.testing.assert_allclose(lrs[12:], [0.1, 0.1])  # the floor from total_steps on
+    # Resumed at step 7 (as --resume does, from an optimizer state that holds initial_lr):
+    opt2 = taifuse.optim.AdamW([p], lr=1.0)
+    opt2.load_state_dict(opt.state_dict())
+    resumed = train_gpt.WarmupCosineLR(opt2, 4, 12, 0.1, last_epoch=6)
+    assert resumed.get_last_lr()[0] == pytest.approx(lrs[7])
+
+
+def test_a_few_steps_learn_save_a_checkpoint_and_resume(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt.pkl"
+    result = _run(["--steps", "12", "--out", str(ckpt)])
+    printed = [tuple(map(float, m.groups())) for m in LOSS_LINE.finditer(capsys.readouterr().out)]
+    assert [int(s) for s, _, _ in printed] == [0, 4, 8, 12]
+    assert all(math.isfinite(v) for _, train, val in printed for v in (train, val))
+    first, last = printed[0], printed[-1]
+    assert first[1] == pytest.approx(math.log(97), abs=0.2)  # near-uniform at initialization
+    assert last[1] < first[1] - 0.3 and last[2] < first[2] - 0.3, printed  # the loss falls
+    assert result.val_loss == pytest.approx(last[2], abs=1e-4) and result.step == 12
+    assert math.isfinite(result.tokens_per_s) and result.tokens_per_s > 0
+    assert len(result.sample) == len(train_gpt.SAMPLE_PROMPT) + 12
+
+    # The checkpoint: model, optimizer, config and step, loadable into a fresh model and optimizer.
+    state = train_gpt.load_checkpoint(ckpt)
+    assert state["step"] == 12
+    config = gpt.GPTConfig(**state["config"])
+    assert (config.n_layer, config.n_embd, config.block_size, config.vocab_size) == (1, 16, 16, 97)
+    with taifuse.backends.preserved_choice(), taifuse.use_backend(BACKEND):
+        model = gpt.GPT(config)
+        model.load_state_dict(state["model"])
+        opt = model.configure_optimizer(weight_decay=0.1, lr=1e-2, betas=(0.9, 0.99))
+        opt.load_state_dict(state["optimizer"])
+        assert {s["step"] for s in opt.state_dict()["state"].values()} == {12.0}
+        for name, value in model.state_dict().items():
+            np.testing.assert_array_equal(value.numpy(), state["model"][name])
+    assert set(state["model"]) == set(model.state_dict())
+
+    # --resume continues from it: the first estimate is the saved run's last (same fixed batches).
+    resumed = _run(["--steps", "16", "--out", str(ckpt), "--resume"])
+    assert [s for s, _, _ in resumed.history] == [12, 16]
+    assert resumed.history[0][2] == pytest.approx(last[2], rel=1e-5)
+    assert train_gpt.load_checkpoint(ckpt)["step"] == 16
+
+
+def test_resume_needs_the_same_vocabulary(tmp_path):
+    ckpt = tmp_path / "other.pkl"
+    ckpt.write_bytes(pickle.dumps({"vocab": "abc"}))
+    with pytest.raises(ValueError, match="vocabulary"):
+        train_gpt.load_checkpoint(ckpt)
