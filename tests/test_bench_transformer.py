@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,3 +184,104 @@ def test_memory_pair_row_is_naive_over_fused():
     row = rows[f"{case.id}/{fused} vs {naive}"]
     assert row["unit"] == "x less memory"
     assert row["value"] == pytest.approx(132 / 8)
+
+
+# ----------------------------------------------------------------------------- GPT step
+
+TINY_GPT = {"vocab_size": 13, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
+
+
+def test_gpt_case_is_registered_with_the_example():
+    assert transformer.GPT_PATH.is_file()  # the tests run from the checkout
+    case = load_cases(["transformer"], compare_torch=True)[-1]
+    assert case.id.startswith("transformer/gpt step(") and f"batch={transformer.GPT_BATCH}" in case.id
+    for key, value in transformer.GPT_CONFIG.items():
+        assert f"{key}={value}" in case.name
+    assert case.variant("torch").isolated and case.variant("torch").peer
+    assert load_cases(["transformer"], compare_torch=False)[-1].baselines == ()
+
+
+def test_gpt_parameter_shapes_are_the_models():
+    gpt = transformer.gpt_module()
+    with backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        model = gpt.GPT(gpt.GPTConfig(**TINY_GPT))
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = transformer.gpt_parameter_shapes(TINY_GPT)
+    assert list(shapes) == list(expected) and shapes == expected
+
+
+def test_gpt_step_flops():
+    c, L, T, V, B, H = 16, 2, 8, 13, 3, 2
+    linear = 6 * B * T * (L * (3 * c * c + c * c + 4 * c * c + 4 * c * c) + V * c)
+    attention = L * B * H * 14 * (c // H) * (T * (T + 1) // 2)
+    assert transformer.gpt_step_flops(TINY_GPT, B) == linear + attention
+
+
+def test_gpt_case_without_the_example_is_one_skipped_row(tmp_path):
+    case = transformer.gpt_case(True, path=tmp_path / "gpt.py")
+    assert case.jobs(5) == []
+    (row,) = case.rows([], None)
+    assert row["verdict"].startswith("skipped: examples/gpt.py not found")
+    assert row["kind"] == "skipped" and row["suite"] == "transformer" and row["value"] is None
+
+
+@pytest.fixture
+def tiny_gpt(monkeypatch):
+    monkeypatch.setattr(transformer, "GPT_CONFIG", TINY_GPT)
+    monkeypatch.setattr(transformer, "GPT_BATCH", 3)
+
+
+def test_gpt_inputs_load_strictly(tiny_gpt, host_backend):
+    inputs = transformer._gpt_inputs(0)
+    assert inputs["x"].shape == inputs["y"].shape == (3, TINY_GPT["block_size"])
+    call = transformer.gpt_case(False).candidate.build(inputs)  # load_state_dict is strict
+    first = call().numpy()
+    second = call().numpy()  # the step changed the weights: another loss and other gradients
+    assert np.isfinite(first).all() and first.shape == second.shape and first[0] != second[0]
+    n_params = sum(int(np.prod(s)) for s in transformer.gpt_parameter_shapes(TINY_GPT).values())
+    assert first.shape == (1 + n_params,)
+
+
+@needs_torch
+def test_gpt_step_matches_torch(tiny_gpt):
+    with backends.preserved_choice():
+        taifuse.set_backend("numba")
+        case = transformer.gpt_case(True)
+        inputs = case.setup(0)
+        out = _outputs(case, ["taifuse", "torch"], inputs)
+    check = check_outputs(out["taifuse"], out["torch"], case.rtol, case.atol)
+    assert check["ok"], check
+
+
+# ----------------------------------------------------------------------------- goal script
+
+
+def _goal_script():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_transformer.py"
+    spec = importlib.util.spec_from_file_location("bench_transformer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(row_id, low, high):
+    return {"id": row_id, "value": (low + high) / 2, "low": low, "high": high, "verdict": "faster"}
+
+
+def test_goals_are_judged_on_the_interval():
+    script = _goal_script()
+    attention = transformer.attention_case(True, backward=True).id
+    memory = transformer.attention_memory_case()
+    gpt = transformer.gpt_case(True).id
+    (fwd, fwd_naive), (bwd, bwd_naive) = memory.pairs[:2]
+    rows = [
+        _row(f"{attention}/torch", 1.4, 1.7),  # straddles 1.5
+        _row(f"{memory.id}/{fwd} vs {fwd_naive}", 15.0, 20.0),
+        _row(f"{memory.id}/{bwd} vs {bwd_naive}", 5.0, 7.9),
+        _row(f"{gpt}/torch", 0.97, 1.2),  # at or above 1 / 1.05
+    ]
+    statuses = [g["status"] for g in script.goals({"rows": rows})]
+    assert statuses == ["undecided", "met", "not met", "met"]
+    # No rows: every goal is not met, none is skipped silently.
+    assert [g["status"] for g in script.goals({"rows": []})] == ["not met"] * 4

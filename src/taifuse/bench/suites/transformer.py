@@ -28,12 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import math
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from taifuse.bench.case import Case, Variant
+from taifuse.bench.row import NO_DATA, Row, RowHeader
 from taifuse.bench.suites.memory import MemoryCase, measure_memory
 from taifuse.bench.suites.training import StepOutput
 
@@ -346,14 +352,255 @@ def attention_memory_case() -> AttentionMemoryCase:
     )
 
 
+# ----------------------------------------------------------------------------- GPT step
+
+# NOTE [ The GPT example from the checkout ]
+# The GPT is examples/gpt.py, which is not part of the package: the suite loads it from the
+# repository checkout this module sits in (src/taifuse/bench/suites/ -> the root), under the
+# module name "gpt" as examples/train_gpt.py imports it. An installed (non-editable) taifuse has no
+# examples/ beside it; the case is then a single row "skipped: examples/gpt.py not found".
+GPT_PATH = Path(__file__).resolve().parents[4] / "examples" / "gpt.py"
+
+# The model and batch of one step: one constant, to follow examples/train_gpt.py's defaults.
+# 97 tokens (the example's printable characters), 128 positions, 4 layers of 4 heads, width 128.
+GPT_CONFIG = {"vocab_size": 97, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
+GPT_BATCH = 16
+# The example's optimizer and clipping: AdamW with decay on matrices only, then clip at 1.0.
+GPT_LR, GPT_BETAS, GPT_WEIGHT_DECAY, GPT_CLIP = 3e-3, (0.9, 0.99), 0.1, 1.0
+
+
+def gpt_module(path: Path = GPT_PATH) -> ModuleType:
+    """examples/gpt.py, loaded once under the name ``gpt`` (NOTE [ The GPT example from the checkout ])."""
+    loaded = sys.modules.get("gpt")
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location("gpt", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpt"] = module  # a dataclass needs its module registered while it is defined
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["gpt"]
+        raise
+    return module
+
+
+def gpt_parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The GPT's parameters by state_dict name, in registration order (examples/gpt.py's structure)."""
+    c, v, t = config["n_embd"], config["vocab_size"], config["block_size"]
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (v, c), "wpe.weight": (t, c)}
+    for i in range(config["n_layer"]):
+        for name, shape in (
+            ("ln1.weight", (c,)),
+            ("ln1.bias", (c,)),
+            ("attn.c_attn.weight", (3 * c, c)),
+            ("attn.c_attn.bias", (3 * c,)),
+            ("attn.c_proj.weight", (c, c)),
+            ("attn.c_proj.bias", (c,)),
+            ("ln2.weight", (c,)),
+            ("ln2.bias", (c,)),
+            ("mlp.fc.weight", (4 * c, c)),
+            ("mlp.fc.bias", (4 * c,)),
+            ("mlp.proj.weight", (c, 4 * c)),
+            ("mlp.proj.bias", (c,)),
+        ):
+            shapes[f"blocks.{i}.{name}"] = shape
+    shapes.update({"ln_f.weight": (c,), "ln_f.bias": (c,), "lm_head.weight": (v, c)})
+    return shapes
+
+
+def gpt_step_flops(config: dict, batch: int) -> int:
+    """Flops of one training step's products: 6 per weight per token for the Linears (forward,
+    input gradient, weight gradient: 2 each) and attention's 14 * E * P per head
+    (NOTE [ Attention FLOPs ]), causal over the block. Embedding lookups, norms, the softmax, the
+    loss and the optimizer are not counted."""
+    c, n_layer, t = config["n_embd"], config["n_layer"], config["block_size"]
+    linear = 12 * c * c * n_layer + config["vocab_size"] * c  # c_attn, c_proj, fc, proj; lm_head
+    heads = config["n_head"]
+    attention = n_layer * attention_flops(batch, heads, t, t, c // heads, causal=True, backward=True)
+    return 6 * batch * t * linear + attention
+
+
+def _gpt_inputs(seed: int) -> dict:
+    """nanoGPT's initialization (examples/gpt.py's: N(0, 0.02) matrices, the two residual
+    projections N(0, 0.02 / sqrt(2 n_layer)), zero biases, unit norms) and a batch of random tokens."""
+    rng = np.random.default_rng(seed)
+    residual_std = 0.02 / math.sqrt(2 * GPT_CONFIG["n_layer"])
+    weights = {}
+    for name, shape in gpt_parameter_shapes(GPT_CONFIG).items():
+        if name.endswith(("c_proj.weight", "mlp.proj.weight")):
+            weights[name] = rng.normal(0.0, residual_std, shape).astype(np.float32)
+        elif len(shape) >= 2:
+            weights[name] = rng.normal(0.0, 0.02, shape).astype(np.float32)
+        elif name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")):
+            weights[name] = np.ones(shape, np.float32)
+        else:
+            weights[name] = np.zeros(shape, np.float32)
+    tokens = (GPT_BATCH, GPT_CONFIG["block_size"])
+    return {
+        "weights": weights,
+        "x": rng.integers(0, GPT_CONFIG["vocab_size"], tokens, dtype=np.int64),
+        "y": rng.integers(0, GPT_CONFIG["vocab_size"], tokens, dtype=np.int64),
+    }
+
+
+_GPT_SETUP = (
+    "rng = np.random.default_rng(seed); per parameter in state_dict order: N(0, 0.02) for matrices, "
+    "N(0, 0.02 / sqrt(2 * n_layer)) for attn.c_proj and mlp.proj weights, 0 for biases, 1 for norm "
+    f"weights (nanoGPT's init), float32; x, y = rng.integers(0, vocab_size, ({GPT_BATCH}, block_size)) "
+    "each, int64"
+)
+
+_TAIFUSE_GPT_PREPARE = f"""
+gpt = suite.gpt_module()
+model = gpt.GPT(gpt.GPTConfig(**suite.GPT_CONFIG))
+model.load_state_dict(weights)
+params = dict(model.named_parameters())
+opt = model.configure_optimizer(weight_decay={GPT_WEIGHT_DECAY}, lr={GPT_LR}, betas={GPT_BETAS})
+loss = None
+step = suite.StepOutput(lambda: [loss.numpy()] + [params[name].grad.numpy() for name in weights])
+"""
+
+_TAIFUSE_GPT_STEP = f"""
+opt.zero_grad()
+_, loss = model(x, y)
+loss.backward()
+optim.clip_grad_norm_(model.parameters(), {GPT_CLIP})
+opt.step()
+"""
+
+# The optimizer groups of the example's configure_optimizer, as PyTorch's fused AdamW (its
+# fastest on CPU; the optim suite's yardstick).
+_TORCH_GPT_PREPARE = f"""
+gpt = suite.gpt_module()
+tmodel = gpt.torch_gpt(gpt.GPTConfig(**suite.GPT_CONFIG))
+tmodel.load_state_dict({{k: torch.from_numpy(w) for k, w in weights.items()}})
+params = dict(tmodel.named_parameters())
+groups = [
+    {{"params": [p for p in tmodel.parameters() if p.dim() >= 2], "weight_decay": {GPT_WEIGHT_DECAY}}},
+    {{"params": [p for p in tmodel.parameters() if p.dim() < 2], "weight_decay": 0.0}},
+]
+topt = torch.optim.AdamW(groups, lr={GPT_LR}, betas={GPT_BETAS}, fused=True)
+xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+loss = None
+step = suite.StepOutput(lambda: [loss.detach().numpy()] + [params[name].grad.numpy() for name in weights])
+"""
+
+_TORCH_GPT_STEP = f"""
+topt.zero_grad()
+_, loss = tmodel(xt, yt)
+loss.backward()
+torch.nn.utils.clip_grad_norm_(tmodel.parameters(), {GPT_CLIP})
+topt.step()
+"""
+
+
+def _gpt_name() -> str:
+    config = ", ".join(f"{k}={v}" for k, v in GPT_CONFIG.items())
+    return f"gpt step({config}, batch={GPT_BATCH})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedCase:
+    """A case that cannot run here: no worker jobs, one row that says why."""
+
+    suite: str
+    name: str
+    reason: str
+    dtype: str = "float32"
+    shape: str = ""
+    setup_code: str = ""
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"{self.suite}/{self.name}"
+
+    def jobs(self, processes: int) -> list[dict]:
+        return []
+
+    def run_job(self, job: dict) -> dict:  # pragma: no cover - jobs() gives none
+        raise RuntimeError(f"{self.id} is skipped: {self.reason}")
+
+    def rows(self, runs: list[dict], error: str | None = None) -> list[dict]:
+        header = RowHeader.of(self, runs, bytes_moved=None, cache=NO_DATA, tolerance=None)
+        row = Row(
+            id=self.id,
+            kind="skipped",  # not a comparison: no summary line, nothing for --baseline to read
+            label=self.name,
+            unit="x speedup",
+            verdict=f"skipped: {self.reason}",
+            header=header,
+            candidate={"label": "taifuse", "code": f"# not run: {self.reason}"},
+        )
+        return [row.as_dict()]
+
+
+def gpt_case(compare_torch: bool, path: Path = GPT_PATH) -> Case | SkippedCase:
+    """One GPT training step (forward, loss, backward, clip, AdamW) against PyTorch's, or the
+    skipped row when examples/gpt.py is not in a checkout beside the package."""
+    name = _gpt_name()
+    if not path.is_file():
+        return SkippedCase(
+            SUITE,
+            name,
+            f"examples/gpt.py not found (looked for {path})",
+            shape="examples/gpt.py's GPT (not built)",
+            setup_code=_GPT_SETUP,
+        )
+    baselines = []
+    if compare_torch:
+        baselines.append(
+            Variant(
+                "torch",
+                _TORCH_GPT_STEP,
+                result="step",
+                prepare=_TORCH_GPT_PREPARE,
+                imports=("numpy as np", "torch", _SUITE_IMPORT),
+                note="examples/gpt.py's torch_gpt (the same model in PyTorch CPU eager) with the same "
+                "weights and batch; AdamW(fused=True) with the same groups, clip_grad_norm_",
+                isolated=True,
+            )
+        )
+    n_params = sum(math.prod(s) for s in gpt_parameter_shapes(GPT_CONFIG).values())
+    tokens = GPT_BATCH * GPT_CONFIG["block_size"]
+    return Case(
+        suite=SUITE,
+        name=name,
+        setup=_gpt_inputs,
+        setup_code=_GPT_SETUP,
+        candidate=Variant(
+            "taifuse",
+            _TAIFUSE_GPT_STEP,
+            result="step",
+            prepare=_TAIFUSE_GPT_PREPARE,
+            imports=("numpy as np", "taifuse", "taifuse.optim as optim", _SUITE_IMPORT),
+            note="examples/gpt.py's GPT: forward with the loss, backward, clip_grad_norm_, AdamW step",
+        ),
+        baselines=tuple(baselines),
+        dtype="float32",
+        shape=f"GPT {n_params} parameters, {tokens} tokens per step; the check compares the loss and "
+        "every clipped gradient of the first step",
+        # At least: the batch (int64 tokens and targets), parameters read by the forward, gradients
+        # written, AdamW's read of parameter, gradient and two moments and write of three.
+        bytes_moved=16 * tokens + 4 * n_params * 9,
+        flops=gpt_step_flops(GPT_CONFIG, GPT_BATCH),
+        rtol=1e-3,
+        atol=1e-6,
+    )
+
+
 # ----------------------------------------------------------------------------- suite
 
 
 def cases(quick: bool = False, compare_torch: bool = False) -> list:
-    """Attention forward+backward and forward at issue 16's size (quick mode too), and the
-    attention peak-memory case."""
+    """Attention forward+backward and forward at issue 16's size (quick mode too), the attention
+    peak-memory case and the GPT training step."""
     return [
         attention_case(compare_torch, backward=True),
         attention_case(compare_torch, backward=False),
         attention_memory_case(),
+        gpt_case(compare_torch),
     ]
