@@ -846,7 +846,7 @@ def embedding_backward(
 ) -> None:
     """Scatter-add of grad_out's rows into grad_weight (NOTE [ Embedding backward without races ])."""
     vocab, dim = grad_weight.shape
-    par = _jit._parallel(grad_out.size + grad_weight.size)
+    par = _jit._parallel(grad_out.size)  # the sums; the zero fill is one memset either way
     items = _EMBEDDING_ITEMS_PER_THREAD * numba.get_num_threads() if par else 1
     kernel = _embedding_backward_parallel if par else _embedding_backward_serial
     scratch = pool.host_pool()
