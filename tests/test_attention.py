@@ -327,6 +327,63 @@ def test_numba_memory_is_not_quadratic():
         assert peak < quadratic / 4, f"peak {peak} bytes against {quadratic} for one (L, S) float32 matrix"
 
 
+# ----------------------------------------------------------------------------- numba threads
+
+
+def _numba_kernel_run(q, k, v, mask, causal, p, grads):
+    """The numba kernels' out, lse and the gradients asked for (a None in ``grads`` is not asked)."""
+    from taifuse.backends import numba as NB
+
+    bh, L, _ = q.shape
+    out = np.empty((bh, L, v.shape[2]), q.dtype)
+    lse = np.empty((bh, L), np.float32 if q.dtype != F64 else F64)
+    NB.attention(q, k, v, mask, causal, 0.3, p, 99, out, lse)
+    g = np.random.default_rng(3).standard_normal(out.shape).astype(q.dtype)
+    gq, gk, gv = (np.full(a.shape, np.nan, a.dtype) if want else None for a, want in zip((q, k, v), grads))
+    NB.attention_backward(q, k, v, mask, causal, 0.3, p, 99, out, lse, g, gq, gk, gv)
+    return out, lse, gq, gk, gv
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("causal, p", [(True, 0.0), (False, 0.25)])
+def test_numba_result_does_not_depend_on_the_thread_count(dtype, causal, p):
+    """NOTE [ Numba attention threads ]: blocks and heads are shared out between threads, each
+    writing rows (forward) or whole heads (backward) no other thread touches, so one thread and
+    two give the same bits."""
+    numba = pytest.importorskip("numba")
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two Numba threads")
+    rng = np.random.default_rng(5)
+    q, k, v, mask = _inputs(rng, (5,), 70, 83, 16, 12, dtype, "float", mask_batch=(5,))
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = _numba_kernel_run(q, k, v, mask, causal, p, (True, True, True))
+        numba.set_num_threads(2)
+        two = _numba_kernel_run(q, k, v, mask, causal, p, (True, True, True))
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(one[2]).all() and np.isfinite(one[3]).all() and np.isfinite(one[4]).all()
+
+
+def test_numba_backward_writes_only_the_gradients_asked_for():
+    """grad_q, grad_k or grad_v may be None (an input that needs no gradient); the others are
+    the same as when all three are asked for."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(6)
+    q, k, v, _ = _inputs(rng, (3,), 70, 70, 16, 8, F32)
+    full = _numba_kernel_run(q, k, v, None, True, 0.0, (True, True, True))
+    for want in ((False, True, True), (True, False, False), (False, False, True)):
+        part = _numba_kernel_run(q, k, v, None, True, 0.0, want)
+        for got, ref, asked in zip(part[2:], full[2:], want):
+            if asked:
+                np.testing.assert_array_equal(got, ref)
+            else:
+                assert got is None
+
+
 # ----------------------------------------------------------------------------- Taichi's tiled kernels
 
 

@@ -4,37 +4,53 @@ Signatures and semantics are the reference's (``backends/reference/attention.py`
 [ Attention kernel arguments ]).
 
 NOTE [ Numba attention blocks ]
-The work is cut into query blocks of ``_BLOCK_Q`` rows over a group of batch rows (heads). For
-one block, ``q_blk @ k.T`` goes to BLAS (``np.dot``, one call per head of the group) into the block's
-scores, the only scratch that grows with the key length; a jitted pass over the block's rows (a
-``prange``) then scales, masks, takes the row max, exponentiates, normalises, applies dropout
-and writes one log-sum-exp per row; a second BLAS product multiplies the probabilities by ``v``.
-A block holds its rows' whole key range, so its softmax needs no online rescaling (the taichi
-kernel, which walks keys in tiles, does). Under ``is_causal`` a block reads only the keys its
-last row sees. The scratch is ``(heads in group, _BLOCK_Q, S)``, with the group sized to keep
-it near ``_SCRATCH_BYTES``: ``_BLOCK_Q * S`` per head, never ``L * S``.
+The work is cut into blocks of ``_BLOCK_Q`` query rows of one head. For a block, ``q_blk @ k.T``
+goes to BLAS (``np.dot``) into the block's scores, the only scratch that grows with the key
+length; one jitted pass over the block's rows then scales, masks, takes each row's max,
+exponentiates (applying dropout) and writes one log-sum-exp per row; a second BLAS product
+multiplies the unnormalised probabilities by ``v`` and the block's output rows are divided by
+their sums. A block holds its rows' whole key range, so its softmax needs no online rescaling
+(the taichi kernel, which walks keys in tiles, does). Under ``is_causal`` a block reads only
+the keys its last row sees. The scratch is ``_BLOCK_Q * S`` scores per worker, never ``L * S``.
 
 The backward (FlashAttention-2's) recomputes each block's scores the same way, with a second
 block-sized buffer for ``grad_out @ v.T``: P = exp(s - lse), dS = P * (dP * Z - D) with
-D = rowsum(grad_out * out); grad_q of the block is one product, and grad_k, grad_v are summed
-over the query blocks through a ``(heads, S, E)``-sized buffer. float16 inputs are computed in
-float32 copies (input-sized), float64 in float64.
+D = rowsum(grad_out * out) computed in the same pass; grad_q of the block is one product, and
+grad_k, grad_v of a head are summed over its query blocks through a ``(S, E)``-sized buffer.
+
+NOTE [ Numba attention threads ]
+A block's products are small (64 x 64 by 64 x 512 at E = 64): one BLAS call runs them at about
+90 GFLOP/s on one core here, and its own second thread adds little. So the blocks are shared
+out between ``numba.get_num_threads()`` Python threads instead (``np.dot`` and the ``nogil`` row
+kernels release the GIL), each with scratch of its own, and BLAS is held to one thread per call
+for the duration (``_blas_single_threaded``, threadpoolctl): with OpenBLAS's own threads left on,
+two callers' thread teams spun against each other and a B=8, H=8, L=512 forward+backward that
+takes about 0.1 s took 6 to 19 s. Workers take the next item as they finish one: the forward's
+items are (head, block) pairs, the costliest first (under ``is_causal`` the last blocks read
+the most keys), which write disjoint rows; the backward's are whole heads, whose grad_k and
+grad_v sums no other thread touches. No sum is ever split between threads, so the result does
+not depend on the thread count (tested bit for bit). float16 inputs are widened to float32 a
+block (forward) or a head (backward) at a time in the worker's scratch, never whole tensors;
+float64 runs in float64.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
+from threadpoolctl import ThreadpoolController
 
 from taifuse import pool
 from taifuse.backends._host import compute_dtype
-from taifuse.backends.numba._jit import _FMA, _FMA_PARALLEL, _exp_neg
+from taifuse.backends.numba._jit import _FMA, _FMA_REDUCE, _exp_neg, _maxnum
 from taifuse.backends.reference.forward import dropout_key, dropout_scale, dropout_threshold
 
 _BLOCK_Q = 64  # query rows per block
-_SCRATCH_BYTES = 4 << 20  # about this many bytes of scores per block group
 
 
 @njit(**_FMA)
@@ -54,106 +70,158 @@ def _keep(bh, qi, j, L, S, key, threshold):
     return np.uint32(_hash32(idx ^ key) >> np.uint32(8)) >= threshold
 
 
-@njit(**_FMA)
-def _visible(qi, sn, causal):
-    """How many keys of a block's row are visible (keys past it are masked by is_causal)."""
-    return min(qi + 1, sn) if causal else sn
-
-
-@njit(**_FMA_PARALLEL)
-def _forward_rows(sc, mask, has_mask, g0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse):
-    # sc (gn, nq, sn) holds q_blk @ k.T; it becomes the (dropped-out) probabilities.
-    gn, nq, sn = sc.shape
+@njit(**_FMA_REDUCE)
+def _softmax_rows(sc, mask, has_mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, inv):
+    # sc (nq, sn) holds q_blk @ k.T; it becomes exp(s - m) (times the dropout factor), with
+    # lse[h, q0 + i] = m + log(sum) and inv[i] = 1 / sum for the output rows.
+    # NOTE: the max is a pass of its own that stores nothing, and the scaled, masked score is
+    # recomputed in the exp pass: LLVM vectorizes a maxnum reduction only alone (a pass that
+    # also stored the scores ran 9x slower on a 64 x 512 block), and the sum only under
+    # "reassoc". A NaN score still makes its row NaN through the sum.
+    nq, sn = sc.shape
     zero = sc.dtype.type(0.0)
-    for r in prange(gn * nq):
-        g = r // nq
-        i = r - g * nq
-        bh = g0 + g
+    mrow = mask[h if mask.shape[0] > 1 else 0, 0]
+    for i in range(nq):
         qi = q0 + i
-        row = sc[g, i]
-        lim = _visible(qi, sn, causal)
-        mrow = mask[bh if mask.shape[0] > 1 else 0, qi] if has_mask else mask[0, 0]
-        m = -np.inf
+        row = sc[i]
+        lim = min(qi + 1, sn) if causal else sn
+        if has_mask:
+            mrow = mask[h if mask.shape[0] > 1 else 0, qi]
+        m = sc.dtype.type(-np.inf)
         for j in range(lim):
-            x = row[j] * scale
-            if has_mask:
-                x += mrow[j]
-            row[j] = x
-            m = max(m, x)
+            m = _maxnum(m, row[j] * scale + (mrow[j] if has_mask else zero))
         if m == -np.inf:  # a fully masked row: 0, as PyTorch (NOTE [ Attention kernel arguments ])
             row[:] = zero
-            lse[bh, qi] = -np.inf
+            lse[h, qi] = -np.inf
+            inv[i] = zero
             continue
         total = zero
         for j in range(lim):
-            e = _exp_neg(row[j] - m)
+            e = _exp_neg(row[j] * scale + (mrow[j] if has_mask else zero) - m)
             row[j] = e
             total += e
-        inv = 1.0 / total
-        for j in range(lim):
-            p = row[j] * inv
-            if drop:
-                p = p * dscale if _keep(bh, qi, j, L, S, key, threshold) else zero
-            row[j] = p
+        if drop:
+            for j in range(lim):
+                if not _keep(h, qi, j, L, S, key, threshold):
+                    row[j] = zero
+            # the kept ones' dropout_scale goes into inv below
         row[lim:] = zero
-        lse[bh, qi] = m + math.log(total)
+        inv[i] = (dscale if drop else 1.0) / total
+        lse[h, qi] = m + math.log(total)
 
 
-@njit(**_FMA_PARALLEL)
-def _backward_rows(sc, dp, mask, has_mask, g0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, d):
-    # In: sc = q_blk @ k.T, dp = grad_out_blk @ v.T. Out: sc = P * Z (for grad_v), dp = dS * scale.
-    gn, nq, sn = sc.shape
+@njit(**_FMA)
+def _scale_rows(o, inv):
+    for i in range(o.shape[0]):
+        s = inv[i]
+        for e in range(o.shape[1]):
+            o[i, e] *= s
+
+
+@njit(**_FMA_REDUCE)
+def _gradient_rows(
+    sc, dp, g, o, mask, has_mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse
+):
+    # In: sc = q_blk @ k.T, dp = grad_out_blk @ v.T. Out: sc = P * Z (for grad_v), dp = dS * scale,
+    # with dS = P * (dP * Z - D) and D = rowsum(grad_out * out) for the row.
+    nq, sn = sc.shape
     zero = sc.dtype.type(0.0)
-    for r in prange(gn * nq):
-        g = r // nq
-        i = r - g * nq
-        bh = g0 + g
+    mrow = mask[h if mask.shape[0] > 1 else 0, 0]
+    for i in range(nq):
         qi = q0 + i
-        row, drow = sc[g, i], dp[g, i]
-        lim = _visible(qi, sn, causal)
-        mrow = mask[bh if mask.shape[0] > 1 else 0, qi] if has_mask else mask[0, 0]
-        row_lse = lse[bh, qi]
+        row, drow = sc[i], dp[i]
+        lim = min(qi + 1, sn) if causal else sn
+        row_lse = lse[h, qi]
         if row_lse == -np.inf:
             lim = 0
-        di = d[bh, qi]
-        for j in range(lim):
-            x = row[j] * scale
-            if has_mask:
-                x += mrow[j]
-            p = _exp_neg(x - row_lse)
-            z = dscale if (not drop or _keep(bh, qi, j, L, S, key, threshold)) else zero
-            row[j] = p * z
-            drow[j] = p * (drow[j] * z - di) * scale
+        if has_mask:
+            mrow = mask[h if mask.shape[0] > 1 else 0, qi]
+        di = zero
+        for e in range(g.shape[1]):
+            di += g[i, e] * o[i, e]
+        if drop:
+            for j in range(lim):
+                p = _exp_neg(row[j] * scale + (mrow[j] if has_mask else zero) - row_lse)
+                z = dscale if _keep(h, qi, j, L, S, key, threshold) else zero
+                row[j] = p * z
+                drow[j] = p * (drow[j] * z - di) * scale
+        else:
+            for j in range(lim):
+                p = _exp_neg(row[j] * scale + (mrow[j] if has_mask else zero) - row_lse)
+                row[j] = p
+                drow[j] = p * (drow[j] - di) * scale
         row[lim:] = zero
         drow[lim:] = zero
 
 
-@njit(**_FMA_PARALLEL)
-def _row_dots(g, o, d):
-    # d[b, i] = sum_e g[b, i, e] * o[b, i, e], in the compute dtype.
-    bh, L, ev = g.shape
-    for r in prange(bh * L):
-        b = r // L
-        i = r - b * L
-        acc = d.dtype.type(0.0)
-        for e in range(ev):
-            acc += d.dtype.type(g[b, i, e]) * d.dtype.type(o[b, i, e])
-        d[b, i] = acc
+# ----------------------------------------------------------------------------- threads
+
+_executor: ThreadPoolExecutor | None = None
+_blas_controller = None
+_lock = threading.Lock()
 
 
-def _as(a: np.ndarray, dtype: np.dtype, scratch) -> np.ndarray:
-    """``a`` in ``dtype``: itself, or a float32 copy of a float16 array from the pool."""
-    if a is None or a.dtype == dtype:
+def _workers(items: int) -> int:
+    return max(1, min(items, numba.get_num_threads()))
+
+
+def _run(task, items: list, workers: int) -> None:
+    """``task(w, item)`` for every item, on ``workers`` threads that each take the next item
+    as they finish one (NOTE [ Numba attention threads ]); ``w`` names the worker's scratch."""
+    global _executor
+    if workers == 1:
+        for item in items:
+            task(0, item)
+        return
+    with _lock:
+        if _executor is None or _executor._max_workers < workers:
+            _executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="taifuse-attention")
+        executor = _executor
+    queue = iter(items)  # next() on a list iterator is atomic under the GIL
+
+    def worker(w: int) -> None:
+        for item in queue:
+            task(w, item)
+
+    with _blas_single_threaded():
+        for f in [executor.submit(worker, w) for w in range(workers)]:
+            f.result()
+
+
+def _blas_single_threaded():
+    """A context in which BLAS calls run on the calling thread alone (NOTE [ Numba attention
+    threads ])."""
+    global _blas_controller
+    with _lock:
+        if _blas_controller is None:
+            _blas_controller = (
+                ThreadpoolController()
+            )  # inspects the loaded libraries once: ~8 us a limit after
+    return _blas_controller.limit(limits=1, user_api="blas")
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _widened(a: np.ndarray, dtype: np.dtype, buf: np.ndarray | None) -> np.ndarray:
+    """``a`` in ``dtype``: itself, or widened from float16 into the front of ``buf``."""
+    if a.dtype == dtype:
         return a
-    c = scratch.acquire(a.shape, dtype)
+    c = _block(buf, *a.shape)
     np.copyto(c, a)
     return c
 
 
-def _mask_args(mask: np.ndarray | None, dtype: np.dtype, scratch) -> tuple[np.ndarray, bool]:
+def _block(buf: np.ndarray, *shape: int) -> np.ndarray:
+    """A C-contiguous ``shape`` view of the front of a flat scratch buffer."""
+    return buf[: math.prod(shape)].reshape(shape)
+
+
+def _mask_args(mask: np.ndarray | None, dtype: np.dtype) -> tuple[np.ndarray, bool]:
     if mask is None:
         return np.zeros((1, 1, 1), dtype=dtype), False
-    return _as(mask, dtype, scratch), True
+    # A float16 mask is widened whole, once: it is (1 or BH, L, S), read row by row.
+    return (mask if mask.dtype == dtype else mask.astype(dtype)), True
 
 
 def _dropout_args(dropout_p: float, seed: int, dtype: np.dtype) -> tuple:
@@ -162,25 +230,10 @@ def _dropout_args(dropout_p: float, seed: int, dtype: np.dtype) -> tuple:
     return drop, key, np.uint32(dropout_threshold(dropout_p)), dtype.type(dropout_scale(dropout_p))
 
 
-def _groups(bh: int, rows: int, s: int, itemsize: int):
-    """(g0, g1) batch-row groups whose block scores stay near ``_SCRATCH_BYTES``."""
-    g = max(1, min(bh, _SCRATCH_BYTES // max(1, rows * s * itemsize)))
-    return [(g0, min(g0 + g, bh)) for g0 in range(0, bh, g)], g
-
-
-def _products(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """out[i] = a[i] @ b[i] for each head of the group, one BLAS call (``np.dot``) each.
-
-    NOTE: not a stacked ``np.matmul``: measured here (numpy 2 with scipy-openblas, 64x64 @
-    64x512 float32 blocks), np.matmul took 10-20x longer than np.dot on the same operands.
-    """
-    for i in range(out.shape[0]):
-        np.dot(a[i], b[i], out=out[i])
-
-
-def _block(buf: np.ndarray, *shape: int) -> np.ndarray:
-    """A C-contiguous ``shape`` view of the front of a flat scratch buffer."""
-    return buf[: math.prod(shape)].reshape(shape)
+def _scratch(workers: int, dtype: np.dtype, *sizes: int) -> list[list[np.ndarray | None]]:
+    """Per worker, one flat pooled buffer of each size (None for a size of 0)."""
+    host = pool.host_pool()
+    return [[host.acquire((n,), dtype) if n else None for n in sizes] for _ in range(workers)]
 
 
 def attention(
@@ -196,31 +249,42 @@ def attention(
     lse: np.ndarray,
 ) -> None:
     """out = dropout(softmax(q @ k.T * scale + mask)) @ v, lse = its row log-sum-exp; blocked as in
-    NOTE [ Numba attention blocks ]."""
-    bh, L, _ = q.shape
-    S = k.shape[1]
+    NOTE [ Numba attention blocks ], threaded as in NOTE [ Numba attention threads ]."""
+    bh, L, e = q.shape
+    S, ev = k.shape[1], v.shape[2]
     ct = compute_dtype(q.dtype)
-    scratch = pool.host_pool()
-    qc, kc, vc = (_as(a, ct, scratch) for a in (q, k, v))
-    m, has_mask = _mask_args(mask, ct, scratch)
+    half = q.dtype != ct
+    m, has_mask = _mask_args(mask, ct)
     drop, key, threshold, dscale = _dropout_args(dropout_p, seed, ct)
-    oc = out if out.dtype == ct else scratch.acquire(out.shape, ct)
-    lc = lse if lse.dtype == ct else scratch.acquire(lse.shape, ct)
+    sc_scale = ct.type(scale)
+    lc = lse if lse.dtype == ct else pool.host_pool().acquire(lse.shape, ct)
     rows = min(_BLOCK_Q, L)
-    groups, g = _groups(bh, rows, S, ct.itemsize)
-    buf = scratch.acquire((g * rows * S,), ct)
-    for g0, g1 in groups:
-        for q0 in range(0, L, rows):
-            q1 = min(q0 + rows, L)
-            sn = min(S, q1) if is_causal else S
-            sc = _block(buf, g1 - g0, q1 - q0, sn)
-            _products(qc[g0:g1, q0:q1], kc[g0:g1, :sn].transpose(0, 2, 1), sc)
-            _forward_rows(
-                sc, m, has_mask, g0, q0, L, S, is_causal, ct.type(scale), drop, key, threshold, dscale, lc
-            )
-            _products(sc, vc[g0:g1, :sn], oc[g0:g1, q0:q1])
-    if oc is not out:
-        np.copyto(out, oc)
+    # (head, first row) of every block, the costliest first: under is_causal the last blocks
+    # read the most keys, and taking them first evens out the workers' shares.
+    items = [(h, q0) for q0 in range(0, L, rows)[::-1] for h in range(bh)]
+    workers = _workers(len(items))
+    wide = (rows * e, S * e, S * ev, rows * ev) if half else (0, 0, 0, 0)
+    scratch = _scratch(workers, ct, rows * S, rows, *wide)
+
+    def task(w: int, item: tuple[int, int]) -> None:
+        buf, inv, bq, bk, bv, bo = scratch[w]
+        h, q0 = item
+        q1 = min(q0 + rows, L)
+        sn = min(S, q1) if is_causal else S
+        qb = _widened(q[h, q0:q1], ct, bq)
+        kb, vb = _widened(k[h, :sn], ct, bk), _widened(v[h, :sn], ct, bv)
+        sc = _block(buf, q1 - q0, sn)
+        np.dot(qb, kb.T, out=sc)
+        _softmax_rows(
+            sc, m, has_mask, h, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc, inv
+        )  # fmt: skip
+        o = _block(bo, q1 - q0, ev) if half else out[h, q0:q1]
+        np.dot(sc, vb, out=o)
+        _scale_rows(o, inv)
+        if half:
+            np.copyto(out[h, q0:q1], o)
+
+    _run(task, items, workers)
     if lc is not lse:
         np.copyto(lse, lc)
 
@@ -242,66 +306,56 @@ def attention_backward(
     grad_v: np.ndarray | None,
 ) -> None:
     """The gradients of :func:`attention` from ``out`` and ``lse``, recomputing the scores block
-    by block (NOTE [ Numba attention blocks ])."""
+    by block (NOTE [ Numba attention blocks ]), one head per worker at a time (NOTE [ Numba
+    attention threads ])."""
     bh, L, e = q.shape
     S, ev = k.shape[1], v.shape[2]
     ct = compute_dtype(q.dtype)
-    scratch = pool.host_pool()
-    qc, kc, vc, gc = (_as(a, ct, scratch) for a in (q, k, v, grad_out))
-    lc = _as(lse, ct, scratch)
-    m, has_mask = _mask_args(mask, ct, scratch)
+    half = q.dtype != ct
+    m, has_mask = _mask_args(mask, ct)
     drop, key, threshold, dscale = _dropout_args(dropout_p, seed, ct)
-    d = scratch.acquire((bh, L), ct)
-    _row_dots(gc, _as(out, ct, scratch), d)
-
-    def accumulator(grad, shape):
-        if grad is not None and grad.dtype == ct:
-            grad[...] = 0
-            return grad
-        return scratch.acquire(shape, ct, zero=True)
-
-    dq = grad_q if grad_q is not None and grad_q.dtype == ct else scratch.acquire((bh, L, e), ct)
-    dk = accumulator(grad_k, (bh, S, e))
-    dv = accumulator(grad_v, (bh, S, ev))
+    sc_scale = ct.type(scale)
+    lc = lse if lse.dtype == ct else lse.astype(ct)
     rows = min(_BLOCK_Q, L)
-    groups, g = _groups(bh, rows, S, ct.itemsize)
-    buf_s = scratch.acquire((g * rows * S,), ct)
-    buf_p = scratch.acquire((g * rows * S,), ct)
-    buf_t = scratch.acquire((g * S * max(e, ev),), ct)
-    for g0, g1 in groups:
-        gn = g1 - g0
+    workers = _workers(bh)
+    # Per worker: the block's scores and dP, one product's (S, max(E, Ev)), the head's grad_q,
+    # grad_k, grad_v in compute precision where they cannot be written in place, and the head's
+    # widened float16 inputs.
+    own = [g is None or half for g in (grad_q, grad_k, grad_v)]
+    sizes = [rows * S, rows * S, S * max(e, ev)]
+    sizes += [n if o else 0 for n, o in zip((L * e, S * e, S * ev), own)]
+    sizes += [L * e, S * e, S * ev, L * ev, L * ev] if half else [0] * 5
+    scratch = _scratch(workers, ct, *sizes)
+
+    def task(w: int, h: int) -> None:
+        buf_s, buf_p, buf_t, bdq, bdk, bdv, bq, bk, bv, bg, bo = scratch[w]
+        qh, kh, vh = _widened(q[h], ct, bq), _widened(k[h], ct, bk), _widened(v[h], ct, bv)
+        gh, oh = _widened(grad_out[h], ct, bg), _widened(out[h], ct, bo)
+        dq = _block(bdq, L, e) if own[0] else grad_q[h]
+        dk = _block(bdk, S, e) if own[1] else grad_k[h]
+        dv = _block(bdv, S, ev) if own[2] else grad_v[h]
+        dk[...] = 0
+        dv[...] = 0
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if is_causal else S
-            sc = _block(buf_s, gn, q1 - q0, sn)
-            dp = _block(buf_p, gn, q1 - q0, sn)
-            _products(qc[g0:g1, q0:q1], kc[g0:g1, :sn].transpose(0, 2, 1), sc)
-            _products(gc[g0:g1, q0:q1], vc[g0:g1, :sn].transpose(0, 2, 1), dp)
-            _backward_rows(
-                sc,
-                dp,
-                m,
-                has_mask,
-                g0,
-                q0,
-                L,
-                S,
-                is_causal,
-                ct.type(scale),
-                drop,
-                key,
-                threshold,
-                dscale,
-                lc,
-                d,
-            )
-            t = _block(buf_t, gn, sn, ev)
-            _products(sc.transpose(0, 2, 1), gc[g0:g1, q0:q1], t)
-            dv[g0:g1, :sn] += t
-            _products(dp, kc[g0:g1, :sn], dq[g0:g1, q0:q1])
-            t = _block(buf_t, gn, sn, e)
-            _products(dp.transpose(0, 2, 1), qc[g0:g1, q0:q1], t)
-            dk[g0:g1, :sn] += t
-    for grad, acc in ((grad_q, dq), (grad_k, dk), (grad_v, dv)):
-        if grad is not None and grad is not acc:
-            np.copyto(grad, acc)
+            sc = _block(buf_s, q1 - q0, sn)
+            dp = _block(buf_p, q1 - q0, sn)
+            np.dot(qh[q0:q1], kh[:sn].T, out=sc)
+            np.dot(gh[q0:q1], vh[:sn].T, out=dp)
+            _gradient_rows(
+                sc, dp, gh[q0:q1], oh[q0:q1], m, has_mask, h, q0, L, S, is_causal, sc_scale,
+                drop, key, threshold, dscale, lc,
+            )  # fmt: skip
+            t = _block(buf_t, sn, ev)
+            np.dot(sc.T, gh[q0:q1], out=t)
+            dv[:sn] += t
+            np.dot(dp, kh[:sn], out=dq[q0:q1])
+            t = _block(buf_t, sn, e)
+            np.dot(dp.T, qh[q0:q1], out=t)
+            dk[:sn] += t
+        for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq, dk, dv), own):
+            if grad is not None and o:
+                np.copyto(grad[h], acc)
+
+    _run(task, list(range(bh)), workers)
