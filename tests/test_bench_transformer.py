@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,30 @@ def test_gpt_case_is_registered_with_the_example():
         assert f"{key}={value}" in case.name
     assert case.variant("torch").isolated and case.variant("torch").peer
     assert load_cases(["transformer"], compare_torch=False)[-1].baselines == ()
+
+
+def test_gpt_config_is_the_examples_default(monkeypatch):
+    transformer.gpt_module()  # registered as "gpt", which train_gpt.py imports
+    path = transformer.GPT_PATH.with_name("train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt_for_bench_test", path)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # its dataclasses look their module up
+    spec.loader.exec_module(example)
+    args = example.parse_args([])
+    defaults = {
+        "vocab_size": example.VOCAB_SIZE,
+        "block_size": args.block_size,
+        "n_layer": args.n_layer,
+        "n_head": args.n_head,
+        "n_embd": args.n_embd,
+    }
+    assert transformer.GPT_CONFIG == defaults
+    assert transformer.GPT_BATCH == args.batch_size
+    assert (transformer.GPT_LR, transformer.GPT_WEIGHT_DECAY, transformer.GPT_CLIP) == (
+        args.lr,
+        args.weight_decay,
+        args.grad_clip,
+    )
 
 
 def test_gpt_parameter_shapes_are_the_models():
