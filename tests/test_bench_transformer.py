@@ -77,7 +77,8 @@ def test_attention_flops():
 
 @pytest.mark.parametrize("backward", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_variants_agree(host_backend, backward, causal):
+def test_attention_variants_agree(backend, backward, causal):
+    backend.activate()
     case = transformer.attention_case(False, backward=backward, shape=SMALL, causal=causal)
     inputs = case.setup(0)
     out = _outputs(case, ["taifuse", "numpy naive"], inputs)
@@ -130,7 +131,8 @@ def _small_memory_case():
     )
 
 
-def test_memory_variants_agree(host_backend):
+def test_memory_variants_agree(backend):
+    backend.activate()
     case = _small_memory_case()
     inputs = case.setup(0)
     out = {v.label: v.build(inputs)().numpy() for v in case.variants}
