@@ -192,40 +192,50 @@ def test_memory_pair_row_is_naive_over_fused():
 # ----------------------------------------------------------------------------- GPT step
 
 TINY_GPT = {"vocab_size": 13, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
+TINY = transformer.GPTSettings(TINY_GPT, batch=3, lr=1e-3, weight_decay=0.1, grad_clip=1.0)
 
 
-def test_gpt_case_is_registered_with_the_example():
+def test_gpt_case_is_registered_with_the_examples_defaults():
     assert transformer.GPT_PATH.is_file()  # the tests run from the checkout
+    settings = transformer.example_settings()
     case = load_cases(["transformer"], compare_torch=True)[-1]
-    assert case.id.startswith("transformer/gpt step(") and f"batch={transformer.GPT_BATCH}" in case.id
-    for key, value in transformer.GPT_CONFIG.items():
+    assert case.id.startswith("transformer/gpt step(") and f"batch={settings.batch}" in case.id
+    for key, value in settings.config.items():
         assert f"{key}={value}" in case.name
     assert case.variant("torch").isolated and case.variant("torch").peer
     assert load_cases(["transformer"], compare_torch=False)[-1].baselines == ()
 
 
-def test_gpt_config_is_the_examples_default(monkeypatch):
+def test_example_settings_are_train_gpts_defaults(monkeypatch):
     transformer.gpt_module()  # registered as "gpt", which train_gpt.py imports
-    path = transformer.GPT_PATH.with_name("train_gpt.py")
-    spec = importlib.util.spec_from_file_location("train_gpt_for_bench_test", path)
+    spec = importlib.util.spec_from_file_location("train_gpt_for_bench_test", transformer.TRAIN_GPT_PATH)
     example = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, example)  # its dataclasses look their module up
     spec.loader.exec_module(example)
     args = example.parse_args([])
-    defaults = {
+    settings = transformer.example_settings()
+    assert settings.source == "examples/train_gpt.py's defaults"
+    assert settings.config == {
         "vocab_size": example.VOCAB_SIZE,
         "block_size": args.block_size,
         "n_layer": args.n_layer,
         "n_head": args.n_head,
         "n_embd": args.n_embd,
     }
-    assert transformer.GPT_CONFIG == defaults
-    assert transformer.GPT_BATCH == args.batch_size
-    assert (transformer.GPT_LR, transformer.GPT_WEIGHT_DECAY, transformer.GPT_CLIP) == (
+    assert (settings.batch, settings.lr, settings.weight_decay, settings.grad_clip) == (
+        args.batch_size,
         args.lr,
         args.weight_decay,
         args.grad_clip,
     )
+
+
+def test_example_settings_fall_back_and_say_so(tmp_path):
+    settings = transformer.example_settings(tmp_path / "train_gpt.py")
+    assert settings.config == transformer.FALLBACK_GPT.config
+    assert settings.source.startswith("the suite's fallback config (train_gpt.py: ")
+    case = transformer.gpt_case(False, settings)
+    assert settings.source in case.shape
 
 
 def test_gpt_parameter_shapes_are_the_models():
@@ -253,16 +263,11 @@ def test_gpt_case_without_the_example_is_one_skipped_row(tmp_path):
     assert row["kind"] == "skipped" and row["suite"] == "transformer" and row["value"] is None
 
 
-@pytest.fixture
-def tiny_gpt(monkeypatch):
-    monkeypatch.setattr(transformer, "GPT_CONFIG", TINY_GPT)
-    monkeypatch.setattr(transformer, "GPT_BATCH", 3)
-
-
-def test_gpt_inputs_load_strictly(tiny_gpt, host_backend):
-    inputs = transformer._gpt_inputs(0)
+def test_gpt_inputs_load_strictly(host_backend):
+    case = transformer.gpt_case(False, TINY)
+    inputs = case.setup(0)
     assert inputs["x"].shape == inputs["y"].shape == (3, TINY_GPT["block_size"])
-    call = transformer.gpt_case(False).candidate.build(inputs)  # load_state_dict is strict
+    call = case.candidate.build(inputs)  # load_state_dict is strict
     first = call().numpy()
     second = call().numpy()  # the step changed the weights: another loss and other gradients
     assert np.isfinite(first).all() and first.shape == second.shape and first[0] != second[0]
@@ -271,10 +276,10 @@ def test_gpt_inputs_load_strictly(tiny_gpt, host_backend):
 
 
 @needs_torch
-def test_gpt_step_matches_torch(tiny_gpt):
+def test_gpt_step_matches_torch():
     with backends.preserved_choice():
         taifuse.set_backend("numba")
-        case = transformer.gpt_case(True)
+        case = transformer.gpt_case(True, TINY)
         inputs = case.setup(0)
         out = _outputs(case, ["taifuse", "torch"], inputs)
     check = check_outputs(out["taifuse"], out["torch"], case.rtol, case.atol)

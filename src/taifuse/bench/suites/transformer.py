@@ -358,35 +358,83 @@ def attention_memory_case() -> AttentionMemoryCase:
 # The GPT is examples/gpt.py, which is not part of the package: the suite loads it from the
 # repository checkout this module sits in (src/taifuse/bench/suites/ -> the root), under the
 # module name "gpt" as examples/train_gpt.py imports it. An installed (non-editable) taifuse has no
-# examples/ beside it; the case is then a single row "skipped: examples/gpt.py not found".
+# examples/ beside it; the case is then a single row "skipped: examples/gpt.py not found". The
+# model's size, the batch and the optimizer's settings are examples/train_gpt.py's defaults, read
+# from its parse_args([]) (example_settings), so the row times the step the example trains with.
 GPT_PATH = Path(__file__).resolve().parents[4] / "examples" / "gpt.py"
 
-# The model and batch of one step: examples/train_gpt.py's defaults (its VOCAB_SIZE and the
-# defaults of --block-size, --n-layer, --n-head, --n-embd, --batch-size; a test fails when they
-# part), one constant to change when they do.
-GPT_CONFIG = {"vocab_size": 97, "block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 64}
-GPT_BATCH = 16
-# The example's optimizer and clipping (--lr, betas, --weight-decay, --grad-clip): AdamW with
-# decay on matrices only, after clipping the gradients' norm at 1.0.
-GPT_LR, GPT_BETAS, GPT_WEIGHT_DECAY, GPT_CLIP = 3e-3, (0.9, 0.99), 0.1, 1.0
+TRAIN_GPT_PATH = GPT_PATH.with_name("train_gpt.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTSettings:
+    """The model and the step the GPT case times: GPTConfig's sizes, the batch, AdamW and clipping."""
+
+    config: dict  # GPTConfig's vocab_size, block_size, n_layer, n_head, n_embd
+    batch: int
+    lr: float
+    weight_decay: float
+    grad_clip: float
+    betas: tuple[float, float] = (0.9, 0.99)  # examples/train_gpt.py's (not a flag)
+    source: str = "examples/train_gpt.py's defaults"
+
+
+# Used when examples/train_gpt.py's defaults cannot be read (the case's shape says why).
+FALLBACK_GPT = GPTSettings(
+    config={"vocab_size": 97, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128},
+    batch=16,
+    lr=3e-3,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    source="the suite's fallback config",
+)
+
+
+def example_settings(path: Path = TRAIN_GPT_PATH) -> GPTSettings:
+    """examples/train_gpt.py's default run (``parse_args([])`` and its ``VOCAB_SIZE``), so that the
+    case times the step the example trains with; :data:`FALLBACK_GPT` (its ``source`` saying why)
+    when the example is missing or its defaults cannot be read."""
+    try:
+        gpt_module()  # train_gpt.py imports it as "gpt"
+        example = _load("train_gpt", path)
+        args = example.parse_args([])
+        config = {
+            "vocab_size": int(example.VOCAB_SIZE),
+            "block_size": int(args.block_size),
+            "n_layer": int(args.n_layer),
+            "n_head": int(args.n_head),
+            "n_embd": int(args.n_embd),
+        }
+        return GPTSettings(
+            config, int(args.batch_size), float(args.lr), float(args.weight_decay), float(args.grad_clip)
+        )
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 (any failure: say so in the row)
+        reason = f"{type(exc).__name__}: {exc}"
+        return dataclasses.replace(
+            FALLBACK_GPT, source=f"the suite's fallback config ({path.name}: {reason})"
+        )
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass needs its module registered while it is defined
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def gpt_module(path: Path = GPT_PATH) -> ModuleType:
     """examples/gpt.py, loaded once under the name ``gpt`` (NOTE [ The GPT example from the checkout ])."""
-    loaded = sys.modules.get("gpt")
-    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path:
-        return loaded
-    spec = importlib.util.spec_from_file_location("gpt", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt"] = module  # a dataclass needs its module registered while it is defined
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["gpt"]
-        raise
-    return module
+    return _load("gpt", path)
 
 
 def gpt_parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -425,13 +473,13 @@ def gpt_step_flops(config: dict, batch: int) -> int:
     return 6 * batch * t * linear + attention
 
 
-def _gpt_inputs(seed: int) -> dict:
+def _gpt_inputs(seed: int, config: dict, batch: int) -> dict:
     """nanoGPT's initialization (examples/gpt.py's: N(0, 0.02) matrices, the two residual
     projections N(0, 0.02 / sqrt(2 n_layer)), zero biases, unit norms) and a batch of random tokens."""
     rng = np.random.default_rng(seed)
-    residual_std = 0.02 / math.sqrt(2 * GPT_CONFIG["n_layer"])
+    residual_std = 0.02 / math.sqrt(2 * config["n_layer"])
     weights = {}
-    for name, shape in gpt_parameter_shapes(GPT_CONFIG).items():
+    for name, shape in gpt_parameter_shapes(config).items():
         if name.endswith(("c_proj.weight", "mlp.proj.weight")):
             weights[name] = rng.normal(0.0, residual_std, shape).astype(np.float32)
         elif len(shape) >= 2:
@@ -440,68 +488,89 @@ def _gpt_inputs(seed: int) -> dict:
             weights[name] = np.ones(shape, np.float32)
         else:
             weights[name] = np.zeros(shape, np.float32)
-    tokens = (GPT_BATCH, GPT_CONFIG["block_size"])
+    tokens = (batch, config["block_size"])
     return {
         "weights": weights,
-        "x": rng.integers(0, GPT_CONFIG["vocab_size"], tokens, dtype=np.int64),
-        "y": rng.integers(0, GPT_CONFIG["vocab_size"], tokens, dtype=np.int64),
+        "x": rng.integers(0, config["vocab_size"], tokens, dtype=np.int64),
+        "y": rng.integers(0, config["vocab_size"], tokens, dtype=np.int64),
     }
 
 
-_GPT_SETUP = (
-    "rng = np.random.default_rng(seed); per parameter in state_dict order: N(0, 0.02) for matrices, "
-    "N(0, 0.02 / sqrt(2 * n_layer)) for attn.c_proj and mlp.proj weights, 0 for biases, 1 for norm "
-    f"weights (nanoGPT's init), float32; x, y = rng.integers(0, vocab_size, ({GPT_BATCH}, block_size)) "
-    "each, int64"
-)
+def _gpt_setup_code(batch: int) -> str:
+    return (
+        "rng = np.random.default_rng(seed); per parameter in state_dict order: N(0, 0.02) for matrices, "
+        "N(0, 0.02 / sqrt(2 * n_layer)) for attn.c_proj and mlp.proj weights, 0 for biases, 1 for norm "
+        f"weights (nanoGPT's init), float32; x, y = rng.integers(0, vocab_size, ({batch}, block_size)) "
+        "each, int64"
+    )
 
-_TAIFUSE_GPT_PREPARE = f"""
+
+def _taifuse_gpt(g: GPTSettings) -> Variant:
+    prepare = f"""
 gpt = suite.gpt_module()
-model = gpt.GPT(gpt.GPTConfig(**suite.GPT_CONFIG))
+model = gpt.GPT(gpt.GPTConfig(**{g.config!r}))
 model.load_state_dict(weights)
 params = dict(model.named_parameters())
-opt = model.configure_optimizer(weight_decay={GPT_WEIGHT_DECAY}, lr={GPT_LR}, betas={GPT_BETAS})
+opt = model.configure_optimizer(weight_decay={g.weight_decay!r}, lr={g.lr!r}, betas={g.betas!r})
 loss = None
 step = suite.StepOutput(lambda: [loss.numpy()] + [params[name].grad.numpy() for name in weights])
 """
-
-_TAIFUSE_GPT_STEP = f"""
+    code = f"""
 opt.zero_grad()
 _, loss = model(x, y)
 loss.backward()
-optim.clip_grad_norm_(model.parameters(), {GPT_CLIP})
+optim.clip_grad_norm_(model.parameters(), {g.grad_clip!r})
 opt.step()
 """
+    return Variant(
+        "taifuse",
+        code,
+        result="step",
+        prepare=prepare,
+        imports=("numpy as np", "taifuse", "taifuse.optim as optim", _SUITE_IMPORT),
+        note="examples/gpt.py's GPT: forward with the loss, backward, clip_grad_norm_, AdamW step",
+    )
 
-# The optimizer groups of the example's configure_optimizer, as PyTorch's fused AdamW (its
-# fastest on CPU; the optim suite's yardstick).
-_TORCH_GPT_PREPARE = f"""
+
+def _torch_gpt(g: GPTSettings) -> Variant:
+    # The groups of the example's configure_optimizer, on PyTorch's fused AdamW (its fastest on
+    # CPU; the optim suite's yardstick).
+    prepare = f"""
 gpt = suite.gpt_module()
-tmodel = gpt.torch_gpt(gpt.GPTConfig(**suite.GPT_CONFIG))
+tmodel = gpt.torch_gpt(gpt.GPTConfig(**{g.config!r}))
 tmodel.load_state_dict({{k: torch.from_numpy(w) for k, w in weights.items()}})
 params = dict(tmodel.named_parameters())
 groups = [
-    {{"params": [p for p in tmodel.parameters() if p.dim() >= 2], "weight_decay": {GPT_WEIGHT_DECAY}}},
+    {{"params": [p for p in tmodel.parameters() if p.dim() >= 2], "weight_decay": {g.weight_decay!r}}},
     {{"params": [p for p in tmodel.parameters() if p.dim() < 2], "weight_decay": 0.0}},
 ]
-topt = torch.optim.AdamW(groups, lr={GPT_LR}, betas={GPT_BETAS}, fused=True)
+topt = torch.optim.AdamW(groups, lr={g.lr!r}, betas={g.betas!r}, fused=True)
 xt, yt = torch.from_numpy(x), torch.from_numpy(y)
 loss = None
 step = suite.StepOutput(lambda: [loss.detach().numpy()] + [params[name].grad.numpy() for name in weights])
 """
-
-_TORCH_GPT_STEP = f"""
+    code = f"""
 topt.zero_grad()
 _, loss = tmodel(xt, yt)
 loss.backward()
-torch.nn.utils.clip_grad_norm_(tmodel.parameters(), {GPT_CLIP})
+torch.nn.utils.clip_grad_norm_(tmodel.parameters(), {g.grad_clip!r})
 topt.step()
 """
+    return Variant(
+        "torch",
+        code,
+        result="step",
+        prepare=prepare,
+        imports=("numpy as np", "torch", _SUITE_IMPORT),
+        note="examples/gpt.py's torch_gpt (the same model in PyTorch CPU eager) with the same weights "
+        "and batch; AdamW(fused=True) with the same groups, clip_grad_norm_",
+        isolated=True,
+    )
 
 
-def _gpt_name() -> str:
-    config = ", ".join(f"{k}={v}" for k, v in GPT_CONFIG.items())
-    return f"gpt step({config}, batch={GPT_BATCH})"
+def _gpt_name(g: GPTSettings) -> str:
+    config = ", ".join(f"{k}={v}" for k, v in g.config.items())
+    return f"gpt step({config}, batch={g.batch})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,55 +609,40 @@ class SkippedCase:
         return [row.as_dict()]
 
 
-def gpt_case(compare_torch: bool, path: Path = GPT_PATH) -> Case | SkippedCase:
-    """One GPT training step (forward, loss, backward, clip, AdamW) against PyTorch's, or the
-    skipped row when examples/gpt.py is not in a checkout beside the package."""
-    name = _gpt_name()
+def gpt_case(
+    compare_torch: bool, settings: GPTSettings | None = None, path: Path = GPT_PATH
+) -> Case | SkippedCase:
+    """One GPT training step (forward, loss, backward, clip, AdamW) against PyTorch's, at
+    ``settings`` (default: :func:`example_settings`), or the skipped row when examples/gpt.py is
+    not in a checkout beside the package (NOTE [ The GPT example from the checkout ])."""
     if not path.is_file():
+        g = settings or FALLBACK_GPT
         return SkippedCase(
             SUITE,
-            name,
+            _gpt_name(g),
             f"examples/gpt.py not found (looked for {path})",
             shape="examples/gpt.py's GPT (not built)",
-            setup_code=_GPT_SETUP,
+            setup_code=_gpt_setup_code(g.batch),
         )
-    baselines = []
-    if compare_torch:
-        baselines.append(
-            Variant(
-                "torch",
-                _TORCH_GPT_STEP,
-                result="step",
-                prepare=_TORCH_GPT_PREPARE,
-                imports=("numpy as np", "torch", _SUITE_IMPORT),
-                note="examples/gpt.py's torch_gpt (the same model in PyTorch CPU eager) with the same "
-                "weights and batch; AdamW(fused=True) with the same groups, clip_grad_norm_",
-                isolated=True,
-            )
-        )
-    n_params = sum(math.prod(s) for s in gpt_parameter_shapes(GPT_CONFIG).values())
-    tokens = GPT_BATCH * GPT_CONFIG["block_size"]
+    g = settings or example_settings()
+    n_params = sum(math.prod(s) for s in gpt_parameter_shapes(g.config).values())
+    tokens = g.batch * g.config["block_size"]
     return Case(
         suite=SUITE,
-        name=name,
-        setup=_gpt_inputs,
-        setup_code=_GPT_SETUP,
-        candidate=Variant(
-            "taifuse",
-            _TAIFUSE_GPT_STEP,
-            result="step",
-            prepare=_TAIFUSE_GPT_PREPARE,
-            imports=("numpy as np", "taifuse", "taifuse.optim as optim", _SUITE_IMPORT),
-            note="examples/gpt.py's GPT: forward with the loss, backward, clip_grad_norm_, AdamW step",
-        ),
-        baselines=tuple(baselines),
+        name=_gpt_name(g),
+        setup=functools.partial(_gpt_inputs, config=g.config, batch=g.batch),
+        setup_code=_gpt_setup_code(g.batch),
+        candidate=_taifuse_gpt(g),
+        baselines=(_torch_gpt(g),) if compare_torch else (),
         dtype="float32",
-        shape=f"GPT {n_params} parameters, {tokens} tokens per step; the check compares the loss and "
-        "every clipped gradient of the first step",
+        shape=f"GPT of {n_params} parameters ({g.source}), {tokens} tokens per step; the check "
+        "compares the loss and every clipped gradient of the first step",
         # At least: the batch (int64 tokens and targets), parameters read by the forward, gradients
         # written, AdamW's read of parameter, gradient and two moments and write of three.
         bytes_moved=16 * tokens + 4 * n_params * 9,
-        flops=gpt_step_flops(GPT_CONFIG, GPT_BATCH),
+        flops=gpt_step_flops(g.config, g.batch),
+        # Measured against torch 2.13 (seed 0, the example's first defaults): the loss equal, the
+        # gradients at most 3e-8 apart.
         rtol=1e-3,
         atol=1e-6,
     )
