@@ -6,8 +6,8 @@ Three kinds of case:
 * ``attention forward+backward`` and ``attention forward`` (float32, B=8, H=8, L=S=512, E=64,
   causal): ``F.scaled_dot_product_attention`` on the active backend, on Tensors (forward, then
   backward of a fixed gradient), against PyTorch CPU's ``F.scaled_dot_product_attention`` (its
-  own flash kernel on CPU) and the naive attention in NumPy (the (L, S) probabilities stored
-  whole). The full size in quick mode too: it is the size of issue 16's goal.
+  own flash kernel on CPU) and the naive attention in NumPy (each head's (L, S) probabilities
+  stored whole). The full size in quick mode too: it is the size of issue 16's goal.
 * ``attention peak memory`` (a :class:`~taifuse.bench.suites.memory.MemoryCase`, one head,
   L=S=4096, E=64, no mask): the peak memory of a forward, and of a forward and backward, above
   what the process held before (the inputs), fused against naive, each variant in fresh processes
