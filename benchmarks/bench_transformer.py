@@ -102,9 +102,12 @@ def goals(result: dict) -> list[dict]:
             }
         )
 
-    gpt = transformer.gpt_case(True)
+    # The case's name carries the example's config as it was when the run was made: find it.
     name = "GPT training step: taifuse no slower than torch"
-    row = rows.get(f"{gpt.id}/torch") or rows.get(gpt.id)  # the latter: a skipped case's one row
+    prefix = f"{transformer.SUITE}/gpt step("
+    gpt = [r for r in result["rows"] if r["id"].startswith(prefix)]
+    row = next((r for r in gpt if r["id"].endswith("/torch")), None)
+    row = row or next((r for r in gpt if r.get("kind") == "skipped"), None)
     if row is None or row["value"] is None:
         out.append(_missing(name, row))
     else:

@@ -315,5 +315,12 @@ def test_goals_are_judged_on_the_interval():
     ]
     statuses = [g["status"] for g in script.goals({"rows": rows})]
     assert statuses == ["undecided", "met", "not met", "met"]
+    # A run made at another config of the example: its GPT row is still the one judged.
+    rows[-1] = _row("transformer/gpt step(vocab_size=5, batch=2)/torch", 0.5, 0.6)
+    assert script.goals({"rows": rows})[-1]["status"] == "not met"
+    assert script.goals({"rows": rows})[-1]["value"] == pytest.approx(0.55)
+    skipped = transformer.gpt_case(True, path=Path("/nonexistent/gpt.py")).rows([], None)
+    goal = script.goals({"rows": rows[:-1] + skipped})[-1]
+    assert goal["status"] == "not met" and goal["detail"].startswith("skipped: examples/gpt.py not found")
     # No rows: every goal is not met, none is skipped silently.
     assert [g["status"] for g in script.goals({"rows": []})] == ["not met"] * 4
