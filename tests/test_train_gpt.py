@@ -68,6 +68,9 @@ def test_corpus_is_the_sorted_stdlib_prefix():
     assert corpus.startswith(first[:1000])
     entropy = train_gpt.unigram_entropy(train_gpt.encode(corpus))
     assert 1.0 < entropy < math.log(train_gpt.VOCAB_SIZE)
+    ids = train_gpt.encode(corpus)
+    bigram = train_gpt.bigram_cross_entropy(ids[:40_000], ids[40_000:])
+    assert 1.0 < bigram < entropy  # one character of context helps on code
 
 
 def test_warmup_cosine_schedule():
