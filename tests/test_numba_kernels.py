@@ -494,3 +494,30 @@ def test_elementwise_backward_flushes_subnormal_gradients(name):
     assert np.signbit(got[:2]).tolist() == np.signbit(want[:2]).tolist()
     assert np.isnan(got[3]) and np.isnan(want[3])
     np.testing.assert_allclose(got[[2, 4, 5]], want[[2, 4, 5]], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("user_value", [None, "5"])
+def test_short_openmp_spin_is_set_for_numba_only_and_never_left_behind(user_value):
+    """NOTE [ OpenMP spin between BLAS calls ]: starting the backend loads libgomp with
+    GOMP_SPINCOUNT set only while it loads, so the variable never reaches the rest of the process
+    (or PyTorch, or a child process); a value the user set stays as it was."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"  # libgomp prints the settings it read when it loaded
+    if user_value is not None:
+        env["GOMP_SPINCOUNT"] = user_value
+    code = (
+        "import os, taifuse\n"
+        "taifuse.set_backend('numba')\n"
+        "from taifuse.backends import numba as nb\n"
+        "nb.init()\n"
+        "print(nb.describe()['threading_layer'], os.environ.get('GOMP_SPINCOUNT'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    layer, seen = out.stdout.split()
+    assert seen == str(user_value)
+    if layer == "omp" and "GOMP_SPINCOUNT = " in out.stderr:  # GNU OpenMP (not LLVM's libomp)
+        assert f"GOMP_SPINCOUNT = '{user_value or nb_jit._SHORT_SPIN}'" in out.stderr

@@ -67,7 +67,9 @@ NAME = "numba"
 
 
 def init() -> None:
-    """Nothing heavy: Numba is imported with this package and kernels compile on first use."""
+    """Start Numba's threads (NOTE [ OpenMP spin between BLAS calls ] in ``_jit.py``: before any
+    parallel kernel runs); kernels compile on first use."""
+    _threading_layer()
 
 
 def describe() -> dict:
