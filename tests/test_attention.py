@@ -346,15 +346,24 @@ def _numba_kernel_run(q, k, v, mask, causal, p, grads):
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
 @pytest.mark.parametrize("causal, p", [(True, 0.0), (False, 0.25)])
-def test_numba_result_does_not_depend_on_the_thread_count(dtype, causal, p):
-    """NOTE [ Numba attention threads ]: blocks and heads are shared out between threads, each
-    writing rows (forward) or whole heads (backward) no other thread touches, so one thread and
-    two give the same bits."""
+@pytest.mark.parametrize("heads_per_group", [1, 2, 5])
+def test_numba_result_does_not_depend_on_the_thread_count(dtype, causal, p, heads_per_group, monkeypatch):
+    """NOTE [ Numba attention threads ]: blocks and groups of heads are shared out between
+    threads, each writing rows (forward) or whole heads (backward) no other thread touches, so
+    one thread and two give the same bits, and so does any grouping of the heads (5 heads in
+    groups of 1, of 2 with a last group of 1, and all in one), which also agrees with the
+    reference."""
     numba = pytest.importorskip("numba")
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs two Numba threads")
+    import importlib
+
+    kernels = importlib.import_module("taifuse.backends.numba.attention")
     rng = np.random.default_rng(5)
-    q, k, v, mask = _inputs(rng, (5,), 70, 83, 16, 12, dtype, "float", mask_batch=(5,))
+    L, S = 70, 83
+    q, k, v, mask = _inputs(rng, (5,), L, S, 16, 12, dtype, "float", mask_batch=(5,))
+    monkeypatch.setattr(kernels, "_GROUP_SCORES", heads_per_group * kernels._BLOCK_Q * S)
+    assert kernels._group(5, kernels._BLOCK_Q, S) == heads_per_group
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
@@ -365,7 +374,18 @@ def test_numba_result_does_not_depend_on_the_thread_count(dtype, causal, p):
         numba.set_num_threads(before)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)
-    assert np.isfinite(one[2]).all() and np.isfinite(one[3]).all() and np.isfinite(one[4]).all()
+    out, lse, gq, gk, gv = one
+    g = np.random.default_rng(3).standard_normal(out.shape).astype(dtype)
+    R_out = np.empty(out.shape, F64)
+    R_lse = np.empty(lse.shape, F64)
+    m64 = mask.astype(F64)
+    R.attention(*(a.astype(F64) for a in (q, k, v)), m64, causal, 0.3, p, 99, R_out, R_lse)
+    ref_grads = [np.empty(a.shape, F64) for a in (q, k, v)]
+    R.attention_backward(
+        *(a.astype(F64) for a in (q, k, v)), m64, causal, 0.3, p, 99, R_out, R_lse, g.astype(F64), *ref_grads
+    )
+    for got, ref, what in zip((out, gq, gk, gv), (R_out, *ref_grads), ("out", "grad_q", "grad_k", "grad_v")):
+        _close(got, ref, dtype, what)
 
 
 def test_numba_backward_writes_only_the_gradients_asked_for():

@@ -4,33 +4,40 @@ Signatures and semantics are the reference's (``backends/reference/attention.py`
 [ Attention kernel arguments ]).
 
 NOTE [ Numba attention blocks ]
-The work is cut into blocks of ``_BLOCK_Q`` query rows of one head. For a block, ``q_blk @ k.T``
-goes to BLAS (``np.dot``) into the block's scores, the only scratch that grows with the key
-length; one jitted pass over the block's rows then scales, masks, takes each row's max,
-exponentiates (applying dropout) and writes one log-sum-exp per row; a second BLAS product
-multiplies the unnormalised probabilities by ``v`` and the block's output rows are divided by
-their sums. A block holds its rows' whole key range, so its softmax needs no online rescaling
-(the taichi kernel, which walks keys in tiles, does). Under ``is_causal`` a block reads only
-the keys its last row sees. The scratch is ``_BLOCK_Q * S`` scores per worker, never ``L * S``.
+The work is cut into blocks of ``_BLOCK_Q`` query rows of a group of heads. For a block,
+``q_blk @ k.T`` goes to BLAS (``np.matmul`` over the group's stack, one BLAS call per head
+inside NumPy) into the block's scores, the only scratch that grows with the key length; one
+jitted pass over the block's rows then scales, masks, takes each row's max, exponentiates
+(applying dropout) and writes one log-sum-exp per row; a second product multiplies the
+unnormalised probabilities by ``v`` and the block's output rows are divided by their sums. A
+block holds its rows' whole key range, so its softmax needs no online rescaling (the taichi
+kernel, which walks keys in tiles, does). Under ``is_causal`` a block reads only the keys its
+last row sees. A group holds as many heads as keep its block scores under ``_GROUP_SCORES``
+(one or two heads at L = S = 512, 16 at the example GPT's L = 64): small heads then share one
+Python-level call per product and one row-kernel launch, which took the example's attention
+(B=32, H=4, L=64, E=32, forward+backward, one thread) from 7.5 to 4.6 ms of CPU time, and cost
+nothing measurable at B=8, H=8, L=512, E=64 (143 and 138 ms). The scratch is
+``_GROUP_SCORES`` scores per worker (or one head's ``_BLOCK_Q * S``), never ``L * S``.
 
 The backward (FlashAttention-2's) recomputes each block's scores the same way, with a second
 block-sized buffer for ``grad_out @ v.T``: P = exp(s - lse), dS = P * (dP * Z - D) with
 D = rowsum(grad_out * out) computed in the same pass; grad_q of the block is one product, and
-grad_k, grad_v of a head are summed over its query blocks through a ``(S, E)``-sized buffer.
+grad_k, grad_v of a group are summed over its query blocks through an ``(S, E)``-per-head
+buffer.
 
 NOTE [ Numba attention threads ]
 A block's products are small (64 x 64 by 64 x 512 at E = 64): one BLAS call runs them at about
 90 GFLOP/s on one core here, and its own second thread adds little. So the blocks are shared
-out between ``numba.get_num_threads()`` Python threads instead (``np.dot`` and the ``nogil`` row
+out between ``numba.get_num_threads()`` Python threads instead (NumPy's products and the ``nogil`` row
 kernels release the GIL), each with scratch of its own, and BLAS is held to one thread per call
 for the duration (``_blas_single_threaded``, threadpoolctl): with OpenBLAS's own threads left on,
 two callers' thread teams spun against each other and a B=8, H=8, L=512 forward+backward that
 takes about 0.1 s took 6 to 19 s. Workers take the next item as they finish one: the forward's
-items are (head, block) pairs, the costliest first (under ``is_causal`` the last blocks read
-the most keys), which write disjoint rows; the backward's are whole heads, whose grad_k and
-grad_v sums no other thread touches. No sum is ever split between threads, so the result does
+items are (group, block) pairs, the costliest first (under ``is_causal`` the last blocks read
+the most keys), which write disjoint rows; the backward's are whole groups of heads, whose grad_k
+and grad_v sums no other thread touches. No sum is ever split between threads, so the result does
 not depend on the thread count (tested bit for bit). float16 inputs are widened to float32 a
-block (forward) or a head (backward) at a time in the worker's scratch, never whole tensors;
+block (forward) or a group (backward) at a time in the worker's scratch, never whole tensors;
 float64 runs in float64.
 """
 
@@ -51,6 +58,7 @@ from taifuse.backends.numba._jit import _FMA, _FMA_REDUCE, _exp_neg, _maxnum
 from taifuse.backends.reference.forward import dropout_key, dropout_scale, dropout_threshold
 
 _BLOCK_Q = 64  # query rows per block
+_GROUP_SCORES = 1 << 16  # heads share a product call while their block scores stay under this
 
 
 @njit(**_FMA)
@@ -71,19 +79,22 @@ def _keep(bh, qi, j, L, S, key, threshold):
 
 
 @njit(**_FMA_REDUCE)
-def _softmax_rows(sc, mask, has_mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, inv):
-    # sc (nq, sn) holds q_blk @ k.T; it becomes exp(s - m) (times the dropout factor), with
-    # lse[h, q0 + i] = m + log(sum) and inv[i] = 1 / sum for the output rows.
+def _softmax_rows(sc, mask, has_mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, inv):
+    # sc (g, nq, sn) holds q_blk @ k.T for heads h0 .. h0 + g; it becomes exp(s - m) (times the
+    # dropout factor), with lse[h, q0 + i] = m + log(sum) and inv[g, i] = 1 / sum for the output.
     # NOTE: the max is a pass of its own that stores nothing, and the scaled, masked score is
     # recomputed in the exp pass: LLVM vectorizes a maxnum reduction only alone (a pass that
     # also stored the scores ran 9x slower on a 64 x 512 block), and the sum only under
     # "reassoc". A NaN score still makes its row NaN through the sum.
-    nq, sn = sc.shape
+    gn, nq, sn = sc.shape
     zero = sc.dtype.type(0.0)
-    mrow = mask[h if mask.shape[0] > 1 else 0, 0]
-    for i in range(nq):
+    mrow = mask[0, 0]
+    for r in range(gn * nq):
+        g = r // nq
+        i = r - g * nq
+        h = h0 + g
         qi = q0 + i
-        row = sc[i]
+        row = sc[g, i]
         lim = min(qi + 1, sn) if causal else sn
         if has_mask:
             mrow = mask[h if mask.shape[0] > 1 else 0, qi]
@@ -93,7 +104,7 @@ def _softmax_rows(sc, mask, has_mask, h, q0, L, S, causal, scale, drop, key, thr
         if m == -np.inf:  # a fully masked row: 0, as PyTorch (NOTE [ Attention kernel arguments ])
             row[:] = zero
             lse[h, qi] = -np.inf
-            inv[i] = zero
+            inv[g, i] = zero
             continue
         total = zero
         for j in range(lim):
@@ -104,32 +115,35 @@ def _softmax_rows(sc, mask, has_mask, h, q0, L, S, causal, scale, drop, key, thr
             for j in range(lim):
                 if not _keep(h, qi, j, L, S, key, threshold):
                     row[j] = zero
-            # the kept ones' dropout_scale goes into inv below
         row[lim:] = zero
-        inv[i] = (dscale if drop else 1.0) / total
+        inv[g, i] = (dscale if drop else 1.0) / total  # the kept ones' dropout_scale rides on 1/sum
         lse[h, qi] = m + math.log(total)
 
 
 @njit(**_FMA)
 def _scale_rows(o, inv):
-    for i in range(o.shape[0]):
-        s = inv[i]
-        for e in range(o.shape[1]):
-            o[i, e] *= s
+    for g in range(o.shape[0]):
+        for i in range(o.shape[1]):
+            s = inv[g, i]
+            for e in range(o.shape[2]):
+                o[g, i, e] *= s
 
 
 @njit(**_FMA_REDUCE)
 def _gradient_rows(
-    sc, dp, g, o, mask, has_mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse
+    sc, dp, go, o, mask, has_mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse
 ):
-    # In: sc = q_blk @ k.T, dp = grad_out_blk @ v.T. Out: sc = P * Z (for grad_v), dp = dS * scale,
-    # with dS = P * (dP * Z - D) and D = rowsum(grad_out * out) for the row.
-    nq, sn = sc.shape
+    # In: sc = q_blk @ k.T, dp = grad_out_blk @ v.T over heads h0 .. h0 + g. Out: sc = P * Z (for
+    # grad_v), dp = dS * scale, with dS = P * (dP * Z - D) and D = rowsum(grad_out * out).
+    gn, nq, sn = sc.shape
     zero = sc.dtype.type(0.0)
-    mrow = mask[h if mask.shape[0] > 1 else 0, 0]
-    for i in range(nq):
+    mrow = mask[0, 0]
+    for r in range(gn * nq):
+        g = r // nq
+        i = r - g * nq
+        h = h0 + g
         qi = q0 + i
-        row, drow = sc[i], dp[i]
+        row, drow = sc[g, i], dp[g, i]
         lim = min(qi + 1, sn) if causal else sn
         row_lse = lse[h, qi]
         if row_lse == -np.inf:
@@ -137,8 +151,8 @@ def _gradient_rows(
         if has_mask:
             mrow = mask[h if mask.shape[0] > 1 else 0, qi]
         di = zero
-        for e in range(g.shape[1]):
-            di += g[i, e] * o[i, e]
+        for e in range(go.shape[2]):
+            di += go[g, i, e] * o[g, i, e]
         if drop:
             for j in range(lim):
                 p = _exp_neg(row[j] * scale + (mrow[j] if has_mask else zero) - row_lse)
@@ -236,6 +250,11 @@ def _scratch(workers: int, dtype: np.dtype, *sizes: int) -> list[list[np.ndarray
     return [[host.acquire((n,), dtype) if n else None for n in sizes] for _ in range(workers)]
 
 
+def _group(bh: int, rows: int, s: int) -> int:
+    """Heads per product call: enough that small heads share one (NOTE [ Numba attention blocks ])."""
+    return max(1, min(bh, _GROUP_SCORES // max(1, rows * s)))
+
+
 def attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -259,30 +278,33 @@ def attention(
     sc_scale = ct.type(scale)
     lc = lse if lse.dtype == ct else pool.host_pool().acquire(lse.shape, ct)
     rows = min(_BLOCK_Q, L)
-    # (head, first row) of every block, the costliest first: under is_causal the last blocks
-    # read the most keys, and taking them first evens out the workers' shares.
-    items = [(h, q0) for q0 in range(0, L, rows)[::-1] for h in range(bh)]
+    gs = _group(bh, rows, S)
+    # (first head, first row) of every block, the costliest first: under is_causal the last
+    # blocks read the most keys, and taking them first evens out the workers' shares.
+    items = [(h0, q0) for q0 in range(0, L, rows)[::-1] for h0 in range(0, bh, gs)]
     workers = _workers(len(items))
-    wide = (rows * e, S * e, S * ev, rows * ev) if half else (0, 0, 0, 0)
-    scratch = _scratch(workers, ct, rows * S, rows, *wide)
+    wide = (gs * rows * e, gs * S * e, gs * S * ev, gs * rows * ev) if half else (0, 0, 0, 0)
+    scratch = _scratch(workers, ct, gs * rows * S, gs * rows, *wide)
 
     def task(w: int, item: tuple[int, int]) -> None:
-        buf, inv, bq, bk, bv, bo = scratch[w]
-        h, q0 = item
+        buf, binv, bq, bk, bv, bo = scratch[w]
+        h0, q0 = item
+        h1 = min(h0 + gs, bh)
         q1 = min(q0 + rows, L)
         sn = min(S, q1) if is_causal else S
-        qb = _widened(q[h, q0:q1], ct, bq)
-        kb, vb = _widened(k[h, :sn], ct, bk), _widened(v[h, :sn], ct, bv)
-        sc = _block(buf, q1 - q0, sn)
-        np.dot(qb, kb.T, out=sc)
+        qb = _widened(q[h0:h1, q0:q1], ct, bq)
+        kb, vb = _widened(k[h0:h1, :sn], ct, bk), _widened(v[h0:h1, :sn], ct, bv)
+        sc = _block(buf, h1 - h0, q1 - q0, sn)
+        inv = _block(binv, h1 - h0, q1 - q0)
+        np.matmul(qb, kb.transpose(0, 2, 1), out=sc)
         _softmax_rows(
-            sc, m, has_mask, h, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc, inv
+            sc, m, has_mask, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc, inv
         )  # fmt: skip
-        o = _block(bo, q1 - q0, ev) if half else out[h, q0:q1]
-        np.dot(sc, vb, out=o)
+        o = _block(bo, h1 - h0, q1 - q0, ev) if half else out[h0:h1, q0:q1]
+        np.matmul(sc, vb, out=o)
         _scale_rows(o, inv)
         if half:
-            np.copyto(out[h, q0:q1], o)
+            np.copyto(out[h0:h1, q0:q1], o)
 
     _run(task, items, workers)
     if lc is not lse:
@@ -306,8 +328,8 @@ def attention_backward(
     grad_v: np.ndarray | None,
 ) -> None:
     """The gradients of :func:`attention` from ``out`` and ``lse``, recomputing the scores block
-    by block (NOTE [ Numba attention blocks ]), one head per worker at a time (NOTE [ Numba
-    attention threads ])."""
+    by block (NOTE [ Numba attention blocks ]), one group of heads per worker at a time (NOTE
+    [ Numba attention threads ])."""
     bh, L, e = q.shape
     S, ev = k.shape[1], v.shape[2]
     ct = compute_dtype(q.dtype)
@@ -317,45 +339,49 @@ def attention_backward(
     sc_scale = ct.type(scale)
     lc = lse if lse.dtype == ct else lse.astype(ct)
     rows = min(_BLOCK_Q, L)
-    workers = _workers(bh)
-    # Per worker: the block's scores and dP, one product's (S, max(E, Ev)), the head's grad_q,
-    # grad_k, grad_v in compute precision where they cannot be written in place, and the head's
+    gs = _group(bh, rows, S)
+    groups = list(range(0, bh, gs))
+    workers = _workers(len(groups))
+    # Per worker: the block's scores and dP, one product's (S, max(E, Ev)), the group's grad_q,
+    # grad_k, grad_v in compute precision where they cannot be written in place, and the group's
     # widened float16 inputs.
     own = [g is None or half for g in (grad_q, grad_k, grad_v)]
-    sizes = [rows * S, rows * S, S * max(e, ev)]
-    sizes += [n if o else 0 for n, o in zip((L * e, S * e, S * ev), own)]
-    sizes += [L * e, S * e, S * ev, L * ev, L * ev] if half else [0] * 5
+    sizes = [gs * rows * S, gs * rows * S, gs * S * max(e, ev)]
+    sizes += [gs * n if o else 0 for n, o in zip((L * e, S * e, S * ev), own)]
+    sizes += [gs * n for n in (L * e, S * e, S * ev, L * ev, L * ev)] if half else [0] * 5
     scratch = _scratch(workers, ct, *sizes)
 
-    def task(w: int, h: int) -> None:
+    def task(w: int, h0: int) -> None:
         buf_s, buf_p, buf_t, bdq, bdk, bdv, bq, bk, bv, bg, bo = scratch[w]
-        qh, kh, vh = _widened(q[h], ct, bq), _widened(k[h], ct, bk), _widened(v[h], ct, bv)
-        gh, oh = _widened(grad_out[h], ct, bg), _widened(out[h], ct, bo)
-        dq = _block(bdq, L, e) if own[0] else grad_q[h]
-        dk = _block(bdk, S, e) if own[1] else grad_k[h]
-        dv = _block(bdv, S, ev) if own[2] else grad_v[h]
+        h1 = min(h0 + gs, bh)
+        gn = h1 - h0
+        qh, kh, vh = (_widened(a[h0:h1], ct, b) for a, b in ((q, bq), (k, bk), (v, bv)))
+        gh, oh = _widened(grad_out[h0:h1], ct, bg), _widened(out[h0:h1], ct, bo)
+        dq = _block(bdq, gn, L, e) if own[0] else grad_q[h0:h1]
+        dk = _block(bdk, gn, S, e) if own[1] else grad_k[h0:h1]
+        dv = _block(bdv, gn, S, ev) if own[2] else grad_v[h0:h1]
         dk[...] = 0
         dv[...] = 0
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if is_causal else S
-            sc = _block(buf_s, q1 - q0, sn)
-            dp = _block(buf_p, q1 - q0, sn)
-            np.dot(qh[q0:q1], kh[:sn].T, out=sc)
-            np.dot(gh[q0:q1], vh[:sn].T, out=dp)
+            sc = _block(buf_s, gn, q1 - q0, sn)
+            dp = _block(buf_p, gn, q1 - q0, sn)
+            np.matmul(qh[:, q0:q1], kh[:, :sn].transpose(0, 2, 1), out=sc)
+            np.matmul(gh[:, q0:q1], vh[:, :sn].transpose(0, 2, 1), out=dp)
             _gradient_rows(
-                sc, dp, gh[q0:q1], oh[q0:q1], m, has_mask, h, q0, L, S, is_causal, sc_scale,
+                sc, dp, gh[:, q0:q1], oh[:, q0:q1], m, has_mask, h0, q0, L, S, is_causal, sc_scale,
                 drop, key, threshold, dscale, lc,
             )  # fmt: skip
-            t = _block(buf_t, sn, ev)
-            np.dot(sc.T, gh[q0:q1], out=t)
-            dv[:sn] += t
-            np.dot(dp, kh[:sn], out=dq[q0:q1])
-            t = _block(buf_t, sn, e)
-            np.dot(dp.T, qh[q0:q1], out=t)
-            dk[:sn] += t
+            t = _block(buf_t, gn, sn, ev)
+            np.matmul(sc.transpose(0, 2, 1), gh[:, q0:q1], out=t)
+            dv[:, :sn] += t
+            np.matmul(dp, kh[:, :sn], out=dq[:, q0:q1])
+            t = _block(buf_t, gn, sn, e)
+            np.matmul(dp.transpose(0, 2, 1), qh[:, q0:q1], out=t)
+            dk[:, :sn] += t
         for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq, dk, dv), own):
             if grad is not None and o:
-                np.copyto(grad[h], acc)
+                np.copyto(grad[h0:h1], acc)
 
-    _run(task, list(range(bh)), workers)
+    _run(task, groups, workers)
