@@ -27,9 +27,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse._random", "taifuse.backends.numba", "taifuse.backends.taichi", "taifuse.backends.metal_check",
      "taifuse.backends._metal_selftest"),
     ("taifuse._array_ops", "taifuse._tensor_math"),
-    ("taifuse.tensor",),
+    ("taifuse.tensor", "taifuse.amp.autocast"),  # autocast's state, which the Tensor ops read
     ("taifuse._autograd_ops", "taifuse.functional", "taifuse.checkpoint"),
-    ("taifuse.nn", "taifuse.optim"),
+    ("taifuse.nn", "taifuse.optim", "taifuse.amp"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 

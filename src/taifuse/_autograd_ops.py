@@ -19,7 +19,7 @@ import numpy as np
 from taifuse import _array_ops as A
 from taifuse import _random, backends, pool
 from taifuse._tensor_math import sum_to_shape
-from taifuse.tensor import Function, Tensor, _common_backend
+from taifuse.tensor import Function, Tensor, _common_backend, autocast_args
 
 # ----------------------------------------------------------------------------- plumbing
 
@@ -76,6 +76,13 @@ def _constants(op: str, names: tuple[str, ...], *values: Any) -> tuple[Any, ...]
         _tensor_arg(v, op, name, like=like) if isinstance(v, np.ndarray) else v
         for name, v in zip(names, values)
     )
+
+
+def _autocasting() -> bool:
+    # NOTE: imported here: the taifuse.amp package imports the optimizers (NOTE [ Autocast ]).
+    from taifuse.amp.autocast import is_autocast_enabled
+
+    return is_autocast_enabled()
 
 
 def _no_out(op: str, out: Any) -> None:
@@ -219,13 +226,13 @@ class _MulRelu(_Op):
 
 
 def add_relu(a: Any, b: Any, out: Any) -> Tensor:
-    a, b = _constants("add_relu", ("a", "b"), a, b)
+    a, b = autocast_args("widest", *_constants("add_relu", ("a", "b"), a, b))
     _no_out("add_relu", out)
     return _AddRelu.apply(a, b)
 
 
 def mul_relu(a: Any, b: Any, out: Any) -> Tensor:
-    a, b = _constants("mul_relu", ("a", "b"), a, b)
+    a, b = autocast_args("widest", *_constants("mul_relu", ("a", "b"), a, b))
     _no_out("mul_relu", out)
     return _MulRelu.apply(a, b)
 
@@ -263,7 +270,7 @@ class _Affine(_Op):
 
 
 def affine(x: Any, scale: Any, bias: Any, out: Any) -> Tensor:
-    x, scale, bias = _constants("affine", ("x", "scale", "bias"), x, scale, bias)
+    x, scale, bias = autocast_args("widest", *_constants("affine", ("x", "scale", "bias"), x, scale, bias))
     _no_out("affine", out)
     return _Affine.apply(x, scale, bias)
 
@@ -324,7 +331,7 @@ class _Linear(_Op):
 
 
 def linear(x: Any, weight: Any, bias: Any, activation: str | None, out: Any) -> Tensor:
-    x, weight, bias = _constants("linear", ("x", "weight", "bias"), x, weight, bias)
+    x, weight, bias = autocast_args("lower", *_constants("linear", ("x", "weight", "bias"), x, weight, bias))
     _no_out("linear", out)
     A.check_activation(activation)
     return _Linear.apply(x, weight, bias, activation)
@@ -360,11 +367,13 @@ class _LogSoftmax(_SoftmaxLike):
 
 def softmax(x: Tensor, dim: int, out: Any) -> Tensor:
     _no_out("softmax", out)
+    (x,) = autocast_args("float32", x)
     return _Softmax.apply(x, dim)
 
 
 def log_softmax(x: Tensor, dim: int, out: Any) -> Tensor:
     _no_out("log_softmax", out)
+    (x,) = autocast_args("float32", x)
     return _LogSoftmax.apply(x, dim)
 
 
@@ -404,7 +413,9 @@ class _LayerNorm(_Op):
 
 
 def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: float, out: Any) -> Tensor:
-    x, weight, bias = _constants("layer_norm", ("x", "weight", "bias"), x, weight, bias)
+    x, weight, bias = autocast_args(
+        "float32", *_constants("layer_norm", ("x", "weight", "bias"), x, weight, bias)
+    )
     _no_out("layer_norm", out)
     norm_shape, eps = A.layer_norm_args(normalized_shape, eps)
     x = _tensor_arg(x, "layer_norm", "x")
@@ -447,7 +458,7 @@ class _RmsNorm(_Op):
 
 
 def rms_norm(input: Any, normalized_shape: Any, weight: Any, eps: float | None, out: Any) -> Tensor:
-    x, weight = _constants("rms_norm", ("input", "weight"), input, weight)
+    x, weight = autocast_args("float32", *_constants("rms_norm", ("input", "weight"), input, weight))
     _no_out("rms_norm", out)
     norm_shape, eps = A.rms_norm_args(normalized_shape, eps)
     x = _tensor_arg(x, "rms_norm", "input")
@@ -596,8 +607,12 @@ def scaled_dot_product_attention(
     (a NumPy array or a Tensor) is a constant: it gets no gradient."""
     op = A._SDPA
     q = _tensor_arg(query, op, "query")
-    k = _tensor_arg(key, op, "key", like=q)
-    v = _tensor_arg(value, op, "value", like=q)
+    k, v = _tensor_arg(key, op, "key"), _tensor_arg(value, op, "value")
+    if isinstance(attn_mask, np.ndarray) and attn_mask.dtype.kind == "f" and _autocasting():
+        attn_mask = _tensor_arg(attn_mask, op, "attn_mask")  # a float mask is cast with the rest
+    q, k, v, attn_mask = autocast_args("lower", q, k, v, attn_mask)
+    k = _tensor_arg(k, op, "key", like=q)
+    v = _tensor_arg(v, op, "value", like=q)
     batch, L, S, E, _ = A.attention_shapes(q.shape, k.shape, v.shape)
     p, causal, scale = A.attention_options(dropout_p, is_causal, scale, attn_mask is not None, E)
     if isinstance(attn_mask, Tensor):
@@ -627,8 +642,8 @@ class _MseLoss(_Op):
 def mse_loss(input: Any, target: Any, reduction: str) -> Tensor:
     """Mean squared error; see ``taifuse.functional.mse_loss``."""
     reduction = A.check_reduction(reduction, "mse_loss")
-    x = _tensor_arg(input, "mse_loss", "input")
-    t = _tensor_arg(target, "mse_loss", "target", like=x)
+    x, t = autocast_args("float32", _tensor_arg(input, "mse_loss", "input"), target)
+    t = _tensor_arg(t, "mse_loss", "target", like=x)
     if x.shape != t.shape:
         raise ValueError(f"mse_loss: input {x.shape} and target {t.shape} should have the same shape")
     return _MseLoss.apply(x, t, reduction)
@@ -675,7 +690,7 @@ def cross_entropy(logits: Any, target: Any, reduction: str) -> Any:
     NumPy logits with a Tensor target give a NumPy loss, as NumPy logits always do."""
     reduction = A.check_reduction(reduction, "cross_entropy")
     host = not isinstance(logits, Tensor)
-    x = _tensor_arg(logits, "cross_entropy", "logits")
+    (x,) = autocast_args("float32", _tensor_arg(logits, "cross_entropy", "logits"))
     if x.ndim not in (1, 2):
         raise ValueError(f"cross_entropy: logits should be (N, C) or (C,), got shape {x.shape}")
     rows = None if x.ndim == 1 else x.shape[0]

@@ -400,10 +400,16 @@ class Tensor:
         return self._binary(_Div, other, reflected=True)
 
     def __matmul__(self, other: Any) -> Tensor:
-        return _MatMul.apply(*_promoted(self, other, self, "matmul", scalars=False))
+        return self._matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> Tensor:
-        return _MatMul.apply(*_promoted(other, self, self, "matmul", scalars=False))
+        return self._matmul(other, self)
+
+    def _matmul(self, a: Any, b: Any) -> Tensor:
+        # Autocast first (NOTE [ Autocast ]), so that a float16 operand is not promoted to float32
+        # and cast back.
+        a, b = autocast_args("lower", _operand(a, self, "matmul", False), _operand(b, self, "matmul", False))
+        return _MatMul.apply(*_promoted(a, b, self, "matmul", scalars=False))
 
     # NOTE [ In-place ops ]
     # ``p -= lr * p.grad`` updates the array in place, for optimizer steps under ``no_grad``. With
@@ -511,11 +517,13 @@ class Tensor:
 
     def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
         """Sum over ``dim`` (all dimensions when ``None``)."""
-        return _Sum.apply(self, _normalize_dims(dim, self.ndim, "sum"), bool(keepdim), False)
+        (a,) = autocast_args("float32", self)
+        return _Sum.apply(a, _normalize_dims(dim, self.ndim, "sum"), bool(keepdim), False)
 
     def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
         """Mean over ``dim`` (all dimensions when ``None``)."""
-        return _Sum.apply(self, _normalize_dims(dim, self.ndim, "mean"), bool(keepdim), True)
+        (a,) = autocast_args("float32", self)
+        return _Sum.apply(a, _normalize_dims(dim, self.ndim, "mean"), bool(keepdim), True)
 
     def reshape(self, *shape: Any) -> Tensor:
         """The same data in ``shape`` (one entry may be -1)."""
@@ -1260,6 +1268,70 @@ class _Cast(Function):
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         return astype(self.m, g, self.in_dtype), None
+
+
+# NOTE [ Autocast ]
+# Under ``taifuse.amp.autocast`` (its state and the cast cache live in taifuse/amp/autocast.py) an
+# op of the low-precision list casts its floating Tensor arguments to the autocast dtype
+# (``policy="lower"``), one of the float32 list to float32 (``"float32"``), and one of the promote
+# list to the widest of its arguments' dtypes (``"widest"``), as PyTorch's CastPolicy does; the
+# lists are in docs/amp.md. float64 arguments are never cast down. Each cast is a ``_Cast`` node,
+# so gradients go back in the argument's own dtype; a parameter's cast to the autocast dtype is
+# cached for the outermost region (NOTE [ Autocast cache ]).
+
+
+_active_autocast: Callable[[], Any] | None = None
+
+
+def _autocast_state() -> Any:
+    global _active_autocast
+    if _active_autocast is None:
+        # NOTE: imported on first use, not at the top: the taifuse.amp package imports the
+        # optimizers, which import this module.
+        from taifuse.amp.autocast import active_state
+
+        _active_autocast = active_state
+    return _active_autocast()
+
+
+def _autocast_cast(state: Any, t: Tensor, dtype: np.dtype) -> Tensor:
+    cacheable = (
+        state.cache_enabled
+        and dtype == state.dtype
+        and t.dtype == np.float32
+        and t.is_leaf
+        and t.requires_grad
+    )
+    if not cacheable:
+        return _Cast.apply(t, dtype)
+    key = (id(t), is_grad_enabled())
+    hit = state.cache.get(key)
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    cast = _Cast.apply(t, dtype)
+    state.cache[key] = (t, cast)
+    return cast
+
+
+def autocast_args(policy: str, *values: Any) -> tuple[Any, ...]:
+    """``values`` with their floating Tensors cast as autocast's ``policy`` says ("lower",
+    "float32" or "widest"; NOTE [ Autocast ]), or unchanged when autocast is off."""
+    state = _autocast_state()
+    if state is None:
+        return values
+    floats = [v for v in values if isinstance(v, Tensor) and v.dtype.kind == "f"]
+    if policy == "lower":
+        target = state.dtype
+    elif policy == "float32":
+        target = np.dtype(np.float32)
+    else:
+        target = functools.reduce(np.promote_types, (v.dtype for v in floats), np.dtype(np.float16))
+    return tuple(
+        _autocast_cast(state, v, target)
+        if isinstance(v, Tensor) and v.dtype.kind == "f" and v.dtype != target and v.dtype != np.float64
+        else v
+        for v in values
+    )
 
 
 class _Neg(Function):
