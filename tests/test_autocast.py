@@ -465,3 +465,27 @@ def test_enabled_flags_should_be_bool(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(TypeError, match=name):
         autocast(**kwargs)
+
+
+def test_a_checkpoint_recomputes_under_the_forwards_autocast(backend):
+    """As PyTorch's checkpoint: the backward (run after the region) recomputes the segment in the
+    forward's dtypes, so its gradients are those of the unchecked autocast run, not of a float32
+    recomputation (which would differ by float16 rounding)."""
+    from taifuse.checkpoint import checkpoint
+
+    backend.activate()
+    taifuse.manual_seed(8)
+    block = nn.Sequential(nn.Linear(8, 16, activation="gelu"), nn.Linear(16, 8))
+    x_data = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
+    grads = []
+    for checked in (False, True):
+        block.zero_grad()
+        x = taifuse.tensor(x_data, requires_grad=True)
+        with autocast():
+            y = checkpoint(block, x) if checked else block(x)
+            assert y.dtype == F16
+            loss = F.mse_loss(y, np.zeros((4, 8), np.float32))
+        loss.backward()
+        grads.append([x.grad.numpy().copy()] + [p.grad.numpy().copy() for p in block.parameters()])
+    for unchecked, checked in zip(*grads):
+        np.testing.assert_array_equal(checked, unchecked)

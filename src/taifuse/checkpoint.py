@@ -54,13 +54,14 @@ class _Checkpoint(Function):
     fn: Callable[..., Tensor]
     args: tuple[Any, ...]
     rng_state: dict | None
+    autocast: dict[str, Any]  # the forward's autocast settings, which the recomputation runs under
     # The gradients handed back are the .grad arrays of leaves made for this backward alone (one
     # per argument), which die with it: the engine may keep them without copying.
     owns_grads = True
 
     def backward(self, grad: Any) -> tuple[Any, ...]:
         inputs = _detached(self.args, self.needs_grad)
-        out = [_recompute(self.fn, inputs, self.rng_state)]
+        out = [_recompute(self.fn, inputs, self.rng_state, self.autocast)]
         if out[0].requires_grad:
             # Handed over, not kept: the engine frees the recomputed output once its node has run.
             _run_backward(out.pop(), grad, retain_graph=False)
@@ -68,6 +69,13 @@ class _Checkpoint(Function):
             a.grad._data if needed and isinstance(a, Tensor) and a.grad is not None else None
             for a, needed in zip(inputs, self.needs_grad)
         )
+
+
+def _autocast_kwargs() -> dict[str, Any]:
+    # NOTE: imported here: the taifuse.amp package imports the optimizers.
+    from taifuse.amp.autocast import autocast_kwargs
+
+    return autocast_kwargs()
 
 
 def _detached(args: Sequence[Any], needs_grad: Sequence[bool]) -> tuple[Any, ...]:
@@ -91,18 +99,25 @@ def _call(fn: Callable[..., Any], inputs: tuple[Any, ...]) -> Tensor:
     return out
 
 
-def _recompute(fn: Callable[..., Any], inputs: tuple[Any, ...], rng_state: dict | None) -> Tensor:
+def _recompute(
+    fn: Callable[..., Any], inputs: tuple[Any, ...], rng_state: dict | None, autocast_kwargs: dict[str, Any]
+) -> Tensor:
     """``fn(*inputs)`` with the generator set to ``rng_state`` for the call and restored afterwards
     (also when ``fn`` raises), so that the recomputation draws the forward's random numbers and the
-    caller's stream continues as if nothing had run."""
-    if rng_state is None:
-        return _call(fn, inputs)
-    current = _random.get_rng_state()
-    _random.set_rng_state(rng_state)
-    try:
-        return _call(fn, inputs)
-    finally:
-        _random.set_rng_state(current)
+    caller's stream continues as if nothing had run; and under the forward's autocast settings, so
+    that it computes in the forward's dtypes (as PyTorch's checkpoint does)."""
+    # NOTE: imported here: the taifuse.amp package imports the optimizers.
+    from taifuse.amp.autocast import autocast
+
+    with autocast(**autocast_kwargs):
+        if rng_state is None:
+            return _call(fn, inputs)
+        current = _random.get_rng_state()
+        _random.set_rng_state(rng_state)
+        try:
+            return _call(fn, inputs)
+        finally:
+            _random.set_rng_state(current)
 
 
 def checkpoint(fn: Callable[..., Tensor], *args: Any, preserve_rng_state: bool = True) -> Tensor:
@@ -159,6 +174,7 @@ def checkpoint(fn: Callable[..., Tensor], *args: Any, preserve_rng_state: bool =
     ctx = _Checkpoint()
     ctx.be, ctx.m = out._be, math_for(out._be)
     ctx.fn, ctx.args, ctx.rng_state = fn, tuple(args), rng_state
+    ctx.autocast = _autocast_kwargs()
     ctx.needs_grad = needs_grad
     ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)
     # A new Tensor on the output's array: dropping `out` drops the graph fn built (nothing else

@@ -75,6 +75,13 @@ def get_autocast_dtype() -> np.dtype:
     return _state().dtype
 
 
+def autocast_kwargs() -> dict[str, Any]:
+    """This thread's autocast settings as ``autocast``'s keyword arguments, for a region that
+    must compute as this one does later (a checkpoint's recomputation, as PyTorch's)."""
+    state = _state()
+    return {"dtype": state.dtype, "enabled": state.enabled, "cache_enabled": state.cache_enabled}
+
+
 def clear_autocast_cache() -> None:
     """Drop this thread's cached weight casts (``torch.clear_autocast_cache``); leaving the
     outermost ``autocast`` region does it."""
