@@ -8,9 +8,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -200,7 +201,10 @@ def _assert_grads_close(named, ref_grads: dict[str, np.ndarray], what: str) -> N
 def _mlp() -> nn.Module:
     taifuse.manual_seed(3)
     return nn.Sequential(
-        nn.Linear(16, 64, activation="gelu"), nn.LayerNorm(64), nn.Linear(64, 64, activation="relu"), nn.Linear(64, 5)
+        nn.Linear(16, 64, activation="gelu"),
+        nn.LayerNorm(64),
+        nn.Linear(64, 64, activation="relu"),
+        nn.Linear(64, 5),
     )
 
 
@@ -246,7 +250,9 @@ def _load_gpt():
 def test_gpt_gradients_under_autocast_match_float32(backend):
     backend.activate()
     gpt = _load_gpt()
-    config = gpt.GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True)
+    config = gpt.GPTConfig(
+        vocab_size=11, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True
+    )
     taifuse.manual_seed(0)
     model = gpt.GPT(config)
     start = np.random.default_rng(7).integers(0, config.vocab_size, (4, 1))
