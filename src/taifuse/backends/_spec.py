@@ -55,7 +55,7 @@ BACKWARD_KERNEL_NAMES = (
     "embedding_backward",
 )
 # Fused optimizer update kernels (taifuse.optim).
-OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite")
+OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite", "unscale_check")
 # Array helpers every backend exports.
 ARRAY_API = ("NAME", "init", "describe", "check_dtype", "is_array", "from_numpy", "to_numpy", "empty")
 

@@ -136,6 +136,28 @@ class _Bucket:
     def grad_flat(self) -> Any:
         return self.grad_buf if self.flat else self.params[0].grad._data.reshape(-1)
 
+    def grads_in_place(self) -> list[Any]:
+        """Every gradient of this bucket as flat arrays that are the ``.grad`` storage itself, so
+        that writing them changes ``p.grad`` (``GradScaler.unscale_``): the gradients that lie in
+        their slots as slices of the flat buffer, one per run of neighbours, and each other one
+        (a ``.grad`` assigned by hand, a kept one) as its own array. Slots of parameters without
+        a gradient are left out: they may hold stale values."""
+        parts: list[Any] = []
+        lo = None
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if self.flat and g is not None and self.slots[i].holds(g._data):
+                lo = self.bounds[i] if lo is None else lo
+                continue
+            if lo is not None:
+                parts.append(self.grad_buf[lo : self.bounds[i]])
+                lo = None
+            if g is not None:
+                parts.append(g._data.reshape(-1))
+        if lo is not None:
+            parts.append(self.grad_buf[lo : self.size])
+        return parts
+
     def part(self, arr: Any, run: _Run) -> Any:
         if not self.flat or (run.lo == 0 and run.hi == self.size):
             return arr

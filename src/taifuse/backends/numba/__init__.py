@@ -61,7 +61,7 @@ from taifuse.backends.numba.forward import (
     softmax,
     tanh,
 )
-from taifuse.backends.numba.optim import adam_step, all_finite, lion_step, sgd_step
+from taifuse.backends.numba.optim import adam_step, all_finite, lion_step, sgd_step, unscale_check
 
 NAME = "numba"
 
@@ -136,4 +136,5 @@ __all__ = [
     "tanh",
     "tanh_backward",
     "to_numpy",
+    "unscale_check",
 ]

@@ -393,3 +393,49 @@ def all_finite(arrays: Sequence[np.ndarray]) -> bool:
         if math.isnan(total):
             return False
     return True
+
+
+# ----------------------------------------------------------------------------- GradScaler's unscale
+
+
+@njit(**_REASSOC, inline="always")
+def _unscale_span(x, inv):
+    # One read and one write per element: the product stored, the check folded into a sum of
+    # v - v (0 for a finite v, NaN for an infinity or a NaN), as _nonfinite_span.
+    v0 = _widen(x[0])
+    acc = v0 - v0
+    for i in range(x.size):
+        v = _widen(x[i])
+        acc += v - v
+        x[i] = _narrow(v * inv, x)
+    return acc
+
+
+@njit(**_REASSOC)
+def _unscale_block(x, lo, hi, inv):
+    return _unscale_span(x[lo:hi], inv)
+
+
+@njit(**_REASSOC_PARALLEL)
+def _unscale_parallel(x, inv):
+    n = x.size
+    acc = 0.0
+    for item in prange(_count(n, _BLOCK)):
+        lo, hi = _bounds(item, n, _BLOCK)
+        acc += np.float64(_unscale_block(x, lo, hi, inv))
+    return acc
+
+
+def unscale_check(grads: Sequence[np.ndarray], inv_scale: float) -> bool:
+    """Scale every gradient by ``inv_scale`` in place and report a NaN or infinity, in one pass
+    over each (see ``reference.optim.unscale_check``)."""
+    found_inf = False
+    for g in grads:
+        if g.size == 0:
+            continue
+        xf = _flat(g)
+        # inv_scale is a float32 (GradScaler's scale is); float64 gradients multiply by it widened.
+        inv = compute_dtype(g.dtype).type(np.float32(inv_scale))
+        total = _unscale_parallel(xf, inv) if _jit._parallel(xf.size) else _unscale_block(xf, 0, xf.size, inv)
+        found_inf = found_inf or math.isnan(total)
+    return found_inf

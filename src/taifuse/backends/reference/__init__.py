@@ -58,7 +58,7 @@ from taifuse.backends.reference.forward import (
     softmax,
     tanh,
 )
-from taifuse.backends.reference.optim import adam_step, all_finite, lion_step, sgd_step
+from taifuse.backends.reference.optim import adam_step, all_finite, lion_step, sgd_step, unscale_check
 
 NAME = "numpy"
 
@@ -129,4 +129,5 @@ __all__ = [
     "tanh",
     "tanh_backward",
     "to_numpy",
+    "unscale_check",
 ]

@@ -20,6 +20,7 @@ Signatures (the kernel table ``taifuse.backends.OPTIM_KERNEL_NAMES``)::
               weight_decay, decoupled, amsgrad, maximize)
     lion_step(param, grad, exp_avg, lr, beta1, beta2, weight_decay)
     all_finite(arrays) -> bool
+    unscale_check(grads, inv_scale) -> found_inf
 
 ``momentum_buffer`` is ``None`` when ``momentum == 0`` and ``max_exp_avg_sq`` is ``None`` unless
 ``amsgrad``; ``step`` is the 1-based number of the step being taken (for Adam's bias correction).
@@ -254,3 +255,24 @@ def all_finite(arrays: Sequence[np.ndarray]) -> bool:
     One call covers a whole step's gradients, so a device backend answers with one read-back.
     """
     return all(bool(np.isfinite(a).all()) for a in arrays)
+
+
+@_QUIET
+def unscale_check(grads: Sequence[np.ndarray], inv_scale: float) -> bool:
+    """Multiply every gradient in ``grads`` by ``inv_scale`` in place; whether any held a NaN or an infinity.
+
+    The fused pass of ``taifuse.amp.GradScaler.unscale_`` (PyTorch's
+    ``_amp_foreach_non_finite_check_and_unscale_``): each element is checked and scaled in one
+    read and one write. ``inv_scale`` enters as a float32 (GradScaler's scale is a float32), the
+    product is computed in the compute precision (float32 for float16 storage) and rounded once
+    to the storage dtype. Every element is scaled, a non-finite one included (the step that follows
+    is then skipped). One call covers a whole step's gradients, so a device backend answers with
+    one read-back.
+    """
+    found_inf = False
+    for g in grads:
+        ct = compute_dtype(g.dtype)
+        x = g.astype(ct)
+        found_inf = found_inf or not bool(np.isfinite(x).all())
+        g[...] = x * ct.type(np.float32(inv_scale))
+    return found_inf

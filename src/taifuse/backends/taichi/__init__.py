@@ -76,7 +76,7 @@ from taifuse.backends.taichi.forward import (
     softmax,
     tanh,
 )
-from taifuse.backends.taichi.optim import adam_step, all_finite, lion_step, sgd_step
+from taifuse.backends.taichi.optim import adam_step, all_finite, lion_step, sgd_step, unscale_check
 from taifuse.backends.taichi.tensor_math import TENSOR_MATH
 
 __all__ = [
@@ -138,6 +138,7 @@ __all__ = [
     "tanh_backward",
     "to_numpy",
     "transfer_stats",
+    "unscale_check",
 ]
 
 

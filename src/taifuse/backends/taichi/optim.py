@@ -34,7 +34,7 @@ from taifuse.backends.taichi._runtime import (
     _ti_dtype,
 )
 
-__all__ = ["adam_step", "all_finite", "all_kernels", "lion_step", "sgd_step"]
+__all__ = ["adam_step", "all_finite", "all_kernels", "lion_step", "sgd_step", "unscale_check"]
 
 
 @functools.cache
@@ -135,6 +135,16 @@ def _kernels(dtype: np.dtype) -> SimpleNamespace:
                 ti.atomic_or(flag[0], 1)
 
     @ti.kernel
+    def unscale_mark(x: X, n: ti.i32, inv_scale: ti.f32, flag: I32):
+        # GradScaler's unscale: check (as mark_nonfinite, an integer OR: no float atomics) and scale
+        # in one read and one write per element.
+        for i in range(n):
+            v = ti.cast(x[i], ti.f32)
+            if (ti.bit_cast(v, ti.i32) & 0x7F800000) == 0x7F800000:
+                ti.atomic_or(flag[0], 1)
+            x[i] = ti.cast(v * inv_scale, T)
+
+    @ti.kernel
     def take_flag(flag: I32) -> ti.i32:
         value = flag[0]
         flag[0] = 0
@@ -146,6 +156,7 @@ def _kernels(dtype: np.dtype) -> SimpleNamespace:
         adam=adam,
         lion=lion,
         mark_nonfinite=mark_nonfinite,
+        unscale_mark=unscale_mark,
         take_flag=take_flag,
     )
 
@@ -228,6 +239,16 @@ def all_finite(arrays) -> bool:
     arrays = [a for a in arrays if a.size]
     if not arrays:
         return True
+    flag = _flag()
+    for x in arrays:
+        _kernels(x.dtype).mark_nonfinite(_nd(x), x.size, flag)
+    bad = _kernels(arrays[0].dtype).take_flag(flag)
+    _count_transfer("device_to_host", 4)
+    return bad == 0
+
+
+def _flag():
+    """The runtime's 1-element int32 flag that the marking kernels OR into (zero between calls)."""
     generation = _state["generation"]
     if generation not in _flags:
         # Through the runtime's storage class: see NOTE [ Re-initialising Taichi ] in _runtime.py.
@@ -235,9 +256,19 @@ def all_finite(arrays) -> bool:
         # as the runtime, not a result: it does not come from the pool.
         _flags.clear()
         _flags[generation] = _make_storage(_ti_dtype(np.int32), 1)
-    flag = _flags[generation]
-    for x in arrays:
-        _kernels(x.dtype).mark_nonfinite(_nd(x), x.size, flag)
-    bad = _kernels(arrays[0].dtype).take_flag(flag)
+    return _flags[generation]
+
+
+def unscale_check(grads, inv_scale) -> bool:
+    """Scale every gradient by ``inv_scale`` in place and report a NaN or infinity: one kernel per
+    array, one 4-byte read-back (see ``reference.optim.unscale_check``)."""
+    grads = [g for g in grads if g.size]
+    if not grads:
+        return False
+    flag = _flag()
+    inv = float(np.float32(inv_scale))
+    for g in grads:
+        _kernels(g.dtype).unscale_mark(_nd(g), g.size, inv, flag)
+    found = _kernels(grads[0].dtype).take_flag(flag)
     _count_transfer("device_to_host", 4)
-    return bad == 0
+    return found != 0
