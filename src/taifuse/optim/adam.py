@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from taifuse.optim import _functional as fn
 from taifuse.optim.optimizer import Optimizer, check_betas, check_number
 
@@ -23,6 +25,10 @@ class Adam(Optimizer):
             anything (``ValueError``), at the cost of one more read of every gradient. Default
             False: a non-finite gradient spreads into the parameters, as in ``torch.optim``
             (NOTE [ Non-finite gradients ] in ``optimizer.py``).
+        state_dtype: ``np.float32`` (the default: the state in the parameters' dtype) or
+            ``"bfloat16"``: momentum and moments stored in bfloat16 (as uint16 bit patterns), half
+            the bytes, widened to float32 for the update and rounded to nearest even when stored
+            (float32 parameters only).
 
     With :math:`g` the gradient (plus :math:`\lambda p`) and :math:`t` the step:
 
@@ -59,6 +65,7 @@ class Adam(Optimizer):
         maximize: bool = False,
         *,
         check_finite: bool = False,
+        state_dtype: Any = np.float32,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -68,7 +75,7 @@ class Adam(Optimizer):
             "amsgrad": amsgrad,
             "maximize": maximize,
         }
-        super().__init__(params, defaults, check_finite=check_finite)
+        super().__init__(params, defaults, check_finite=check_finite, state_dtype=state_dtype)
 
     def _hyper(self, group: dict[str, Any]) -> fn.AdamHyper:
         name = self._name
@@ -118,5 +125,16 @@ class AdamW(Adam):
         maximize: bool = False,
         *,
         check_finite: bool = False,
+        state_dtype: Any = np.float32,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, check_finite=check_finite)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            check_finite=check_finite,
+            state_dtype=state_dtype,
+        )

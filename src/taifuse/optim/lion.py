@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from taifuse.optim import _functional as fn
 from taifuse.optim.optimizer import Optimizer, check_betas, check_number
 
@@ -20,6 +22,10 @@ class Lion(Optimizer):
             anything (``ValueError``), at the cost of one more read of every gradient. Default
             False: a non-finite gradient spreads into the parameters, as in ``torch.optim``
             (NOTE [ Non-finite gradients ] in ``optimizer.py``).
+        state_dtype: ``np.float32`` (the default: the state in the parameters' dtype) or
+            ``"bfloat16"``: momentum and moments stored in bfloat16 (as uint16 bit patterns), half
+            the bytes, widened to float32 for the update and rounded to nearest even when stored
+            (float32 parameters only).
 
     .. math::
         c = \beta_1 m + (1 - \beta_1) g, \quad
@@ -50,9 +56,10 @@ class Lion(Optimizer):
         weight_decay: float = 0.0,
         *,
         check_finite: bool = False,
+        state_dtype: Any = np.float32,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-        super().__init__(params, defaults, check_finite=check_finite)
+        super().__init__(params, defaults, check_finite=check_finite, state_dtype=state_dtype)
 
     def _hyper(self, group: dict[str, Any]) -> fn.LionHyper:
         beta1, beta2 = check_betas("Lion", group["betas"])

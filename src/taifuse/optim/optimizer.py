@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from taifuse.backends.reference.optim import BFLOAT16_BITS, from_bfloat16_bits, to_bfloat16_bits
 from taifuse.tensor import GradSlot, Tensor, bind_storage, enable_grad, set_grad_slot, storage_is
 
 _NEEDED = object()  # what the zeros factory returns when we only ask which state arrays exist
@@ -76,6 +77,22 @@ def check_betas(opt: str, betas: Any) -> tuple[float, float]:
     )
 
 
+BFLOAT16 = "bfloat16"
+
+
+def check_state_dtype(opt: str, state_dtype: Any) -> bool:
+    """Whether ``state_dtype`` asks for bfloat16 state; ``ValueError`` naming it unless it is
+    float32 (the default: the state in the parameters' own dtype) or ``"bfloat16"``."""
+    if isinstance(state_dtype, str) and state_dtype == BFLOAT16:
+        return True
+    try:
+        if np.dtype(state_dtype) == np.float32:
+            return False
+    except TypeError:
+        pass
+    raise ValueError(f"{opt} state_dtype should be np.float32 or 'bfloat16', got {state_dtype!r}")
+
+
 def _is_host(arr: Any) -> bool:
     return isinstance(arr, np.ndarray)
 
@@ -94,10 +111,12 @@ class _Run(NamedTuple):
 class _Bucket:
     """One group's parameters of one dtype and backend, in flat buffers (NOTE [ Flat buffers ])."""
 
-    def __init__(self, params: list[Tensor]) -> None:
+    def __init__(self, params: list[Tensor], bf16_state: bool = False) -> None:
         self.params = params
         self.be: ModuleType = params[0]._be
         self.dtype = params[0].dtype
+        # NOTE [ bfloat16 optimizer state ] in backends/reference/optim.py: uint16 bit patterns.
+        self.state_dtype = BFLOAT16_BITS if bf16_state else self.dtype
         self.flat = _is_host(params[0]._data)
         sizes = [p.size for p in params]
         self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
@@ -127,8 +146,8 @@ class _Bucket:
 
     def zeros(self) -> Any:
         if self.flat:
-            return np.zeros(self.size, self.dtype)
-        return self.be.empty((self.size,), self.dtype)  # device arrays start zeroed
+            return np.zeros(self.size, self.state_dtype)
+        return self.be.empty((self.size,), self.state_dtype)  # device arrays start zeroed
 
     def param_flat(self) -> Any:
         return self.param_buf if self.flat else self.params[0]._data.reshape(-1)
@@ -236,23 +255,35 @@ class _Bucket:
     # -- per-parameter state (state_dict layout)
 
     def segment_array(self, name: str, i: int) -> np.ndarray:
-        """A host copy of state array ``name`` for parameter ``i``, in its shape."""
+        """A host copy of state array ``name`` for parameter ``i``, in its shape (bfloat16 state
+        as its uint16 bits)."""
         arr = self.arrays[name]
         lo, hi = self.bounds[i], self.bounds[i + 1]
         host = arr[lo:hi] if self.flat else self.be.to_numpy(arr)
         return np.array(host, copy=True).reshape(self.params[i].shape)
 
     def write_segment(self, name: str, i: int, value: np.ndarray) -> None:
+        """Write parameter ``i``'s state array ``name`` from ``value``: floats (rounded to
+        bfloat16 for bfloat16 state) or bfloat16 bits (uint16; widened for float state)."""
         if name not in self.arrays:
             self.arrays[name] = self.zeros()
+        if self.state_dtype == BFLOAT16_BITS:
+            value = value if value.dtype == BFLOAT16_BITS else to_bfloat16_bits(value)
+        elif value.dtype == BFLOAT16_BITS:
+            value = from_bfloat16_bits(value)
         if self.flat:
             lo, hi = self.bounds[i], self.bounds[i + 1]
-            np.copyto(self.arrays[name][lo:hi], value.reshape(-1))
+            np.copyto(self.arrays[name][lo:hi], value.reshape(-1), casting="unsafe")
         else:
-            self.arrays[name] = self.be.from_numpy(np.ascontiguousarray(value.reshape(-1), dtype=self.dtype))
+            self.arrays[name] = self.be.from_numpy(
+                np.ascontiguousarray(value.reshape(-1), dtype=self.state_dtype)
+            )
 
     def view(self, name: str, i: int) -> Any:
         arr = self.arrays[name]
+        if self.state_dtype == BFLOAT16_BITS:  # no bfloat16 view exists: a float32 copy
+            values = from_bfloat16_bits(self.segment_array(name, i)).reshape(self.params[i].shape)
+            return values if self.flat else self.be.from_numpy(values)
         if self.flat:
             return arr[self.bounds[i] : self.bounds[i + 1]].reshape(self.params[i].shape)
         return arr.reshape(self.params[i].shape)
@@ -274,9 +305,12 @@ class Optimizer:
     _update: Callable
     _STEP_IN_STATE = False
 
-    def __init__(self, params: Any, defaults: dict[str, Any], *, check_finite: bool = False) -> None:
+    def __init__(
+        self, params: Any, defaults: dict[str, Any], *, check_finite: bool = False, state_dtype: Any = np.float32
+    ) -> None:
         self.defaults = dict(defaults)
         self.check_finite = bool(check_finite)
+        self._bf16_state = check_state_dtype(type(self).__name__, state_dtype)
         self.param_groups: list[dict[str, Any]] = []
         self._buckets: list[list[_Bucket]] = []
         if isinstance(params, Tensor):
@@ -325,6 +359,9 @@ class Optimizer:
             raise ValueError(f"{self._name}: some parameters appear in more than one parameter group")
         group = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}, "params": params}
         self._hyper(group)  # validates, names the bad value
+        if self._bf16_state and any(p.dtype != np.float32 for p in params):
+            bad = next(p.dtype for p in params if p.dtype != np.float32)
+            raise TypeError(f"{self._name} state_dtype='bfloat16' needs float32 parameters, got {bad}")
         # Buckets by (backend, dtype), in first-appearance order (NOTE [ Flat buffers ]).
         by_key: dict[tuple, list[Tensor]] = {}
         for p in params:
@@ -332,9 +369,9 @@ class Optimizer:
         buckets = []
         for members in by_key.values():
             if _is_host(members[0]._data):
-                buckets.append(_Bucket(members))
+                buckets.append(_Bucket(members, self._bf16_state))
             else:
-                buckets.extend(_Bucket([p]) for p in members)
+                buckets.extend(_Bucket([p], self._bf16_state) for p in members)
         self.param_groups.append(group)
         self._buckets.append(buckets)
 
@@ -430,7 +467,8 @@ class Optimizer:
     def state(self) -> dict[Tensor, dict[str, Any]]:
         """Per-parameter state, as ``torch.optim``: ``{param: {'step': ..., 'exp_avg': Tensor, ...}}``.
 
-        The Tensors are views into the optimizer's buffers (changing them changes the state).
+        The Tensors are views into the optimizer's buffers (changing them changes the state),
+        except with ``state_dtype="bfloat16"``: then they are float32 copies of the state.
         """
         out: dict[Tensor, dict[str, Any]] = {}
         for group, buckets in zip(self.param_groups, self._buckets):
@@ -460,6 +498,8 @@ class Optimizer:
         """The state in ``torch.optim``'s layout: ``{'state': {index: {...}}, 'param_groups': [...]}``.
 
         Parameters are numbered in group order; arrays are NumPy copies; ``'step'`` is a float.
+        With ``state_dtype="bfloat16"`` the arrays are the state's uint16 bit patterns and every
+        group records ``'state_dtype': 'bfloat16'``, so that loading restores the state exactly.
         """
         state: dict[int, dict[str, Any]] = {}
         groups = []
@@ -477,6 +517,8 @@ class Optimizer:
                 ids.append(index)
                 index += 1
             saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items() if k != "params"}
+            if self._bf16_state:
+                saved["state_dtype"] = BFLOAT16
             groups.append({**saved, "params": ids})
         return {"state": state, "param_groups": groups}
 
@@ -486,7 +528,8 @@ class Optimizer:
         Everything is checked first (the layout, group and parameter counts, hyperparameter names
         and ranges, state entries, steps and shapes); on any mismatch ``ValueError`` (a wrong value)
         or ``TypeError`` (a wrong type) names the entry and nothing changes. State arrays are cast
-        to their parameter's dtype, as PyTorch does.
+        to their parameter's dtype, as PyTorch does; between float32 and bfloat16 state (a group's
+        ``'state_dtype'``) they are converted, rounding to nearest even into bfloat16.
         """
         if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("state_dict should be a dict with exactly the keys 'state' and 'param_groups'")
@@ -529,6 +572,7 @@ class Optimizer:
                 raise ValueError(
                     f"loaded state dict is not from a {self._name} (its group {g} lacks {sorted(missing)})"
                 )
+            saved_bf16 = _saved_state_dtype(saved.pop("state_dtype", np.float32), g)
             merged = {**group, **{k: saved[k] for k in saved if k != "params"}, "params": group["params"]}
             if isinstance(merged.get("betas"), tuple):
                 merged["betas"] = tuple(merged["betas"])
@@ -550,7 +594,7 @@ class Optimizer:
                         f"loaded state dict is not from a {self._name} with these settings: parameter {key} "
                         f"has state {sorted(entry)}, expected {sorted(expected)}"
                     )
-                arrays = {name: _saved_array(entry[name], name, key, p) for name in names}
+                arrays = {name: _saved_array(entry[name], name, key, p, saved_bf16) for name in names}
                 step = _saved_step(entry["step"], key) if self._STEP_IN_STATE else 1
                 writes.append((bucket, i, step, arrays))
             new_groups.append(merged)
@@ -576,13 +620,37 @@ class Optimizer:
         return "\n".join(lines)
 
 
-def _saved_array(value: Any, name: str, key: Any, param: Tensor) -> np.ndarray:
-    """A loaded state array as NumPy in ``param``'s dtype, or the error naming the entry."""
+def _saved_state_dtype(value: Any, g: int) -> bool:
+    """Whether a loaded group's ``'state_dtype'`` says its arrays are bfloat16 bits."""
+    try:
+        return check_state_dtype("loaded state dict's", value)
+    except ValueError:
+        raise ValueError(
+            f"loaded state dict's group {g} 'state_dtype' should be 'float32' or 'bfloat16', got {value!r}"
+        ) from None
+
+
+def _saved_array(value: Any, name: str, key: Any, param: Tensor, bf16_bits: bool = False) -> np.ndarray:
+    """A loaded state array as NumPy in ``param``'s dtype (or, when ``bf16_bits``, as the
+    bfloat16 bit patterns it holds), or the error naming the entry."""
     if isinstance(value, Tensor):
         value = value.numpy()
     elif hasattr(value, "detach"):  # a torch.Tensor
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        # NumPy has no bfloat16: widened to float32 (exact), rounded back to the same bits on writing.
+        value = value.float().numpy() if str(value.dtype) == "torch.bfloat16" else value.numpy()
     arr = np.asarray(value)
+    if bf16_bits:
+        if arr.dtype != BFLOAT16_BITS:
+            raise TypeError(
+                f"loaded state dict's {name!r} of parameter {key} should hold bfloat16 bits (uint16), "
+                f"got dtype {arr.dtype}"
+            )
+        if arr.shape != param.shape:
+            raise ValueError(
+                f"loaded state dict's {name!r} of parameter {key} has shape {arr.shape}, the parameter {param.shape}"
+            )
+        return arr.copy()
     if arr.dtype.kind not in "fiu":
         raise TypeError(
             f"loaded state dict's {name!r} of parameter {key} should be an array of numbers, got {value!r}"

@@ -13,6 +13,12 @@ exactly as the NumPy reference's, so the two agree to the last bit on the same o
 Each update is one scalar function (``_sgd_elem``, ``_adam_elem``, ``_lion_elem``); the loops
 around it differ only in which state arrays they load and store, so that no store is conditional
 inside a loop (a conditional store would keep LLVM from vectorizing it).
+
+bfloat16 state (NOTE [ bfloat16 optimizer state ] in ``reference/optim.py``) reaches the loops as
+an int16 view of its uint16 bits, so that the element type tells Numba which 16-bit format it
+holds (uint16 is float16's): ``_load`` widens it with a shift and ``_store`` rounds it to
+nearest even with integer operations, inline in the same loops, which Numba compiles once more
+for that signature. No float32 copy of the state is made.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from taifuse.backends.numba import _jit
 from taifuse.backends.numba._jit import (
@@ -34,12 +41,20 @@ from taifuse.backends.numba._jit import (
     _REASSOC_PARALLEL,
     _bounds,
     _count,
+    _f32_from_bits,
+    _f32_to_bits,
     _flat,
     _like,
     _narrow,
     _widen,
 )
-from taifuse.backends.reference.optim import AdamHyper, adam_coefficients, compute_dtype, in_precision
+from taifuse.backends.reference.optim import (
+    BFLOAT16_BITS,
+    AdamHyper,
+    adam_coefficients,
+    compute_dtype,
+    in_precision,
+)
 
 # Serial or parallel: asked of _jit at each call, as in forward.py.
 
@@ -73,6 +88,49 @@ def lion_coefficients(lr: float, beta1: float, beta2: float, weight_decay: float
         beta2=beta2,
         one_minus_beta2=1.0 - beta2,
     )
+
+
+# ----------------------------------------------------------------------------- loads and stores
+
+
+def _load(v):
+    """A stored state element in compute precision: bfloat16 bits (int16 view) -> float32,
+    anything else as ``_jit._widen``."""
+    raise NotImplementedError("jitted code only")
+
+
+@overload(_load, jit_options=_EXACT)
+def _load_impl(v):
+    if v == types.int16:
+        # The bits become the upper half of a float32: exact.
+        return lambda v: _f32_from_bits(np.uint32(np.uint16(v)) << np.uint32(16))
+    return lambda v: _widen(v)
+
+
+def _store(v, out):
+    """``v`` converted for storing into ``out``: bfloat16 bits, rounded to nearest even, for an
+    int16 view (as ``reference.optim.to_bfloat16_bits``); anything else as ``_jit._narrow``."""
+    raise NotImplementedError("jitted code only")
+
+
+@overload(_store, jit_options=_EXACT)
+def _store_impl(v, out):
+    if out.dtype == types.int16:
+
+        def to_bf16(v, out):
+            b = np.uint32(_f32_to_bits(np.float32(v)))
+            upper = b >> np.uint32(16)
+            rounded = (b + np.uint32(0x7FFF) + (upper & np.uint32(1))) >> np.uint32(16)
+            is_nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+            return np.int16(np.uint16(upper | np.uint32(0x40)) if is_nan else np.uint16(rounded))
+
+        return to_bf16
+    return lambda v, out: _narrow(v, out)
+
+
+def _state_flat(a: np.ndarray) -> np.ndarray:
+    """A flat state array as the loops take it: bfloat16 bits as int16 (see the module's docstring)."""
+    return a.reshape(-1).view(np.int16) if a.dtype == BFLOAT16_BITS else _flat(a)
 
 
 # ----------------------------------------------------------------------------- the update math
@@ -151,11 +209,11 @@ def _sgd_momentum_span(p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_
     for i in range(p.size):
         pi = _widen(p[i])
         d = _sgd_elem(pi, _widen(g[i]), sign, weight_decay, l2)
-        b = d if first else _widen(buf[i]) * momentum + one_minus_damp * d
-        buf[i] = _narrow(b, buf)
+        b = d if first else _load(buf[i]) * momentum + one_minus_damp * d
+        buf[i] = _store(b, buf)
         # NOTE: buf is re-read through the stored (rounded) value: a float16 buffer stores b
         # rounded, and PyTorch's next op reads that stored tensor.
-        b = _widen(buf[i])
+        b = _load(buf[i])
         step = d + momentum * b if nesterov else b
         p[i] = _narrow(pi + neg_lr * step, p)
 
@@ -163,28 +221,28 @@ def _sgd_momentum_span(p, g, buf, neg_lr, sign, weight_decay, l2, momentum, one_
 @njit(**_EXACT_INLINE)
 def _adam_span(p, g, m, v, c):
     for i in range(p.size):
-        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), c)
-        m[i] = _narrow(mi, m)
-        v[i] = _narrow(vi, v)
-        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(v[i]), c), p)
+        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _load(m[i]), _load(v[i]), c)
+        m[i] = _store(mi, m)
+        v[i] = _store(vi, v)
+        p[i] = _narrow(_adam_apply(pi, _load(m[i]), _load(v[i]), c), p)
 
 
 @njit(**_EXACT_INLINE)
 def _adam_amsgrad_span(p, g, m, v, vmax, c):
     for i in range(p.size):
-        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), _widen(v[i]), c)
-        m[i] = _narrow(mi, m)
-        v[i] = _narrow(vi, v)
-        vmax[i] = _narrow(_nan_max(_widen(vmax[i]), _widen(v[i])), vmax)
-        p[i] = _narrow(_adam_apply(pi, _widen(m[i]), _widen(vmax[i]), c), p)
+        pi, mi, vi = _adam_elem(_widen(p[i]), _widen(g[i]), _load(m[i]), _load(v[i]), c)
+        m[i] = _store(mi, m)
+        v[i] = _store(vi, v)
+        vmax[i] = _store(_nan_max(_load(vmax[i]), _load(v[i])), vmax)
+        p[i] = _narrow(_adam_apply(pi, _load(m[i]), _load(vmax[i]), c), p)
 
 
 @njit(**_EXACT_INLINE)
 def _lion_span(p, g, m, c):
     for i in range(p.size):
-        pi, mi = _lion_elem(_widen(p[i]), _widen(g[i]), _widen(m[i]), c)
+        pi, mi = _lion_elem(_widen(p[i]), _widen(g[i]), _load(m[i]), c)
         p[i] = _narrow(pi, p)
-        m[i] = _narrow(mi, m)
+        m[i] = _store(mi, m)
 
 
 @njit(**_REASSOC, inline="always")
@@ -325,7 +383,7 @@ def sgd_step(
             _sgd_plain_block(p, g, 0, p.size, *common)
         return
     extra = (ct(momentum), ct(1.0 - dampening), bool(nesterov), bool(first_step))
-    buf = _flat(momentum_buffer)
+    buf = _state_flat(momentum_buffer)
     if parallel:
         _sgd_momentum_parallel(p, g, buf, *common, *extra)
     else:
@@ -351,10 +409,11 @@ def adam_step(
     """Adam / AdamW in one pass (see ``reference.optim.adam_step``)."""
     hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
     c = in_precision(adam_coefficients(hyper, step), param.dtype)
-    p, g, m, v = _flat(param), _flat(grad), _flat(exp_avg), _flat(exp_avg_sq)
+    p, g = _flat(param), _flat(grad)
+    m, v = _state_flat(exp_avg), _state_flat(exp_avg_sq)
     parallel = _jit._parallel(p.size, transcendental=True)
     if amsgrad:
-        vmax = _flat(max_exp_avg_sq)
+        vmax = _state_flat(max_exp_avg_sq)
         if parallel:
             _adam_amsgrad_parallel(p, g, m, v, vmax, c)
         else:
@@ -376,7 +435,7 @@ def lion_step(
 ) -> None:
     """Lion in one pass (see ``reference.optim.lion_step``)."""
     c = in_precision(lion_coefficients(lr, beta1, beta2, weight_decay), param.dtype)
-    p, g, m = _flat(param), _flat(grad), _flat(exp_avg)
+    p, g, m = _flat(param), _flat(grad), _state_flat(exp_avg)
     if _jit._parallel(p.size):
         _lion_parallel(p, g, m, c)
     else:

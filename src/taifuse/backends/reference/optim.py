@@ -24,6 +24,15 @@ Signatures (the kernel table ``taifuse.backends.OPTIM_KERNEL_NAMES``)::
 
 ``momentum_buffer`` is ``None`` when ``momentum == 0`` and ``max_exp_avg_sq`` is ``None`` unless
 ``amsgrad``; ``step`` is the 1-based number of the step being taken (for Adam's bias correction).
+
+# NOTE [ bfloat16 optimizer state ]
+# A state array (momentum, moments) may instead be a uint16 array of bfloat16 bit patterns, with
+# float32 parameters (``state_dtype="bfloat16"`` in ``taifuse.optim``): NumPy and Taichi have no
+# bfloat16, and bfloat16 is the upper half of a float32. A kernel widens each state element to
+# float32 (a 16-bit shift: exact), computes in float32 as for float32 state, and stores it back
+# rounded to nearest even (:func:`to_bfloat16_bits`), in the same pass; what follows the store
+# reads the stored (rounded) value, as with float16 storage. The uint16 dtype alone marks the
+# format: float16 state is stored as float16.
 """
 
 from __future__ import annotations
@@ -33,6 +42,65 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+
+# ----------------------------------------------------------------------------- bfloat16 bits
+
+BFLOAT16_BITS = np.dtype(np.uint16)  # the storage dtype of bfloat16 state (NOTE [ bfloat16 optimizer state ])
+
+
+def to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values -> bfloat16 bit patterns (uint16), rounded to nearest, ties to even.
+
+    The upper 16 bits of each float32, plus one when the lower 16 bits are above half of the
+    last kept bit, or exactly half and the kept part is odd. Infinities stay infinite, a finite
+    value past bfloat16's largest (``3.39e38``) rounds to infinity, subnormals round like any
+    other value, and a NaN stays a NaN (the quiet bit set, the sign kept). Input of another
+    float dtype is converted to float32 first.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from taifuse.backends.reference.optim import to_bfloat16_bits
+        >>> [hex(b) for b in to_bfloat16_bits(np.array([1.0, -2.0, 1 + 2**-8, np.inf], np.float32))]
+        ['0x3f80', '0xc000', '0x3f80', '0x7f80']
+    """
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    upper = bits >> np.uint32(16)
+    rounded = (bits + (np.uint32(0x7FFF) + (upper & np.uint32(1)))) >> np.uint32(16)
+    is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(is_nan, upper | np.uint32(0x0040), rounded).astype(np.uint16)
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32, exact (the bits become the upper half).
+
+    Example::
+
+        >>> import numpy as np
+        >>> from taifuse.backends.reference.optim import from_bfloat16_bits
+        >>> from_bfloat16_bits(np.array([0x3F80, 0xC000, 0x7F80], np.uint16))
+        array([ 1., -2., inf], dtype=float32)
+    """
+    bits = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _load(state: np.ndarray, ct: np.dtype) -> np.ndarray:
+    """A state array in compute precision ``ct`` (bfloat16 bits widened)."""
+    if state.dtype == BFLOAT16_BITS:
+        return from_bfloat16_bits(state).astype(ct)
+    return state.astype(ct)
+
+
+def _store(state: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` into a state array, rounding once to its storage (bfloat16 bits included)."""
+    if state.dtype == BFLOAT16_BITS:
+        state[...] = to_bfloat16_bits(values)
+    else:
+        state[...] = values
+
+
+# ----------------------------------------------------------------------------- coefficients
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -156,10 +224,10 @@ def sgd_step(
         if first_step:
             buf = d
         else:
-            buf = momentum_buffer.astype(ct) * ct.type(momentum) + ct.type(1.0 - dampening) * d
-        momentum_buffer[...] = buf
+            buf = _load(momentum_buffer, ct) * ct.type(momentum) + ct.type(1.0 - dampening) * d
+        _store(momentum_buffer, buf)
         # NOTE: what follows reads the stored (for float16, rounded) state, as PyTorch does.
-        buf = momentum_buffer.astype(ct)
+        buf = _load(momentum_buffer, ct)
         d = d + ct.type(momentum) * buf if nesterov else buf
     param[...] = p + ct.type(-lr) * d
 
@@ -203,19 +271,19 @@ def adam_step(
     if c.l2:
         g = g + c.weight_decay * p
     if c.lerp_small:  # torch's lerp(m, g, w): two formulas, by the size of w
-        m = exp_avg.astype(ct)
+        m = _load(exp_avg, ct)
         m = m + c.lerp_weight * (g - m)
     else:
-        m = g - (g - exp_avg.astype(ct)) * c.one_minus_lerp_weight
-    v = exp_avg_sq.astype(ct) * c.beta2 + c.one_minus_beta2 * g * g
-    exp_avg[...] = m
-    exp_avg_sq[...] = v
-    # NOTE: the rest reads the stored (for float16, rounded) moments, as PyTorch does.
-    m, v = exp_avg.astype(ct), exp_avg_sq.astype(ct)
+        m = g - (g - _load(exp_avg, ct)) * c.one_minus_lerp_weight
+    v = _load(exp_avg_sq, ct) * c.beta2 + c.one_minus_beta2 * g * g
+    _store(exp_avg, m)
+    _store(exp_avg_sq, v)
+    # NOTE: the rest reads the stored (for float16 or bfloat16, rounded) moments, as PyTorch does.
+    m, v = _load(exp_avg, ct), _load(exp_avg_sq, ct)
     if amsgrad:
         assert max_exp_avg_sq is not None
-        max_exp_avg_sq[...] = np.maximum(max_exp_avg_sq.astype(ct), v)
-        v = max_exp_avg_sq.astype(ct)
+        _store(max_exp_avg_sq, np.maximum(_load(max_exp_avg_sq, ct), v))
+        v = _load(max_exp_avg_sq, ct)
     denom = np.sqrt(v) / c.bias_correction2_sqrt + c.eps
     param[...] = p + c.neg_step_size * m / denom
 
@@ -241,12 +309,12 @@ def lion_step(
     ct = compute_dtype(param.dtype)
     p = param.astype(ct)
     g = grad.astype(ct)
-    m = exp_avg.astype(ct)
+    m = _load(exp_avg, ct)
     if weight_decay != 0:
         p = p * ct.type(1.0 - lr * weight_decay)
     update = np.sign(m * ct.type(beta1) + ct.type(1.0 - beta1) * g)
     param[...] = p + ct.type(-lr) * update
-    exp_avg[...] = m * ct.type(beta2) + ct.type(1.0 - beta2) * g
+    _store(exp_avg, m * ct.type(beta2) + ct.type(1.0 - beta2) * g)
 
 
 def all_finite(arrays: Sequence[np.ndarray]) -> bool:

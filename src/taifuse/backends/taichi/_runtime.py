@@ -38,7 +38,10 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 # Integer data (class indices) is stored as int32: NOTE [ Class indices on the device ] in backward.py.
 INDEX_DTYPE = np.dtype(np.int32)
 # NumPy dtype -> the name of its Taichi type (resolved by _ti_dtype once Taichi is imported).
-_TI_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", INDEX_DTYPE: "i32"}
+# bfloat16 optimizer state is stored as its uint16 bit patterns: NOTE [ bfloat16 optimizer state ]
+# in reference/optim.py. Only the optimizer makes such arrays; kernels other than its own refuse them.
+BITS_DTYPE = np.dtype(np.uint16)
+_TI_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", INDEX_DTYPE: "i32", BITS_DTYPE: "u16"}
 # Kernels index with 32-bit ints (64-bit indices are slow or missing on some GPUs).
 _MAX_ELEMENTS = 2**31 - 1
 
@@ -310,7 +313,7 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
     """
     _require_init()
     dtype = np.dtype(dtype)
-    if dtype != INDEX_DTYPE:
+    if dtype not in (INDEX_DTYPE, BITS_DTYPE):
         check_dtype(dtype, "empty: dtype")
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
@@ -325,7 +328,9 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
 def from_numpy(a: np.ndarray) -> DeviceArray:
     """Copy a host array to the device (one counted host-to-device transfer)."""
     a = np.asarray(a)
-    if a.dtype.kind in "biu":
+    if a.dtype == BITS_DTYPE:
+        pass  # bit patterns, kept as they are
+    elif a.dtype.kind in "biu":
         if a.size and (a.min() < np.iinfo(INDEX_DTYPE).min or a.max() > np.iinfo(INDEX_DTYPE).max):
             raise ValueError("from_numpy: integer data outside int32, the taichi backend's integer type")
         a = a.astype(INDEX_DTYPE)

@@ -5,6 +5,10 @@ flat buffers: parameters, gradients and optimizer state stay on the device, and 
 kernel launch over the whole run, with no host copy. The only value that comes back to the host
 is the 4-byte answer of :func:`all_finite`, one per step (counted in ``transfer_stats``).
 
+bfloat16 state (NOTE [ bfloat16 optimizer state ] in ``reference/optim.py``) is a u16 ndarray of
+bit patterns: ``load_state`` widens it with a shift and ``store_state`` rounds it to nearest even
+with integer operations, inside the same kernels (built once more for it, float32 parameters only).
+
 float32 and float16 storage (float16 computes in float32); float64 is refused by the backend's
 ``check_dtype`` before any kernel runs. Like the forward kernels, every kernel takes flat 1-D
 ndarrays and plain scalars, so each compiles once per arch, and none binds more than five
@@ -24,6 +28,7 @@ import numpy as np
 
 from taifuse.backends.reference.optim import AdamHyper, adam_coefficients
 from taifuse.backends.taichi._runtime import (
+    BITS_DTYPE,
     FLOAT_DTYPES,
     _count_transfer,
     _import_taichi,
@@ -38,16 +43,40 @@ __all__ = ["adam_step", "all_finite", "all_kernels", "lion_step", "sgd_step", "u
 
 
 @functools.cache
-def _kernels(dtype: np.dtype) -> SimpleNamespace:
-    """The optimizer kernels for storage dtype ``dtype``, built once per process."""
+def _kernels(dtype: np.dtype, bf16_state: bool = False) -> SimpleNamespace:
+    """The optimizer kernels for storage dtype ``dtype`` (and bfloat16 state), built once per process."""
     ti = _import_taichi()
     T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
+    S = ti.types.ndarray(dtype=ti.u16 if bf16_state else T, ndim=1)  # state arrays
     I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
 
     @ti.func
     def load(a: ti.template(), i: ti.i32) -> ti.f32:
         return ti.cast(a[i], ti.f32)
+
+    if bf16_state:
+
+        @ti.func
+        def load_state(a: ti.template(), i: ti.i32) -> ti.f32:
+            return ti.bit_cast(ti.cast(a[i], ti.u32) << ti.u32(16), ti.f32)
+
+        @ti.func
+        def store_state(a: ti.template(), i: ti.i32, x: ti.f32):
+            # Round to nearest even, as reference.optim.to_bfloat16_bits; a NaN keeps a NaN (quiet).
+            b = ti.bit_cast(x, ti.u32)
+            upper = b >> ti.u32(16)
+            bits = (b + ti.u32(0x7FFF) + (upper & ti.u32(1))) >> ti.u32(16)
+            if (b & ti.u32(0x7FFFFFFF)) > ti.u32(0x7F800000):
+                bits = upper | ti.u32(0x40)
+            a[i] = ti.cast(bits, ti.u16)
+
+    else:
+        load_state = load
+
+        @ti.func
+        def store_state(a: ti.template(), i: ti.i32, x: ti.f32):
+            a[i] = ti.cast(x, T)
 
     @ti.kernel
     def sgd_plain(p: X, g: X, n: ti.i32, neg_lr: ti.f32, sign: ti.f32, wd: ti.f32, l2: ti.i32):
@@ -60,7 +89,7 @@ def _kernels(dtype: np.dtype) -> SimpleNamespace:
 
     @ti.kernel
     def sgd_momentum(
-        p: X, g: X, buf: X, n: ti.i32, neg_lr: ti.f32, sign: ti.f32, wd: ti.f32, l2: ti.i32,
+        p: X, g: X, buf: S, n: ti.i32, neg_lr: ti.f32, sign: ti.f32, wd: ti.f32, l2: ti.i32,
         momentum: ti.f32, one_minus_damp: ti.f32, nesterov: ti.i32, first: ti.i32,
     ):  # fmt: skip
         for i in range(n):
@@ -70,9 +99,9 @@ def _kernels(dtype: np.dtype) -> SimpleNamespace:
                 d = d + wd * pi
             b = d
             if not first:
-                b = load(buf, i) * momentum + one_minus_damp * d
-            buf[i] = ti.cast(b, T)
-            b = load(buf, i)  # the stored (for float16, rounded) value, as the reference
+                b = load_state(buf, i) * momentum + one_minus_damp * d
+            store_state(buf, i, b)
+            b = load_state(buf, i)  # the stored (for float16 or bfloat16, rounded) value, as the reference
             step = b
             if nesterov:
                 step = d + momentum * b
@@ -80,7 +109,7 @@ def _kernels(dtype: np.dtype) -> SimpleNamespace:
 
     @ti.kernel
     def adam(
-        p: X, g: X, m: X, v: X, vmax: X, n: ti.i32, neg_step: ti.f32, bc2: ti.f32, eps: ti.f32,
+        p: X, g: X, m: S, v: S, vmax: S, n: ti.i32, neg_step: ti.f32, bc2: ti.f32, eps: ti.f32,
         wd: ti.f32, decay: ti.f32, w: ti.f32, one_minus_w: ti.f32, small: ti.i32, beta2: ti.f32,
         one_minus_beta2: ti.f32, sign: ti.f32, l2: ti.i32, dec: ti.i32, amsgrad: ti.i32,
     ):  # fmt: skip
@@ -91,40 +120,40 @@ def _kernels(dtype: np.dtype) -> SimpleNamespace:
                 gi = gi + wd * pi
             if dec:
                 pi = pi * decay
-            mi = load(m, i)
+            mi = load_state(m, i)
             if small:
                 mi = mi + w * (gi - mi)
             else:
                 mi = gi - (gi - mi) * one_minus_w
-            vi = load(v, i) * beta2 + one_minus_beta2 * gi * gi
-            m[i] = ti.cast(mi, T)
-            v[i] = ti.cast(vi, T)
-            mi = load(m, i)
-            vi = load(v, i)
+            vi = load_state(v, i) * beta2 + one_minus_beta2 * gi * gi
+            store_state(m, i, mi)
+            store_state(v, i, vi)
+            mi = load_state(m, i)
+            vi = load_state(v, i)
             if amsgrad:
-                vm = load(vmax, i)
+                vm = load_state(vmax, i)
                 # NaN-propagating max, as np.maximum
                 vi = ti.select((vm > vi) or (vm != vm), vm, vi)  # noqa: PLR0124 (a NaN test)
-                vmax[i] = ti.cast(vi, T)
-                vi = load(vmax, i)
+                store_state(vmax, i, vi)
+                vi = load_state(vmax, i)
             denom = ti.sqrt(vi) / bc2 + eps
             p[i] = ti.cast(pi + neg_step * mi / denom, T)
 
     @ti.kernel
     def lion(
-        p: X, g: X, m: X, n: ti.i32, neg_lr: ti.f32, decay: ti.f32, dec: ti.i32, beta1: ti.f32,
+        p: X, g: X, m: S, n: ti.i32, neg_lr: ti.f32, decay: ti.f32, dec: ti.i32, beta1: ti.f32,
         one_minus_beta1: ti.f32, beta2: ti.f32, one_minus_beta2: ti.f32,
     ):  # fmt: skip
         for i in range(n):
             pi = load(p, i)
             gi = load(g, i)
-            mi = load(m, i)
+            mi = load_state(m, i)
             if dec:
                 pi = pi * decay
             c = mi * beta1 + one_minus_beta1 * gi
             sgn = ti.select(c > 0.0, 1.0, ti.select(c < 0.0, -1.0, c))
             p[i] = ti.cast(pi + neg_lr * sgn, T)
-            m[i] = ti.cast(mi * beta2 + one_minus_beta2 * gi, T)
+            store_state(m, i, mi * beta2 + one_minus_beta2 * gi)
 
     @ti.kernel
     def mark_nonfinite(x: X, n: ti.i32, flag: I32):
@@ -167,7 +196,14 @@ def all_kernels() -> list:
     for dtype in FLOAT_DTYPES:
         for name, kernel in vars(_kernels(dtype)).items():
             pairs.append((f"optim_{name}_{dtype.name}", kernel))
+    for name in ("sgd_momentum", "adam", "lion"):  # bfloat16 state, float32 parameters
+        pairs.append((f"optim_{name}_float32_bf16_state", getattr(_kernels(np.dtype(np.float32), True), name)))
     return pairs
+
+
+def _bf16(state) -> bool:
+    """Whether a state array holds bfloat16 bits (NOTE [ bfloat16 optimizer state ])."""
+    return state.dtype == BITS_DTYPE
 
 
 def sgd_step(
@@ -182,7 +218,7 @@ def sgd_step(
     if momentum == 0:
         k.sgd_plain(_nd(param), _nd(grad), *common)
         return
-    k.sgd_momentum(
+    _kernels(param.dtype, _bf16(momentum_buffer)).sgd_momentum(
         _nd(param), _nd(grad), _nd(momentum_buffer), *common,
         float(momentum), float(1.0 - dampening), int(bool(nesterov)), int(bool(first_step)),
     )  # fmt: skip
@@ -211,8 +247,8 @@ def adam_step(
     hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
     # Taichi rounds each float to the kernel's f32 argument once, as in_precision does for the host.
     c = adam_coefficients(hyper, step)
-    vmax = _nd(max_exp_avg_sq) if amsgrad else _optional(None, param.dtype)
-    _kernels(param.dtype).adam(
+    vmax = _nd(max_exp_avg_sq) if amsgrad else _optional(None, exp_avg.dtype)
+    _kernels(param.dtype, _bf16(exp_avg)).adam(
         _nd(param), _nd(grad), _nd(exp_avg), _nd(exp_avg_sq), vmax, n,
         c.neg_step_size, c.bias_correction2_sqrt, c.eps, c.weight_decay, c.decay,
         c.lerp_weight, c.one_minus_lerp_weight, int(c.lerp_small), c.beta2, c.one_minus_beta2,
@@ -225,7 +261,7 @@ def lion_step(param, grad, exp_avg, lr, beta1, beta2, weight_decay):
     n = param.size
     if n == 0:
         return
-    _kernels(param.dtype).lion(
+    _kernels(param.dtype, _bf16(exp_avg)).lion(
         _nd(param), _nd(grad), _nd(exp_avg), n, float(-lr), float(1.0 - lr * weight_decay),
         int(weight_decay != 0), float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2),
     )  # fmt: skip
