@@ -529,3 +529,34 @@ def test_disabled_is_a_pass_through():
     assert scaler.state_dict() == {}
     scaler.load_state_dict({})
     assert scaler._get_growth_tracker() == 0
+
+
+def test_unscale_is_in_place_and_serves_any_optimizer_with_param_groups():
+    # A reference to .grad taken before unscale_ sees the unscaled values, as torch's in-place
+    # unscale; an optimizer that is not taifuse's (no flat buffers) is served gradient by gradient.
+    taifuse.set_backend("numpy")
+
+    class Plain:
+        def __init__(self, params):
+            self.param_groups = [{"params": params}]
+            self.steps = 0
+
+        def step(self):
+            self.steps += 1
+            return "stepped"
+
+    a, b = Parameter(np.ones(2, np.float32)), Parameter(np.ones(3, np.float32))
+    opt = Plain([a, b])
+    scaler = GradScaler(init_scale=16.0)
+    scaler.scale((a * 3.0).sum() + (b * 5.0).sum()).backward()
+    kept = a.grad
+    scaler.unscale_(opt)
+    np.testing.assert_array_equal(kept.numpy(), np.full(2, 3.0, np.float32))
+    np.testing.assert_array_equal(b.grad.numpy(), np.full(3, 5.0, np.float32))
+    assert scaler.step(opt) == "stepped" and opt.steps == 1
+    scaler.update()
+    b.grad.copy_(np.array([0.0, np.nan, 0.0], np.float32))
+    scaler.scale((a * 1.0).sum())
+    assert scaler.step(opt) is None and opt.steps == 1
+    scaler.update()
+    assert scaler.get_scale() == 8.0
