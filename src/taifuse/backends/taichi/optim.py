@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from taifuse.backends.reference.optim import AdamHyper, adam_coefficients
+from taifuse.backends.reference.optim import AdamHyper, adam_bf16_coefficients, adam_coefficients
 from taifuse.backends.taichi._runtime import (
     BITS_DTYPE,
     FLOAT_DTYPES,
@@ -137,6 +137,8 @@ def _kernels(dtype: np.dtype, bf16_state: bool = False) -> SimpleNamespace:
                 store_state(vmax, i, vi)
                 vi = load_state(vmax, i)
             denom = ti.sqrt(vi) / bc2 + eps
+            if ti.static(bf16_state):  # bc2 folded into neg_step and eps: adam_bf16_coefficients
+                denom = ti.sqrt(vi) + eps
             p[i] = ti.cast(pi + neg_step * mi / denom, T)
 
     @ti.kernel
@@ -246,7 +248,7 @@ def adam_step(
         return
     hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled)
     # Taichi rounds each float to the kernel's f32 argument once, as in_precision does for the host.
-    c = adam_coefficients(hyper, step)
+    c = (adam_bf16_coefficients if _bf16(exp_avg) else adam_coefficients)(hyper, step)
     vmax = _nd(max_exp_avg_sq) if amsgrad else _optional(None, exp_avg.dtype)
     _kernels(param.dtype, _bf16(exp_avg)).adam(
         _nd(param), _nd(grad), _nd(exp_avg), _nd(exp_avg_sq), vmax, n,

@@ -10,6 +10,12 @@ step's cache level comes from them (NOTE [ Traffic model ] in taifuse.bench.roof
 not check that the gradients are finite; the "taifuse, finite check" row shows what the optional
 check (``check_finite=True``: one more read of them, NOTE [ Non-finite gradients ] in
 optim/optimizer.py) costs.
+
+The bfloat16-state case (``state_dtype="bfloat16"``: the moments stored as 16-bit patterns, NOTE
+[ bfloat16 optimizer state ] in backends/reference/optim.py) times AdamW on the large model against
+the same step with float32 state and against PyTorch's fused AdamW (float32 state). Its results
+are checked to bfloat16's tolerance: rounding the moments moves one step by up to about
+lr * 2**-8 per value.
 """
 
 from __future__ import annotations
@@ -134,9 +140,51 @@ def _case(name: str, model: str, compare_torch: bool) -> Case:
     )
 
 
+def _bf16_state_case(compare_torch: bool) -> Case:
+    """AdamW with bfloat16 state on the large model, against float32 state (taifuse and PyTorch)."""
+    model = "10x(1000, 512)"
+    count, shape = MODELS[model]
+    elements = count * shape[0] * shape[1]
+    float32_case = _case("AdamW", model, compare_torch)
+    state_bytes = {"bfloat16": 2 * 2 * elements, "float32": 2 * 4 * elements}  # two moments
+    baselines = [
+        _taifuse(
+            "taifuse, float32 state",
+            "optim.AdamW(ps, lr=1e-3{extra})",
+            check_finite=False,
+            note=f"the same AdamW step with float32 state ({state_bytes['float32'] / 1e6:.2f} MB of moments)",
+        )
+    ]
+    baselines += [b for b in float32_case.baselines if b.label == "torch fused"]
+    return Case(
+        suite=SUITE,
+        name=f"AdamW step, bfloat16 state, {model}",
+        setup=float32_case.setup,
+        setup_code=float32_case.setup_code,
+        candidate=_taifuse(
+            "taifuse, bfloat16 state",
+            "optim.AdamW(ps, lr=1e-3{extra}, state_dtype='bfloat16')",
+            check_finite=False,
+            note=f"state_dtype='bfloat16': {state_bytes['bfloat16'] / 1e6:.2f} MB of moments, half of float32's",
+        ),
+        baselines=tuple(baselines),
+        dtype="float32 parameters, bfloat16 state",
+        shape=f"{count} parameters of {shape}; moments {state_bytes['bfloat16']} bytes (float32: {state_bytes['float32']})",
+        # Read parameter, gradient and two 2-byte moments; write parameter and moments.
+        bytes_moved=elements * (4 + 4 + 2 * 2 + 4 + 2 * 2),
+        bytes_written=elements * (4 + 2 * 2),
+        # One step from zero state: the rounded moments move each value by up to ~lr * 2**-8.
+        rtol=1e-5,
+        atol=2e-5,
+        extra={"state_bytes": state_bytes},
+    )
+
+
 def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
-    """Every optimizer on the large model; AdamW and Lion (all four in the full run) on the small one."""
+    """Every optimizer on the large model (and AdamW with bfloat16 state); AdamW and Lion (all
+    four in the full run) on the small one."""
     out = [_case(name, "10x(1000, 512)", compare_torch) for name in OPTIMIZERS]
+    out.append(_bf16_state_case(compare_torch))
     small = ("AdamW", "Lion") if quick else tuple(OPTIMIZERS)
     out += [_case(name, "200x(64, 64)", compare_torch) for name in small]
     return out
