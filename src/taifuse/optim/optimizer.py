@@ -306,7 +306,12 @@ class Optimizer:
     _STEP_IN_STATE = False
 
     def __init__(
-        self, params: Any, defaults: dict[str, Any], *, check_finite: bool = False, state_dtype: Any = np.float32
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        *,
+        check_finite: bool = False,
+        state_dtype: Any = np.float32,
     ) -> None:
         self.defaults = dict(defaults)
         self.check_finite = bool(check_finite)
