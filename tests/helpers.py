@@ -446,3 +446,20 @@ def arrays(draw, shape: tuple[int, ...], dtype: np.dtype, scales=(1e-3, 1.0, 4.0
     if flat.size and planted:
         flat[rng.integers(0, flat.size, len(planted))] = planted
     return x.astype(dtype)
+
+
+def load_gpt_example() -> Any:
+    """examples/gpt.py as the module "gpt", the name examples/train_gpt.py imports it by (its
+    dataclass needs its module in sys.modules); an import of the same file by that name first is
+    reused."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
+    loaded = sys.modules.get("gpt")
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location("gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpt"] = module
+    spec.loader.exec_module(module)
+    return module

@@ -5,16 +5,15 @@ nesting, enabled=False, threads, the decorator form, and bad arguments."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import load_gpt_example
 
 import taifuse
 import taifuse.functional as F
@@ -23,7 +22,6 @@ from taifuse.amp import autocast, clear_autocast_cache, get_autocast_dtype, is_a
 from taifuse.tensor import _Cast
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _amp_state():
@@ -234,22 +232,9 @@ def test_mlp_gradients_under_autocast_match_float32(backend):
     assert all(p.dtype == F32 for p in model.parameters())
 
 
-def _load_gpt():
-    # As tests/test_gpt.py: registered as "gpt" (its dataclass needs its module in sys.modules).
-    path = ROOT / "examples" / "gpt.py"
-    loaded = sys.modules.get("gpt")
-    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path:
-        return loaded
-    spec = importlib.util.spec_from_file_location("gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpt_gradients_under_autocast_match_float32(backend):
     backend.activate()
-    gpt = _load_gpt()
+    gpt = load_gpt_example()
     config = gpt.GPTConfig(
         vocab_size=11, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True
     )

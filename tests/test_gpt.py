@@ -6,35 +6,16 @@ optimizer's groups, sampling and bad input."""
 from __future__ import annotations
 
 import doctest
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_gpt_example
 
 import taifuse
 from taifuse import backends
 from taifuse.optim import clip_grad_norm_
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_gpt():
-    # Registered as "gpt", the name examples/train_gpt.py imports it by (the dataclass needs its
-    # module in sys.modules); an import of the same file by that name first is reused.
-    path = ROOT / "examples" / "gpt.py"
-    loaded = sys.modules.get("gpt")
-    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path:
-        return loaded
-    spec = importlib.util.spec_from_file_location("gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gpt = _load_gpt()
+gpt = load_gpt_example()
 
 # Small enough that a dozen steps take a second or two on every backend, with more than one head,
 # more than one block, and a batch whose sequences differ.
