@@ -340,6 +340,75 @@ class Tensor:
         """A tensor sharing this one's data, outside the graph (``requires_grad=False``)."""
         return Tensor._wrap(self._data, self._be)
 
+    def to(self, dtype: Any) -> Tensor:
+        """This tensor in ``dtype``, as ``torch.Tensor.to(dtype)``: ``self`` when the dtype already
+        matches, else a copy that autograd differentiates (its gradient goes back cast to this
+        tensor's dtype: the same cast node autocast inserts, NOTE [ Autocast ]).
+
+        Args:
+            dtype: float16, float32 or float64 as a NumPy dtype, a NumPy type or a string
+                (``np.float16``, ``"float32"``), or a Tensor whose dtype to take. float64 only on the
+                backends that store it (``numpy``, ``numba``); the ``taichi`` backend raises
+                ``TypeError`` (Metal has no float64). Anything else raises ``TypeError`` naming
+                ``dtype``. The source may be an integer tensor (class indices); the target is a
+                floating dtype.
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> x = taifuse.tensor([1.0, 2.0], requires_grad=True)
+            >>> y = x.to("float16")
+            >>> y.dtype
+            dtype('float16')
+            >>> x.to(np.float32) is x
+            True
+            >>> (y * 3).sum().backward()
+            >>> x.grad.numpy()
+            array([3., 3.], dtype=float32)
+        """
+        target = _cast_dtype(dtype, self._be)
+        if target == self.dtype:
+            return self
+        return _Cast.apply(self, target)
+
+    def half(self) -> Tensor:
+        """``self.to(np.float16)`` (:meth:`to`), as ``torch.Tensor.half``.
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([1.0, 0.1]).half().numpy()
+            array([1. , 0.1], dtype=float16)
+        """
+        return self.to(np.float16)
+
+    def float(self) -> Tensor:
+        """``self.to(np.float32)`` (:meth:`to`), as ``torch.Tensor.float``.
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor(np.array([0.1], np.float16)).float().numpy()
+            array([0.09997559], dtype=float32)
+        """
+        return self.to(np.float32)
+
+    def double(self) -> Tensor:
+        """``self.to(np.float64)`` (:meth:`to`), as ``torch.Tensor.double``; on ``numpy`` and
+        ``numba`` only (the ``taichi`` backend raises ``TypeError``: Metal has no float64).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([0.5]).double().dtype
+            dtype('float64')
+        """
+        return self.to(np.float64)
+
     # -- autograd
 
     def backward(self, grad: Any = None, retain_graph: bool = False) -> None:
@@ -865,6 +934,20 @@ class Tensor:
         if not keepdim:
             idx = m.reshape(idx, values.shape)
         return MaxResult(values, Tensor._wrap(idx, self._be))
+
+
+def _cast_dtype(dtype: Any, be: ModuleType) -> np.dtype:
+    """The floating dtype ``Tensor.to`` casts to, checked against backend ``be``."""
+    if isinstance(dtype, Tensor):
+        dtype = dtype.dtype
+    try:
+        resolved = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.kind != "f":
+        raise TypeError(f"to: dtype should be float16, float32 or float64, got {dtype!r}")
+    be.check_dtype(resolved, "to: dtype")
+    return resolved
 
 
 def _host_array(data: Any, dtype: Any) -> np.ndarray:
