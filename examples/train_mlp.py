@@ -9,24 +9,34 @@ with minibatches by ``taifuse.optim.AdamW`` under ``taifuse.optim.lr_scheduler.C
 SGD written out by hand against the Tensor API instead (``p -= lr * p.grad`` under
 ``taifuse.no_grad()``).
 
+``--amp`` trains in mixed precision with PyTorch's AMP recipe: the forward and the loss under
+``taifuse.amp.autocast()`` (the Linears compute in float16, the loss in float32, the parameters
+stay float32), the backward through ``taifuse.amp.GradScaler`` (scale the loss, backward, step,
+update; a step whose gradients overflowed is skipped and the scale backs off). The evaluation runs
+under autocast too. It needs an optimizer for the scaler to step (AdamW, the default).
+
 The script states its result and checks it: held-out accuracy of at least TARGET_ACCURACY
 (93%), with either optimizer. It prints the loss per epoch (with a tqdm progress bar when tqdm is
-installed), then the accuracy, and exits with status 1 if the target is not reached.
+installed), then the held-out loss (mean cross entropy) and accuracy, and exits with status 1 if
+the target is not reached.
 
     python examples/train_mlp.py                 # AdamW + cosine, on the active backend (numba on Linux)
     python examples/train_mlp.py --optimizer sgd --backend numpy
+    python examples/train_mlp.py --amp           # float16 autocast with a GradScaler
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
 import taifuse
 import taifuse.functional as F
 from taifuse import nn, optim
+from taifuse.amp import GradScaler, autocast
 
 TARGET_ACCURACY = 0.93
 CLASSES = 3
@@ -62,6 +72,25 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
     return float((logits.argmax(axis=1) == y).mean())
 
 
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, amp: bool = False) -> tuple[float, float]:
+    """The mean cross entropy and the accuracy of ``model`` on ``(x, y)``, without a graph (under
+    autocast when ``amp``)."""
+    with taifuse.no_grad(), autocast(enabled=amp):
+        logits = model(taifuse.tensor(x))
+        loss = F.cross_entropy(logits, y).item()
+    return float(loss), float((logits.numpy().argmax(axis=1) == y).mean())
+
+
+class Result(NamedTuple):
+    """What a run reached: held-out accuracy and loss, the mean training loss of each epoch, and
+    the GradScaler's scale at the end (None without ``amp``)."""
+
+    accuracy: float
+    val_loss: float
+    epoch_losses: list[float]
+    loss_scale: float | None
+
+
 def _progress(iterable, total: int, quiet: bool):
     if quiet:
         return iterable
@@ -83,10 +112,28 @@ def main(
     seed: int = 0,
     quiet: bool = False,
     optimizer: str = "adamw",
+    amp: bool = False,
 ) -> float:
     """Train with ``optimizer`` (``'adamw'`` or ``'sgd'``) and return the held-out accuracy."""
+    return train(epochs, batch_size, lr, seed, quiet, optimizer, amp).accuracy
+
+
+def train(
+    epochs: int = 30,
+    batch_size: int = 64,
+    lr: float | None = None,
+    seed: int = 0,
+    quiet: bool = False,
+    optimizer: str = "adamw",
+    amp: bool = False,
+) -> Result:
+    """:func:`main`, returning everything the run reached."""
     if optimizer not in LEARNING_RATES:
         raise ValueError(f"optimizer should be one of {sorted(LEARNING_RATES)}, got {optimizer!r}")
+    if amp and optimizer != "adamw":
+        raise ValueError(
+            f"amp needs the adamw optimizer (a GradScaler steps an optimizer), got {optimizer!r}"
+        )
     lr = LEARNING_RATES[optimizer] if lr is None else lr
     taifuse.manual_seed(seed)
     x, y = make_spirals(seed=seed)
@@ -98,17 +145,21 @@ def main(
     if optimizer == "adamw":
         opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
         sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
+    scaler = GradScaler(enabled=amp)  # without amp every call passes straight through
     rng = np.random.default_rng(seed + 1)
+    epoch_losses = []
     for epoch in _progress(range(1, epochs + 1), epochs, quiet):
         order = rng.permutation(split)
         total = 0.0
         for lo in range(0, split, batch_size):
             idx = order[lo : lo + batch_size]
-            loss = F.cross_entropy(model(taifuse.tensor(x_train[idx])), y_train[idx])
+            with autocast(enabled=amp):
+                loss = F.cross_entropy(model(taifuse.tensor(x_train[idx])), y_train[idx])
             if opt is not None:
                 opt.zero_grad()
-                loss.backward()
-                opt.step()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
                 sched.step()
             else:  # plain SGD on the Tensor API
                 model.zero_grad()
@@ -117,21 +168,24 @@ def main(
                     for p in model.parameters():
                         p -= lr * p.grad
             total += loss.item() * len(idx)
+        epoch_losses.append(total / split)
         if not quiet:
             line = f"epoch {epoch:3d}  loss {total / split:.4f}"
+            if amp:
+                line += f"  loss scale {scaler.get_scale():g}"
             try:
                 from tqdm import tqdm
 
                 tqdm.write(line)
             except ImportError:
                 print(line)
-    acc = accuracy(model, x_test, y_test)
+    val_loss, acc = evaluate(model, x_test, y_test, amp)
     if not quiet:
         print(
-            f"held-out accuracy {acc:.3f} on {len(y_test)} points (target {TARGET_ACCURACY:.2f}), "
-            f"optimizer {optimizer}, backend {taifuse.get_backend()}"
+            f"held-out loss {val_loss:.4f}, accuracy {acc:.3f} on {len(y_test)} points (target "
+            f"{TARGET_ACCURACY:.2f}), optimizer {optimizer}{', amp' if amp else ''}, backend {taifuse.get_backend()}"
         )
-    return acc
+    return Result(acc, val_loss, epoch_losses, scaler.get_scale() if amp else None)
 
 
 if __name__ == "__main__":
@@ -141,10 +195,13 @@ if __name__ == "__main__":
     parser.add_argument(
         "--optimizer", choices=sorted(LEARNING_RATES), default="adamw", help="adamw (default) or plain sgd"
     )
+    parser.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler (adamw only)")
     args = parser.parse_args()
+    if args.amp and args.optimizer != "adamw":
+        parser.error("--amp needs --optimizer adamw (a GradScaler steps an optimizer)")
     if args.backend:
         taifuse.set_backend(args.backend)
-    reached = main(epochs=args.epochs, optimizer=args.optimizer)
+    reached = main(epochs=args.epochs, optimizer=args.optimizer, amp=args.amp)
     if reached < TARGET_ACCURACY:
         print(f"FAILED: accuracy {reached:.3f} is below the stated {TARGET_ACCURACY:.2f}", file=sys.stderr)
         sys.exit(1)

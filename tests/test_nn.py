@@ -320,6 +320,24 @@ def test_train_mlp_example_reaches_its_stated_accuracy():
     assert accuracy >= example.TARGET_ACCURACY, f"accuracy {accuracy} < stated {example.TARGET_ACCURACY}"
 
 
+def test_train_mlp_example_with_amp_runs_under_autocast_and_a_grad_scaler():
+    """--amp on a tiny config (3 epochs): finite losses, a held-out loss near the float32 run's, and
+    evidence that float16 was in play (the losses differ from float32's) with a live scaler."""
+    example = _load_example()
+    with taifuse.use_backend("numba" if "numba" in taifuse.available_backends() else "numpy"):
+        full = example.train(epochs=3, quiet=True)
+        amp = example.train(epochs=3, quiet=True, amp=True)
+        with pytest.raises(ValueError, match="amp needs the adamw"):
+            example.train(epochs=1, quiet=True, optimizer="sgd", amp=True)
+    assert full.loss_scale is None
+    assert all(np.isfinite(v) for v in [*amp.epoch_losses, amp.val_loss, *full.epoch_losses, full.val_loss])
+    assert amp.epoch_losses != full.epoch_losses  # autocast changed the arithmetic
+    assert amp.val_loss == pytest.approx(full.val_loss, rel=0.05)
+    assert amp.epoch_losses[-1] < 0.8 * amp.epoch_losses[0]  # it learns
+    # The scale starts at 2**16 and only halves (growth needs 2000 finite steps; this run has 66).
+    assert amp.loss_scale in {2.0**k for k in range(17)}
+
+
 # ----------------------------------------------------------------------------- ModuleList
 
 
