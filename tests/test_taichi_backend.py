@@ -177,6 +177,57 @@ def test_float16_storage_computes_in_float32(cpu):
     )
 
 
+def _every_float16(rng, n):
+    """n float16 values drawn from every bit pattern: subnormals, huge values, +-0, inf and NaN."""
+    bits = rng.integers(0, 2**16, n, dtype=np.uint32).astype(np.uint16)
+    return bits.view(np.float16)
+
+
+@pytest.mark.parametrize("arch", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
+def test_float16_arithmetic_kernels_equal_the_reference_bit_for_bit(arch):
+    # NOTE [ float16 arithmetic in the elementwise kernels ]: the float16 paths must be exactly the
+    # float64 reference rounded once, over every bit pattern; the float32 fallbacks (slope 0.01,
+    # p = 0.1) are held to the float16 tolerance.
+    if arch == "vulkan":
+        _vulkan_or_skip()
+    else:
+        tg.init("cpu")
+    rng = np.random.default_rng(16)
+    a, b = _every_float16(rng, 200_003), _every_float16(rng, 200_003)
+    cases = [
+        ("relu", (a,), {}, True),
+        ("add_relu", (a, b), {}, True),
+        ("mul_relu", (a, b), {}, True),
+        ("leaky_relu", (a,), {"negative_slope": 0.25}, True),
+        ("leaky_relu", (a,), {"negative_slope": -3.0}, True),
+        ("leaky_relu", (a,), {"negative_slope": 0.01}, False),
+        ("dropout", (a,), {"p": 0.5, "seed": 3}, True),
+        ("dropout", (a,), {"p": 0.75, "seed": 4}, True),
+        ("dropout", (a,), {"p": 0.1, "seed": 5}, False),
+    ]
+    try:
+        for name, args, kwargs, exact in cases:
+            out = tg.empty(a.shape, np.float16)
+            getattr(tg, name)(*(tg.from_numpy(x) for x in args), out=out, **kwargs)
+            expected = np.empty(a.shape, np.float16)
+            with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 and overflow, on purpose
+                getattr(reference, name)(*args, out=expected, **kwargs)
+            got = out.numpy()
+            what = f"{name} {kwargs} on {arch}"
+            if exact:
+                np.testing.assert_array_equal(got, expected, err_msg=what)
+            else:
+                finite = np.isfinite(expected)
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=what)
+                np.testing.assert_array_equal(got[~finite], expected[~finite], err_msg=what)
+                np.testing.assert_allclose(
+                    got[finite].astype(np.float64), expected[finite].astype(np.float64),
+                    rtol=1e-3, atol=float(np.finfo(np.float16).smallest_subnormal), err_msg=what,
+                )  # fmt: skip
+    finally:
+        tg.init("cpu")
+
+
 def test_erf_matches_math_erf_to_float32_accuracy(cpu):
     from taifuse.backends.taichi._math import erf_probe
 

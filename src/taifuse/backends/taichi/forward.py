@@ -2,8 +2,10 @@
 
 Every kernel takes flat 1-D ndarrays plus plain ints for the logical dimensions, so each kernel
 object compiles exactly once per arch (ndarray arguments specialise on dtype and ndim only).
-float16 is storage only: values are converted to float32 on load and back on store. The kernels
-are built per storage dtype by :func:`kernels_for` when first needed (Taichi must be running).
+float16 is storage, converted to float32 on load and back on store, except in the few kernels
+whose float16 arithmetic gives the float32 path's result bit for bit (NOTE [ float16 arithmetic in
+the elementwise kernels ]). The kernels are built per storage dtype by :func:`kernels_for` when
+first needed (Taichi must be running).
 
 Rules these kernels follow (see /work/shared/FACTS.md):
 
@@ -74,16 +76,40 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         for i in range(n):
             out[i] = ti.cast(M.gelu_tanh(ti.cast(x[i], ti.f32)), T)
 
+    # NOTE [ float16 arithmetic in the elementwise kernels ]
+    # On float16 data, relu, leaky_relu, add_relu, mul_relu and dropout compute in float16 (T), and
+    # give bit for bit the float32 path's results: a select is exact, and one float16 + or * of two
+    # float16 operands is correctly rounded, as is float32's result rounded to float16 (double
+    # rounding is harmless when the wider format has at least 2p + 2 bits: 24 >= 2 * 11 + 2). A
+    # multiplier that is a float32 argument (leaky_relu's slope, dropout's scale) joins the float16
+    # path only when float16 holds it exactly (``exact16``); 0.01 or 1 / 0.9 would be rounded
+    # first, so those stay on the float32 path. Kept in float32: affine (x * scale rounded before
+    # + bias loses the bias-cancelling digits a float32 product keeps), the linear epilogue (its
+    # accumulator is float32, and a float16 add of the rounded sum would round twice), and every
+    # transcendental (gelu, silu, sigmoid, tanh, softmax, norms, losses: float16 exp/erf polynomials
+    # would not meet the float16 tolerance of one ulp).
+
+    @ti.func
+    def relu_t(v):  # relu in the storage type; NaN < 0 is false: NaN propagates
+        # NOTE: the float16 zero is made inside Taichi scope: one made outside and captured by the
+        # kernels crashed ti.cpu (a segfault in add_relu's first launch, Taichi 1.7.4).
+        zero = ti.cast(0.0, T)
+        return ti.select(v < zero, zero, v)
+
     @ti.kernel
     def relu(x: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(M.relu(ti.cast(x[i], ti.f32)), T)
+            out[i] = relu_t(x[i])
 
     @ti.kernel
-    def leaky_relu(x: X, out: X, n: ti.i32, slope: ti.f32):
+    def leaky_relu(x: X, out: X, n: ti.i32, slope: ti.f32, exact16: ti.i32):
         for i in range(n):
-            v = ti.cast(x[i], ti.f32)
-            out[i] = ti.cast(ti.select(v > 0.0, v, slope * v), T)
+            if exact16 != 0:
+                v = x[i]
+                out[i] = ti.select(v > ti.cast(0.0, T), v, ti.cast(slope, T) * v)
+            else:
+                v = ti.cast(x[i], ti.f32)
+                out[i] = ti.cast(ti.select(v > 0.0, v, slope * v), T)
 
     @ti.kernel
     def silu(x: X, out: X, n: ti.i32):
@@ -104,12 +130,12 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     @ti.kernel
     def add_relu(a: X, b: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) + ti.cast(b[i], ti.f32)), T)
+            out[i] = relu_t(a[i] + b[i])
 
     @ti.kernel
     def mul_relu(a: X, b: X, out: X, n: ti.i32):
         for i in range(n):
-            out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) * ti.cast(b[i], ti.f32)), T)
+            out[i] = relu_t(a[i] * b[i])
 
     @ti.kernel
     def affine(x: X, scale: X, bias: X, out: X, rows: ti.i32, cols: ti.i32):
@@ -119,10 +145,13 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             out[i] = ti.cast(v, T)
 
     @ti.kernel
-    def dropout(x: X, out: X, n: ti.i32, key: ti.u32, threshold: ti.u32, scale: ti.f32):
+    def dropout(x: X, out: X, n: ti.i32, key: ti.u32, threshold: ti.u32, scale: ti.f32, exact16: ti.i32):
         for i in range(n):
             keep = ti.bit_shr(M.hash32(ti.cast(i, ti.u32) ^ key), 8) >= threshold
-            out[i] = ti.cast(ti.cast(x[i], ti.f32) * ti.select(keep, scale, 0.0), T)
+            if exact16 != 0:  # x * 0 keeps a dropped NaN NaN, as the reference
+                out[i] = x[i] * ti.select(keep, ti.cast(scale, T), ti.cast(0.0, T))
+            else:
+                out[i] = ti.cast(ti.cast(x[i], ti.f32) * ti.select(keep, scale, 0.0), T)
 
     @ti.kernel
     def linear_act(
@@ -438,8 +467,15 @@ def relu(x: DeviceArray, out: DeviceArray) -> None:
     _k(x).relu(_nd(x), _nd(out), x.size)
 
 
+def _exact16(dtype: np.dtype, value: float) -> int:
+    """1 when ``dtype`` is float16 and float16 holds ``value`` exactly (NOTE [ float16 arithmetic
+    in the elementwise kernels ]), else 0."""
+    return int(dtype == np.float16 and float(np.float16(value)) == value)
+
+
 def leaky_relu(x: DeviceArray, out: DeviceArray, negative_slope: float) -> None:
-    _k(x).leaky_relu(_nd(x), _nd(out), x.size, float(negative_slope))
+    slope = float(negative_slope)
+    _k(x).leaky_relu(_nd(x), _nd(out), x.size, slope, _exact16(x.dtype, slope))
 
 
 def silu(x: DeviceArray, out: DeviceArray) -> None:
@@ -573,4 +609,5 @@ def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
         reference.dropout_key(seed),
         reference.dropout_threshold(p),
         reference.dropout_scale(p),
+        _exact16(x.dtype, reference.dropout_scale(p)),
     )
