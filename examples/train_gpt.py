@@ -21,6 +21,14 @@ validation loss is not below TARGET_VAL_LOSS. For scale it also prints two basel
 unigram entropy (the loss of a model that knows only how often each character occurs) and the
 validation loss of a bigram model fit on the training split (one character of context).
 
+``--amp`` trains in mixed precision with PyTorch's AMP recipe: the forward and the loss under
+``taifuse.amp.autocast()`` (the Linears, the attention's products and batched ``@`` in float16; the
+LayerNorms, softmax and loss in float32; the parameters stay float32), then
+``taifuse.amp.GradScaler``: scale the loss, backward, ``unscale_`` (so that the clipping sees the
+true gradients), clip, step (skipped when a gradient overflowed, and the scale backs off), update.
+The loss estimates and the sample run under autocast too, and the checkpoint keeps the scaler's
+``state_dict`` (``--resume --amp`` restores it).
+
 Batches and learning rates are functions of ``--seed`` and the step number, so a run resumed with
 the same ``--steps`` sees what an uninterrupted one would; with a larger ``--steps`` it continues on
 the longer schedule (whose lr at the saved step is higher than the finished one's).
@@ -37,6 +45,7 @@ than one character.
     python examples/train_gpt.py                          # the default config on the active backend
     python examples/train_gpt.py --backend numpy --steps 50 --n-layer 1
     python examples/train_gpt.py --steps 2000 --resume    # train a saved run further
+    python examples/train_gpt.py --amp                    # float16 autocast with a GradScaler
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ import numpy as np
 from gpt import GPT, GPTConfig
 
 import taifuse
+from taifuse.amp import GradScaler, autocast
 from taifuse.optim import clip_grad_norm_
 from taifuse.optim.lr_scheduler import LRScheduler
 
@@ -187,23 +197,34 @@ class Result:
     checkpoint: Path
     sample: str
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train, val)
+    loss_scale: float | None = None  # the GradScaler's scale at the end (--amp), else None
 
 
-def estimate_loss(model: GPT, batches: list[tuple[np.ndarray, np.ndarray]]) -> float:
-    """Mean loss over ``batches`` in eval mode without a graph."""
+def estimate_loss(model: GPT, batches: list[tuple[np.ndarray, np.ndarray]], amp: bool = False) -> float:
+    """Mean loss over ``batches`` in eval mode without a graph (under autocast when ``amp``)."""
     model.eval()
-    with taifuse.no_grad():
+    with taifuse.no_grad(), autocast(enabled=amp):
         losses = [model(x, y)[1].item() for x, y in batches]
     model.train()
     return float(np.mean(losses))
 
 
-def save_checkpoint(path: Path, model: GPT, optimizer: Any, config: GPTConfig, step: int, args: Any) -> None:
-    """Pickle the model's and optimizer's state (NumPy arrays), the config and the step; written
-    to a temporary file first, so an interrupted save leaves the previous checkpoint whole."""
+def save_checkpoint(
+    path: Path,
+    model: GPT,
+    optimizer: Any,
+    config: GPTConfig,
+    step: int,
+    args: Any,
+    scaler: GradScaler | None = None,
+) -> None:
+    """Pickle the model's, optimizer's and GradScaler's state (NumPy arrays and numbers; the
+    scaler's is empty when it is disabled, as PyTorch's), the config and the step; written to a
+    temporary file first, so an interrupted save leaves the previous checkpoint whole."""
     state = {
         "model": {name: t.numpy() for name, t in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
+        "scaler": {} if scaler is None else scaler.state_dict(),
         "config": asdict(config),
         "step": step,
         "vocab": VOCAB,
@@ -272,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("train_gpt.ckpt.pkl"), help="checkpoint file")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint at --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
+    p.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler")
     args = p.parse_args(argv)
     for name in (
         "steps",
@@ -320,10 +342,13 @@ def main(argv: list[str] | None = None) -> Result:
     taifuse.manual_seed(args.seed)
     model = GPT(config)
     optimizer = model.configure_optimizer(weight_decay=args.weight_decay, lr=args.lr, betas=(0.9, 0.99))
+    scaler = GradScaler(enabled=args.amp)  # without --amp every call passes straight through
     start = 0
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):  # a float32 run's is empty: an --amp resume of it starts a fresh scale
+            scaler.load_state_dict(state["scaler"])
         start = int(state["step"])
     scheduler = WarmupCosineLR(optimizer, args.warmup, args.steps, args.min_lr_ratio, last_epoch=start - 1)
 
@@ -343,16 +368,17 @@ def main(argv: list[str] | None = None) -> Result:
     _log(
         None,
         f"model: {n_params:,} parameters, {config}; backend {taifuse.get_backend()}; "
-        f"steps {start}..{args.steps} of {args.batch_size} x {block} tokens",
+        f"steps {start}..{args.steps} of {args.batch_size} x {block} tokens{'; amp (float16 autocast)' if args.amp else ''}",
         quiet,
     )
 
     history: list[tuple[int, float, float]] = []
 
     def evaluate(step: int, bar: Any) -> None:
-        train_loss, val_loss = (estimate_loss(model, eval_sets[k]) for k in ("train", "val"))
+        train_loss, val_loss = (estimate_loss(model, eval_sets[k], args.amp) for k in ("train", "val"))
         history.append((step, train_loss, val_loss))
-        _log(bar, f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}", quiet)
+        scale = f"  loss scale {scaler.get_scale():g}" if args.amp else ""
+        _log(bar, f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}{scale}", quiet)
 
     bar = _progress(args.steps, start, quiet)
     tokens_per_step = args.batch_size * block
@@ -363,11 +389,14 @@ def main(argv: list[str] | None = None) -> Result:
     for step in range(start, args.steps):
         x, y = get_batch(train_data, args.batch_size, block, np.random.default_rng([args.seed, 0, step]))
         t0 = time.perf_counter()
-        _, loss = model(x, y)
+        with autocast(enabled=args.amp):
+            _, loss = model(x, y)
         optimizer.zero_grad()
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # the true gradients, for the clipping
         clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         loss_value = loss.item()
         elapsed = time.perf_counter() - t0
@@ -389,11 +418,11 @@ def main(argv: list[str] | None = None) -> Result:
         bar.close()
     if not history:  # nothing left to train: still report where the checkpoint stands
         evaluate(start, None)
-    save_checkpoint(args.out, model, optimizer, config, done, args)
+    save_checkpoint(args.out, model, optimizer, config, done, args, scaler)
 
     prompt = encode(SAMPLE_PROMPT)[None, :].astype(np.int64)
     model.eval()
-    with taifuse.no_grad():
+    with taifuse.no_grad(), autocast(enabled=args.amp):
         sample = decode(
             model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=20, seed=args.seed)[0]
         )
@@ -411,8 +440,19 @@ def main(argv: list[str] | None = None) -> Result:
         f"wall time {wall_s:.1f} s",
         quiet,
     )
+    loss_scale = scaler.get_scale() if args.amp else None
     return Result(
-        val_loss, train_loss, tokens_per_s, wall_s, baseline, bigram, done, args.out, sample, history
+        val_loss,
+        train_loss,
+        tokens_per_s,
+        wall_s,
+        baseline,
+        bigram,
+        done,
+        args.out,
+        sample,
+        history,
+        loss_scale,
     )
 
 

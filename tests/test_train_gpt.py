@@ -131,3 +131,50 @@ def test_resume_needs_the_same_vocabulary(tmp_path):
     ckpt.write_bytes(pickle.dumps({"vocab": "abc"}))
     with pytest.raises(ValueError, match="vocabulary"):
         train_gpt.load_checkpoint(ckpt)
+
+
+def test_amp_trains_and_its_checkpoint_saves_and_restores_the_grad_scaler(tmp_path, capsys):
+    """--amp: autocast forward, GradScaler backward; finite falling losses, the scale on the log
+    lines, and the scaler's state_dict in the checkpoint, restored by --resume --amp."""
+    ckpt = tmp_path / "amp.pkl"
+    result = _run(["--steps", "8", "--out", str(ckpt), "--amp"])
+    out = capsys.readouterr().out
+    assert "amp (float16 autocast)" in out and "loss scale" in out
+    printed = [tuple(map(float, m.groups())) for m in LOSS_LINE.finditer(out)]
+    assert [int(s) for s, _, _ in printed] == [0, 4, 8]
+    assert all(math.isfinite(v) for _, train, val in printed for v in (train, val))
+    assert printed[-1][1] < printed[0][1] - 0.3  # it learns
+    assert result.loss_scale is not None and result.loss_scale in {2.0**k for k in range(17)}
+
+    saved = train_gpt.load_checkpoint(ckpt)
+    assert saved["scaler"]["scale"] == result.loss_scale and saved["step"] == 8
+    assert set(saved["scaler"]) == {
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+    }
+    # A distinctive scale and growth tracker written into the checkpoint come back on resume: with
+    # nothing left to train the scaler is what was loaded, and it is saved again as it was.
+    saved["scaler"].update(scale=512.0, _growth_tracker=3)
+    ckpt.write_bytes(pickle.dumps(saved))
+    resumed = _run(["--steps", "8", "--out", str(ckpt), "--resume", "--amp", "--quiet"])
+    assert resumed.loss_scale == 512.0
+    assert train_gpt.load_checkpoint(ckpt)["scaler"]["_growth_tracker"] == 3
+    # Two more steps from there: the scale grows only after growth_interval (2000) good steps, so it
+    # stays 512 unless a step overflowed (then it halves); the tracker counts on or restarts.
+    further = _run(["--steps", "10", "--out", str(ckpt), "--resume", "--amp", "--quiet"])
+    scaler = train_gpt.load_checkpoint(ckpt)["scaler"]
+    assert further.step == 10 and further.loss_scale == scaler["scale"]
+    assert (scaler["scale"], scaler["_growth_tracker"]) in {(512.0, 5), (256.0, 0), (256.0, 1), (128.0, 0)}
+
+
+def test_float32_checkpoint_has_an_empty_scaler_state_and_resumes_under_amp(tmp_path):
+    """A float32 run saves the disabled scaler's empty state (PyTorch's); --resume --amp from it
+    starts a fresh scale rather than failing on the empty state."""
+    ckpt = tmp_path / "f32.pkl"
+    _run(["--steps", "4", "--out", str(ckpt), "--quiet"])
+    assert train_gpt.load_checkpoint(ckpt)["scaler"] == {}
+    resumed = _run(["--steps", "6", "--out", str(ckpt), "--resume", "--amp", "--quiet"])
+    assert resumed.step == 6 and resumed.loss_scale in {2.0**16, 2.0**15, 2.0**14}
