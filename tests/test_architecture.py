@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse._array_ops", "taifuse._tensor_math"),
     ("taifuse.tensor", "taifuse.amp.autocast"),  # autocast's state, which the Tensor ops read
     ("taifuse._autograd_ops", "taifuse.functional", "taifuse.checkpoint"),
-    ("taifuse.nn", "taifuse.optim", "taifuse.amp"),
+    ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 

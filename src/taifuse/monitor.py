@@ -1,0 +1,684 @@
+"""Watching a training run: :class:`TrainingMonitor` takes each step's loss (and whatever else is
+passed: lr, grad norm) and keeps throughput, memory and health figures beside it, on a progress
+bar, in a CSV or JSONL log, in memory and in a PNG plot.
+
+Example::
+
+    >>> import math, taifuse
+    >>> from taifuse.monitor import TrainingMonitor
+    >>> with TrainingMonitor(total_steps=3, unit="tokens", disable=True) as mon:
+    ...     for step in range(3):
+    ...         loss = 2.0 / (step + 1)            # a training step's loss (a float or a Tensor)
+    ...         _ = mon.step(loss, n=512, lr=1e-3)  # 512 tokens; returns the step's record
+    >>> [row["loss"] for row in mon.history]
+    [2.0, 1.0, 0.6666666666666666]
+    >>> sorted(k for k in mon.history[0] if k.endswith("_per_s"))
+    ['steps_per_s', 'tokens_per_s']
+    >>> mon.history[-1]["lr"], mon.flags
+    (0.001, [])
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import csv
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from taifuse import pool as _pool
+
+if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
+    from typing_extensions import Self
+
+__all__ = ["Flag", "TrainingMonitor", "process_memory"]
+
+# The columns every record starts with, in this order; the memory columns only with track_memory.
+_BASE_COLUMNS = ("step", "time_s", "step_time_s", "loss", "n", "steps_per_s")
+_MEMORY_COLUMNS = ("pool_in_use_bytes", "pool_peak_bytes", "rss_bytes", "rss_peak_bytes")
+_LOG_FORMATS = {".csv": "csv", ".jsonl": "jsonl"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """Something about the run that needs a look, recorded in :attr:`TrainingMonitor.flags`.
+
+    Attributes:
+        step: the step it was seen at (as in the ``step`` column).
+        kind: ``"nonfinite_loss"`` or ``"throughput_drop"``.
+        value: the loss, or the windowed throughput that dropped.
+        message: what was seen, in words (also the warning's text).
+    """
+
+    step: int
+    kind: str
+    value: float
+    message: str
+
+
+# ----------------------------------------------------------------------------- process memory
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# ru_maxrss is in KiB on Linux and the BSDs, in bytes on macOS.
+_MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024
+
+
+def _peak_rss() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * _MAXRSS_UNIT
+
+
+def _current_rss(statm_fd: int | None) -> int | None:
+    """Resident bytes now, from /proc/self/statm (Linux); None where there is none."""
+    if statm_fd is None:
+        return None
+    fields = os.pread(statm_fd, 128, 0).split()
+    return int(fields[1]) * _PAGE_SIZE
+
+
+def _open_statm() -> int | None:
+    if not hasattr(os, "pread"):
+        return None
+    try:
+        return os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:  # not Linux
+        return None
+
+
+def process_memory() -> tuple[int | None, int | None]:
+    """This process's resident set size in bytes: ``(current, peak)``.
+
+    ``current`` is read from ``/proc/self/statm`` on Linux and is None elsewhere; ``peak`` is
+    ``resource.getrusage``'s ``ru_maxrss`` (reported in KiB on Linux, bytes on macOS; converted
+    here) and is None where the ``resource`` module is missing (Windows).
+
+    Example::
+
+        >>> from taifuse.monitor import process_memory
+        >>> current, peak = process_memory()
+        >>> peak is None or peak > 0
+        True
+    """
+    fd = _open_statm()
+    try:
+        return _current_rss(fd), _peak_rss()
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TrainingMonitor {name} should be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"TrainingMonitor {name} should be at least {minimum}, got {value}")
+    return value
+
+
+def _flag_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"TrainingMonitor {name} should be a bool, got {value!r}")
+    return value
+
+
+def _number(name: str, value: Any) -> float | int:
+    """A logged number as a Python float or int: Tensors and NumPy scalars via ``.item()``."""
+    # NOTE: float() and int() also turn subclasses (np.float64) into the builtins, whose repr the
+    # CSV writer uses: NumPy 2's repr of np.float64(0.1) is "np.float64(0.1)".
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, int):
+        return int(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            value = item()
+        except ValueError as exc:  # a Tensor or array with more than one element
+            raise ValueError(f"TrainingMonitor.step {name} should be a single number: {exc}") from None
+        if isinstance(value, float):
+            return float(value)
+        if isinstance(value, int):
+            return int(value)
+    raise TypeError(
+        f"TrainingMonitor.step {name} should be a number (or a one-element Tensor or array), "
+        f"got {type(value).__name__}"
+    )
+
+
+# ----------------------------------------------------------------------------- the monitor
+
+
+class TrainingMonitor:
+    """Per-step loss, throughput, memory and health of a training loop.
+
+    Call :meth:`step` once per optimizer step with the loss and the number of samples (or tokens)
+    the step consumed; anything else passed as a keyword (``lr=``, ``grad_norm=``) is logged as a
+    column of its own. Each step the monitor records:
+
+    * ``step`` (counting from ``initial_step + 1``), ``time_s`` (seconds since the clock started),
+      ``step_time_s`` (seconds since the previous step, measured by the monitor itself, less the
+      time spent inside :meth:`paused`), ``loss`` and ``n``;
+    * ``steps_per_s`` and ``<unit>_per_s`` (``samples_per_s``, ``tokens_per_s``): over the last
+      ``window`` steps (total ``n`` over total time); ``<unit>_per_s`` is None when ``n`` is not given;
+    * with ``track_memory``: ``pool_in_use_bytes`` and ``pool_peak_bytes``, the active backend's
+      buffer pool's :class:`~taifuse.pool.PoolStats` ``bytes_in_use`` and ``peak_bytes`` (the most
+      the pool has held, free buffers included); ``rss_bytes`` and ``rss_peak_bytes``, the
+      process's resident memory (:func:`process_memory`: the current figure where the platform
+      gives one, Linux, else None);
+    * the keyword extras, in the order the first step passed them.
+
+    The records go to :attr:`history` (a list of dicts), to the log file when ``log_path`` is
+    given, and to a tqdm progress bar's postfix when tqdm is installed (the ``test`` and ``bench``
+    extras have it); without tqdm, or with ``use_tqdm=False``, a plain line every ``print_every``
+    steps. :meth:`plot` draws loss, throughput and memory against the step into one PNG.
+
+    Flags (:attr:`flags`, each also a ``RuntimeWarning``):
+
+    * ``nonfinite_loss``: the loss is NaN or infinite. With ``raise_on_nonfinite=True`` the step is
+      recorded and then :class:`FloatingPointError` is raised.
+    * ``throughput_drop``: the windowed throughput (``<unit>_per_s``, or ``steps_per_s`` without
+      ``n``) fell below ``drop_fraction`` times the median of its earlier values. Checked once the
+      window holds no warm-up step (step > ``warmup + window``, counting this monitor's steps) and
+      at least ``window`` earlier values are there for the median (they include slow ones: the
+      median is of every checked step). A drop is flagged once when it starts, and again only
+      after the throughput has come back above the threshold.
+
+    Args:
+        total_steps: the steps the run will take (the bar's total), or None when unknown.
+        unit: what ``n`` counts; names the throughput column ``<unit>_per_s``.
+        log_path: a ``.csv`` file (a header from the first step's columns, then one row per step;
+            None is an empty cell) or a ``.jsonl`` file (one JSON object per step; None is null and
+            non-finite floats are written ``NaN``/``Infinity``, as Python's ``json`` reads them).
+            Created (truncated) when the monitor is made.
+        window: the steps the rates are computed over.
+        warmup: steps before the throughput-drop check may start (compilation, first allocations).
+        drop_fraction: the throughput-drop threshold, in (0, 1).
+        desc: the bar's label (and the plain lines' prefix).
+        disable: no bar and no plain lines; the log, history and flags still work.
+        use_tqdm: None: a tqdm bar when tqdm is installed; False: plain lines; True: tqdm required.
+        print_every: steps between plain lines (default: a tenth of ``total_steps``, or 100).
+        flush_every: steps between flushes of the log file.
+        raise_on_nonfinite: raise ``FloatingPointError`` after recording a non-finite loss.
+        track_memory: record the pool and RSS columns.
+        initial_step: steps already done (a resumed run): the first step is numbered one more.
+        clock: a function returning seconds (default ``time.perf_counter``); tests pass their own.
+        file: where the bar and the plain lines go (default ``sys.stderr``).
+
+    Use it as a context manager, or call :meth:`close` at the end (it flushes and closes the log
+    file and the bar). The clock starts when the monitor is made and restarts on entering the
+    ``with`` block if no step was taken yet.
+
+    Example::
+
+        >>> import numpy as np, taifuse
+        >>> import taifuse.functional as F
+        >>> from taifuse import nn, optim
+        >>> from taifuse.monitor import TrainingMonitor
+        >>> taifuse.manual_seed(0)
+        >>> model = nn.Linear(4, 1)
+        >>> opt = optim.SGD(model.parameters(), lr=0.05)
+        >>> x, y = np.ones((8, 4), np.float32), np.zeros((8, 1), np.float32)
+        >>> with TrainingMonitor(total_steps=5, disable=True) as monitor:
+        ...     for _ in range(5):
+        ...         loss = F.mse_loss(model(taifuse.tensor(x)), taifuse.tensor(y))
+        ...         opt.zero_grad()
+        ...         loss.backward()
+        ...         opt.step()
+        ...         _ = monitor.step(loss, n=len(x), lr=opt.param_groups[0]["lr"])
+        >>> len(monitor.history), monitor.history[-1]["step"], monitor.history[-1]["n"]
+        (5, 5, 8)
+        >>> monitor.history[-1]["loss"] < monitor.history[0]["loss"]
+        True
+        >>> monitor.history[-1]["pool_peak_bytes"] >= monitor.history[-1]["pool_in_use_bytes"] >= 0
+        True
+    """
+
+    def __init__(
+        self,
+        total_steps: int | None = None,
+        *,
+        unit: str = "samples",
+        log_path: str | os.PathLike | None = None,
+        window: int = 20,
+        warmup: int = 10,
+        drop_fraction: float = 0.5,
+        desc: str | None = "train",
+        disable: bool = False,
+        use_tqdm: bool | None = None,
+        print_every: int | None = None,
+        flush_every: int = 1,
+        raise_on_nonfinite: bool = False,
+        track_memory: bool = True,
+        initial_step: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        file: Any = None,
+    ) -> None:
+        if total_steps is not None:
+            _positive_int("total_steps", total_steps)
+        if not isinstance(unit, str):
+            raise TypeError(f"TrainingMonitor unit should be a str, got {unit!r}")
+        if not unit.isidentifier():
+            raise ValueError(
+                f"TrainingMonitor unit should be a word such as 'samples' or 'tokens', got {unit!r}"
+            )
+        fmt = None
+        if log_path is not None:
+            if not isinstance(log_path, (str, os.PathLike)):
+                raise TypeError(f"TrainingMonitor log_path should be a path or None, got {log_path!r}")
+            log_path = Path(log_path)
+            fmt = _LOG_FORMATS.get(log_path.suffix.lower())
+            if fmt is None:
+                raise ValueError(
+                    f"TrainingMonitor log_path should end in .csv or .jsonl, got {str(log_path)!r}"
+                )
+        _positive_int("window", window)
+        _positive_int("warmup", warmup, minimum=0)
+        if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, (int, float)):
+            raise TypeError(f"TrainingMonitor drop_fraction should be a float, got {drop_fraction!r}")
+        if not 0.0 < drop_fraction < 1.0:
+            raise ValueError(f"TrainingMonitor drop_fraction should be in (0, 1), got {drop_fraction}")
+        if desc is not None and not isinstance(desc, str):
+            raise TypeError(f"TrainingMonitor desc should be a str or None, got {desc!r}")
+        _flag_bool("disable", disable)
+        if use_tqdm is not None:
+            _flag_bool("use_tqdm", use_tqdm)
+        if print_every is not None:
+            _positive_int("print_every", print_every)
+        _positive_int("flush_every", flush_every)
+        _flag_bool("raise_on_nonfinite", raise_on_nonfinite)
+        _flag_bool("track_memory", track_memory)
+        _positive_int("initial_step", initial_step, minimum=0)
+        if not callable(clock):
+            raise TypeError(f"TrainingMonitor clock should be a function returning seconds, got {clock!r}")
+        tqdm_cls = None
+        if not disable and use_tqdm is not False:
+            try:
+                from tqdm import tqdm as tqdm_cls
+            except ImportError:  # optional: the `test` and `bench` extras
+                if use_tqdm:
+                    raise ImportError(
+                        "TrainingMonitor(use_tqdm=True) needs tqdm: pip install tqdm "
+                        "(or 'taifuse[bench]'); leave use_tqdm=None to fall back to plain lines"
+                    ) from None
+
+        self.total_steps = total_steps
+        self.unit = unit
+        self.rate_column = f"{unit}_per_s"
+        self.log_path = log_path
+        self.window = window
+        self.warmup = warmup
+        self.drop_fraction = float(drop_fraction)
+        self.desc = desc
+        self.disable = disable
+        self.print_every = print_every or (max(1, total_steps // 10) if total_steps else 100)
+        self.flush_every = flush_every
+        self.raise_on_nonfinite = raise_on_nonfinite
+        self.track_memory = track_memory
+        self.initial_step = initial_step
+        self._clock = clock
+        self._out = file
+        self.history: list[dict[str, Any]] = []
+        """One dict per step, the columns described above."""
+        self.flags: list[Flag] = []
+        """What was flagged, in order (see the class docstring)."""
+
+        self._columns: tuple[str, ...] | None = None  # fixed by the first step
+        self._extras: tuple[str, ...] = ()
+        self._recent: deque[tuple[float, int | None]] = deque()  # (seconds, n) of the last `window` steps
+        self._recent_time = 0.0
+        self._recent_n = 0
+        self._recent_missing_n = 0  # steps in the window without n
+        self._checked_rates: list[float] = []  # sorted: the running median's values
+        self._in_drop = False
+        self._rate_in_units = False
+        self._paused = 0.0
+        self._closed = False
+        self._statm = None
+        if track_memory:
+            _pool.get_pool()  # starts the active backend now rather than inside the first step's time
+            self._statm = _open_statm()
+        self._start = self._last = clock()
+        self._writer: Any = None
+        self._log = None
+        if log_path is not None:
+            self._log = open(log_path, "w", newline="" if fmt == "csv" else None, encoding="utf-8")  # noqa: SIM115
+        self._format = fmt
+        self._bar = None
+        if tqdm_cls is not None:
+            self._bar = tqdm_cls(
+                total=total_steps,
+                initial=initial_step,
+                desc=desc,
+                unit="step",
+                dynamic_ncols=True,
+                file=file,
+            )
+
+    # -- the loop's side
+
+    def step(self, loss: Any, n: int | None = None, **extra: Any) -> dict[str, Any]:
+        """Record one step: its ``loss``, the ``n`` samples (or tokens) it consumed and ``extra`` columns.
+
+        ``loss`` and the extras are numbers (a one-element Tensor or NumPy value is read with
+        ``.item()``; an extra may also be a str or None). The extras' names are fixed by the first
+        step (as the CSV header): a later step may leave one out (None is logged) but not add one.
+        Returns the record (also appended to :attr:`history`).
+        """
+        if self._closed:
+            raise RuntimeError("TrainingMonitor.step after close()")
+        now = self._clock()
+        loss = float(_number("loss", loss))
+        if n is not None:
+            if isinstance(n, bool) or not hasattr(n, "__index__"):
+                raise TypeError(f"TrainingMonitor.step n should be an int or None, got {n!r}")
+            n = n.__index__()
+            if n < 0:
+                raise ValueError(f"TrainingMonitor.step n should be non-negative, got {n}")
+        values = {}
+        for key, value in extra.items():
+            if value is not None and not isinstance(value, str):
+                value = _number(key, value)
+            values[key] = value
+        if self._columns is None:
+            reserved = set(_BASE_COLUMNS) | set(_MEMORY_COLUMNS) | {self.rate_column}
+            clash = sorted(reserved.intersection(values))
+            if clash:
+                raise ValueError(f"TrainingMonitor.step extra column(s) {clash} clash with the monitor's own")
+            self._extras = tuple(values)
+            self._rate_in_units = n is not None  # which rate the drop check follows: fixed by step 1
+        else:
+            unknown = [k for k in values if k not in self._extras]
+            if unknown:
+                raise ValueError(
+                    f"TrainingMonitor.step got extra column(s) {unknown} that the first step did not have; "
+                    f"the columns are fixed by the first step: {list(self._extras)}"
+                )
+
+        dt = max(now - self._last - self._paused, 0.0)
+        self._last, self._paused = now, 0.0
+        steps_per_s, unit_per_s = self._update_rates(dt, n)
+        record: dict[str, Any] = {
+            "step": self.initial_step + len(self.history) + 1,
+            "time_s": now - self._start,
+            "step_time_s": dt,
+            "loss": loss,
+            "n": n,
+            "steps_per_s": steps_per_s,
+            self.rate_column: unit_per_s,
+        }
+        if self.track_memory:
+            stats = _pool.get_pool().stats()
+            record["pool_in_use_bytes"] = stats.bytes_in_use
+            record["pool_peak_bytes"] = stats.peak_bytes
+            record["rss_bytes"] = _current_rss(self._statm)
+            record["rss_peak_bytes"] = _peak_rss()
+        for key in self._extras:
+            record[key] = values.get(key)
+        if self._columns is None:
+            self._columns = tuple(record)
+        self.history.append(record)
+        self._write(record)
+        self._show(record)
+
+        if not math.isfinite(loss):
+            self._flag(record["step"], "nonfinite_loss", loss, f"step {record['step']}: the loss is {loss}")
+        self._check_throughput(record["step"], unit_per_s if self._rate_in_units else steps_per_s)
+        if self.raise_on_nonfinite and not math.isfinite(loss):
+            raise FloatingPointError(f"step {record['step']}: the loss is {loss}")
+        return record
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time inside the block (an evaluation, a checkpoint save) is left out of the next step's time."""
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self._paused += self._clock() - t0
+
+    def write(self, line: str) -> None:
+        """Print ``line`` to stdout without breaking the progress bar (``tqdm.write`` when there is one)."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    # -- rates and flags
+
+    def _update_rates(self, dt: float, n: int | None) -> tuple[float | None, float | None]:
+        recent = self._recent
+        recent.append((dt, n))
+        self._recent_time += dt
+        if n is None:
+            self._recent_missing_n += 1
+        else:
+            self._recent_n += n
+        if len(recent) > self.window:
+            old_dt, old_n = recent.popleft()
+            self._recent_time -= old_dt
+            if old_n is None:
+                self._recent_missing_n -= 1
+            else:
+                self._recent_n -= old_n
+        if self._recent_time <= 0.0:
+            return None, None
+        steps_per_s = len(recent) / self._recent_time
+        unit_per_s = None if self._recent_missing_n else self._recent_n / self._recent_time
+        return steps_per_s, unit_per_s
+
+    def _check_throughput(self, step: int, rate: float | None) -> None:
+        if rate is None or len(self.history) <= self.warmup + self.window:
+            return
+        earlier = self._checked_rates
+        if len(earlier) >= self.window:
+            mid = len(earlier) // 2
+            median = earlier[mid] if len(earlier) % 2 else 0.5 * (earlier[mid - 1] + earlier[mid])
+            threshold = self.drop_fraction * median
+            if rate < threshold and not self._in_drop:
+                self._in_drop = True
+                self._flag(
+                    step,
+                    "throughput_drop",
+                    rate,
+                    f"step {step}: throughput {rate:.4g} {self.unit if self._rate_in_units else 'steps'}/s "
+                    f"over the last {self.window} steps is below {self.drop_fraction:g} x its running median "
+                    f"{median:.4g}",
+                )
+            elif rate >= threshold:
+                self._in_drop = False
+        bisect.insort(earlier, rate)
+
+    def _flag(self, step: int, kind: str, value: float, message: str) -> None:
+        self.flags.append(Flag(step, kind, value, message))
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # -- output
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._log is None:
+            return
+        if self._format == "csv":
+            if self._writer is None:
+                self._writer = csv.DictWriter(self._log, fieldnames=self._columns, lineterminator="\n")
+                self._writer.writeheader()
+            self._writer.writerow(record)
+        else:
+            self._log.write(json.dumps(record) + "\n")
+        if len(self.history) % self.flush_every == 0:
+            self._log.flush()
+
+    def _postfix(self, record: dict[str, Any]) -> dict[str, str]:
+        shown = {"loss": f"{record['loss']:.4g}"}
+        rate = record[self.rate_column]
+        if rate is not None:
+            shown[f"{self.unit}/s"] = f"{rate:,.0f}"
+        elif record["steps_per_s"] is not None:
+            shown["steps/s"] = f"{record['steps_per_s']:.3g}"
+        if self.track_memory:
+            shown["pool"] = _mib(record["pool_in_use_bytes"])
+            rss = record["rss_bytes"] if record["rss_bytes"] is not None else record["rss_peak_bytes"]
+            if rss is not None:
+                shown["rss"] = _mib(rss)
+        for key in self._extras:
+            value = record[key]
+            if value is not None:
+                shown[key] = f"{value:.3g}" if isinstance(value, float) else str(value)
+        return shown
+
+    def _show(self, record: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(self._postfix(record), refresh=False)
+            self._bar.update(1)
+        elif not self.disable:
+            count = len(self.history)
+            if count % self.print_every == 0 or count == 1 or record["step"] == self.total_steps:
+                total = f"/{self.total_steps}" if self.total_steps else ""
+                fields = "  ".join(f"{k} {v}" for k, v in self._postfix(record).items())
+                prefix = f"{self.desc} " if self.desc else ""
+                print(
+                    f"{prefix}step {record['step']}{total}  {fields}",
+                    file=self._out or sys.stderr,
+                    flush=True,
+                )
+
+    # -- summary, plot, close
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """Draw the loss, the throughput and the memory against the step into one PNG at ``path``.
+
+        Needs matplotlib (the ``plot`` extra: ``pip install 'taifuse[plot]'``), imported here and
+        used without pyplot (no global backend is set). Flagged steps are marked with vertical
+        lines. Returns the path written.
+        """
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"TrainingMonitor.plot path should be a path, got {path!r}")
+        if not self.history:
+            raise ValueError("TrainingMonitor.plot: no step recorded yet, nothing to plot")
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise ImportError(
+                "TrainingMonitor.plot needs matplotlib, the 'plot' extra: pip install 'taifuse[plot]'"
+            ) from None
+        rows = self.history
+        steps = [r["step"] for r in rows]
+        panels = 3 if self.track_memory else 2
+        fig = Figure(figsize=(8, 2.6 * panels), layout="constrained")
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(panels, 1, sharex=True)
+
+        ax = axes[0]
+        ax.plot(
+            steps, [r["loss"] if math.isfinite(r["loss"]) else math.nan for r in rows], lw=1, label="loss"
+        )
+        ax.set_ylabel("loss")
+        ax.set_title(self.desc or "training")
+
+        ax = axes[1]
+        unit_rates = [r[self.rate_column] for r in rows]
+        if any(v is not None for v in unit_rates):
+            ax.plot(steps, [math.nan if v is None else v for v in unit_rates], lw=1, label=f"{self.unit}/s")
+            ax.set_ylabel(f"{self.unit}/s (last {self.window} steps)")
+        else:
+            ax.plot(steps, [math.nan if r["steps_per_s"] is None else r["steps_per_s"] for r in rows], lw=1)
+            ax.set_ylabel(f"steps/s (last {self.window} steps)")
+        ax.set_ylim(bottom=0)
+
+        if self.track_memory:
+            ax = axes[2]
+            for column, label in (
+                ("pool_in_use_bytes", "pool in use"),
+                ("pool_peak_bytes", "pool peak"),
+                ("rss_bytes", "process RSS"),
+            ):
+                values = [r[column] for r in rows]
+                if any(v is not None for v in values):
+                    ax.plot(steps, [math.nan if v is None else v / 2**20 for v in values], lw=1, label=label)
+            ax.set_ylabel("MiB")
+            ax.set_ylim(bottom=0)
+            ax.legend(loc="best", fontsize="small")
+
+        for flag in self.flags:
+            panel = axes[0] if flag.kind == "nonfinite_loss" else axes[1]
+            panel.axvline(flag.step, color="tab:red", lw=0.8, ls="--")
+        axes[-1].set_xlabel("step")
+        for ax in axes:
+            ax.grid(True, alpha=0.3)
+        path = Path(path)
+        fig.savefig(path, format="png", dpi=100)
+        return path
+
+    def summary(self) -> dict[str, Any]:
+        """Totals of the run so far: steps, wall seconds, mean rates over every step after
+        ``warmup``, the pool's and the process's peak bytes, and the number of flags."""
+        rows = self.history
+        timed = rows[self.warmup :] if len(rows) > self.warmup else rows
+        seconds = sum(r["step_time_s"] for r in timed)
+        counted = [r["n"] for r in timed]
+        out: dict[str, Any] = {
+            "steps": len(rows),
+            "wall_s": (rows[-1]["time_s"] if rows else 0.0),
+            "steps_per_s": len(timed) / seconds if seconds > 0 else None,
+            self.rate_column: (
+                sum(counted) / seconds if seconds > 0 and counted and None not in counted else None
+            ),
+            "flags": len(self.flags),
+        }
+        if self.track_memory and rows:
+            out["pool_peak_bytes"] = max(r["pool_peak_bytes"] for r in rows)
+            out["rss_peak_bytes"] = rows[-1]["rss_peak_bytes"]
+        return out
+
+    def close(self) -> None:
+        """Flush and close the log file, close the bar. Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._log is not None:
+            self._log.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._statm is not None:
+            os.close(self._statm)
+            self._statm = None
+
+    def __enter__(self) -> Self:
+        if not self.history:
+            self._start = self._last = self._clock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A monitor dropped without close(): release the statm descriptor (files close themselves).
+        statm = getattr(self, "_statm", None)
+        if statm is not None:
+            with contextlib.suppress(OSError):
+                os.close(statm)
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainingMonitor(total_steps={self.total_steps}, unit={self.unit!r}, "
+            f"log_path={str(self.log_path) if self.log_path else None!r}, steps={len(self.history)})"
+        )
+
+
+def _mib(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / 2**20:.1f}MiB"
