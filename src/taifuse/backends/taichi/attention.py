@@ -5,7 +5,8 @@ Signatures and semantics are the reference's (``backends/reference/attention.py`
 
 NOTE [ Taichi attention kernels ]
 Two kernel sets, the same numbers (P = exp(s - lse), dS = P * (dP * Z - D), float32 arithmetic,
-float16 as storage only), and never an (L, S) score matrix:
+except the tiled kernels' products on float16 data: NOTE [ float16 products in the attention
+kernels ]), and never an (L, S) score matrix:
 
 * Tiled (the GPU archs, ``E`` and ``Ev`` at most ``MAX_HEAD_DIM``): threadgroup-memory tiles, as
   ``linear_act_shared``. Forward, one kernel: a block of ``BLOCK_Q`` threads owns ``BLOCK_Q``
@@ -23,7 +24,8 @@ float16 as storage only), and never an (L, S) score matrix:
   adds its key row's grad_k and grad_v). Under ``is_causal`` a block stops (forward, grad_q) or
   starts (grad_k/grad_v) at the tile its last (first) row needs; every thread of a block runs the
   same number of tiles, so each reaches every barrier. Threadgroup memory per block:
-  ``2 * TILE_K * MAX_HEAD_DIM`` floats (16 KiB), under Metal's 32 KiB. The float32 accumulators
+  ``2 * TILE_K * MAX_HEAD_DIM`` floats (16 KiB), under Metal's 32 KiB; float16 tiles hold float16,
+  so the same 16 KiB take head dims up to ``MAX_HEAD_DIM_F16``. The float32 accumulators
   (one row per thread) live in a scratch buffer laid out feature-major (``acc[d * rows + r]``)
   so that a block's threads touch consecutive addresses: O(L * Ev) (O(S * (E + Ev)) for the
   key side), never O(L * S).
@@ -39,6 +41,25 @@ reading K and V straight from the buffers, with no threadgroup memory or barrier
 the untiled forward's time, and with the staging and barriers back but the arithmetic still reading
 the buffers, as slowly as the tiled kernel. The tiles are for Metal's GPUs; lavapipe is their
 correctness proxy, not a speed proxy.
+
+NOTE [ float16 products in the attention kernels ]
+On float16 Q, K, V the tiled kernels (the GPU archs' path) work as Metal's ``simdgroup_matrix<half>``
+with float accumulators does: the tiles stay float16, each product of two float16 operands is formed
+in float16 and summed in float32; softmax, its statistics (m, l, lse, D) and dS stay float32.
+
+* Products: Q.K (scores, forward and both backward kernels), P.V (forward), dO.V (dP) and P.dO
+  (grad_v). P is rounded to float16 first (it is in [0, 1]); dropout's keep is a select and its
+  scale is applied once to the float32 sum. dS.K and dS.Q stay float32: dS is computed float32
+  data, and rounding it would add an error for no float16 operand saved.
+* Overflow: a float16 product past 65504 is inf (260 * 260; or dO * V under loss scaling, whose
+  large dO is what GradScaler provokes). A score or dP sum that comes out non-finite is redone
+  with float32 products, so the result is the float32 path's; an inf or NaN input still gives
+  what it gives there. P and P.dO cannot overflow (P <= 1).
+* Error: against the float64 reference, the float16 products measured 1.1-2.3x the error of the
+  float32 kernels rounded to float16 (the largest error; ~2x the mean), well inside the float16
+  tolerance; the tests hold it to 4x.
+* The untiled kernels (ti.cpu, which has no float16 arithmetic unit, and head dims past the tile
+  limit) keep float32 arithmetic.
 
 ``launches`` counts the kernels each call ran, by name: the tests read it to prove which path ran.
 """
@@ -70,6 +91,15 @@ TILE_K = 16
 BLOCK_KV = 64
 TILE_Q = 16
 MAX_HEAD_DIM = 128
+# float16 tiles hold their elements as float16 (NOTE [ float16 products in the attention
+# kernels ]): the same 16 KiB fit twice the head dim.
+MAX_HEAD_DIM_F16 = 2 * MAX_HEAD_DIM
+
+
+def max_head_dim(dtype: np.dtype) -> int:
+    """The largest head dim (E and Ev) the tiled kernels take for storage dtype ``dtype``."""
+    return MAX_HEAD_DIM_F16 if np.dtype(dtype) == np.float16 else MAX_HEAD_DIM
+
 
 # Kernel launches by name since the process started (the tests check which path ran).
 launches: Counter = Counter()
@@ -81,9 +111,11 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     ti = _import_taichi()
     from taifuse.backends.taichi import _math as M
 
-    T = ti.f16 if np.dtype(dtype) == np.float16 else ti.f32
+    IS16 = np.dtype(dtype) == np.float16
+    T = ti.f16 if IS16 else ti.f32
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+    HEAD = max_head_dim(dtype)  # a shared tile row's capacity
 
     @ti.func
     def score(q: ti.template(), k: ti.template(), mask: ti.template(), qo, ko, mo, E, scale, has_mask):
@@ -106,24 +138,42 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
 
     @ti.func
     def load_tile(src: ti.template(), dst: ti.template(), base, n, size, tid, threads: ti.template()):
-        # The block's threads copy src[base : base + n] to dst[0 : n] as float32, consecutive
-        # threads reading consecutive elements, and zero dst[n : size].
+        # The block's threads copy src[base : base + n] to dst[0 : n] in the storage type,
+        # consecutive threads reading consecutive elements, and zero dst[n : size].
         for it in range((size + threads - 1) // threads):
             e = tid + it * threads
             if e < size:
-                x = 0.0
+                x = ti.cast(0.0, T)
                 if e < n:
-                    x = ti.cast(src[base + e], ti.f32)
+                    x = src[base + e]
                 dst[e] = x
+
+    @ti.func
+    def finite(x: ti.f32) -> ti.i32:
+        # An exponent test: fast math may fold comparisons with inf and NaN.
+        return ti.cast((ti.bit_cast(x, ti.i32) & 0x7F800000) != 0x7F800000, ti.i32)
+
+    @ti.func
+    def dot32(a: ti.template(), ao, b: ti.template(), bo, n):
+        # sum over d < n of a[ao + d] * b[bo + d] with float32 products: the fallback for a sum
+        # whose float16 products overflowed (NOTE [ float16 products in the attention kernels ]).
+        t = 0.0
+        for d in range(n):
+            t += ti.cast(a[ao + d], ti.f32) * ti.cast(b[bo + d], ti.f32)
+        return t
 
     @ti.func
     def tile_scores(q: ti.template(), ks: ti.template(), mask: ti.template(), qo, mo, E, scale, has_mask, n):
         # The scaled, masked scores of one query row against a K tile: -inf past the n visible keys.
         s = ti.Vector.zero(ti.f32, TILE_K)
         for d in range(E):
-            qd = ti.cast(q[qo + d], ti.f32)
+            qd = q[qo + d]
             for j in ti.static(range(TILE_K)):
-                s[j] += qd * ks[j * E + d]
+                s[j] += ti.cast(qd * ks[j * E + d], ti.f32)
+        if ti.static(IS16):
+            for j in ti.static(range(TILE_K)):
+                if not finite(s[j]):  # a float16 product overflowed (or an input is not finite)
+                    s[j] = dot32(q, qo, ks, j * E, E)
         for j in ti.static(range(TILE_K)):
             x = -ti.math.inf
             if j < n:
@@ -271,8 +321,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             qi = q0 + tid
             live = qi < L
             r = b * L + ti.min(qi, L - 1)
-            ks = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
-            vs = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
+            ks = ti.simt.block.SharedArray((TILE_K * HEAD,), T)
+            vs = ti.simt.block.SharedArray((TILE_K * HEAD,), T)
             lim = 0  # keys [0, lim) are visible to this row
             if live:
                 lim = S
@@ -301,17 +351,20 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     if mt > -ti.math.inf:
                         m_new = ti.max(m, mt)
                         c = ti.exp(m - m_new)
-                        pz = ti.Vector.zero(ti.f32, TILE_K)
+                        # float16: P rounded to float16 (in [0, 1]: no overflow), dropout's
+                        # scale applied once at the end; float32: pz = P * keep * dscale.
+                        pz = ti.Vector.zero(T, TILE_K)
                         psum = 0.0
                         for j in ti.static(range(TILE_K)):
                             p = ti.exp(s[j] - m_new)
                             psum += p
-                            pz[j] = p * keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                            z = keep_scale(r, L, S, j0 + j, key, threshold, 1.0 if IS16 else dscale, drop)
+                            pz[j] = ti.cast(p * z, T)
                         total = total * c + psum
                         for d in range(EV):
                             a = acc[d * nr + r] * c
                             for j in ti.static(range(TILE_K)):
-                                a += pz[j] * vs[j * EV + d]
+                                a += ti.cast(pz[j] * vs[j * EV + d], ti.f32)
                             acc[d * nr + r] = a
                         m = m_new
                 ti.simt.block.sync()  # the next tile overwrites ks/vs
@@ -321,6 +374,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                 if total > 0.0:
                     inv = 1.0 / total
                     lse[r] = m + ti.log(total)
+                if ti.static(IS16):
+                    inv *= dscale  # 1.0 without dropout
                 for d in range(EV):
                     out[r * EV + d] = ti.cast(acc[d * nr + r] * inv, T)
 
@@ -343,8 +398,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             qi = q0 + tid
             live = qi < L
             r = b * L + ti.min(qi, L - 1)
-            ks = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
-            vs = ti.simt.block.SharedArray((TILE_K * MAX_HEAD_DIM,), ti.f32)
+            ks = ti.simt.block.SharedArray((TILE_K * HEAD,), T)
+            vs = ti.simt.block.SharedArray((TILE_K * HEAD,), T)
             go = r * EV
             di = 0.0
             lr = -ti.math.inf
@@ -378,9 +433,13 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     s = tile_scores(q, ks, mask, r * E, mrow + j0, E, scale, mask_rows, lim - j0)
                     dp = ti.Vector.zero(ti.f32, TILE_K)
                     for d in range(EV):
-                        gd = ti.cast(g[go + d], ti.f32)
+                        gd = g[go + d]
                         for j in ti.static(range(TILE_K)):
-                            dp[j] += gd * vs[j * EV + d]
+                            dp[j] += ti.cast(gd * vs[j * EV + d], ti.f32)
+                    if ti.static(IS16):
+                        for j in ti.static(range(TILE_K)):
+                            if not finite(dp[j]):  # loss scaling makes large dO likely
+                                dp[j] = dot32(g, go, vs, j * EV, EV)
                     ds = ti.Vector.zero(ti.f32, TILE_K)
                     for j in ti.static(range(TILE_K)):
                         p = ti.exp(s[j] - lr)
@@ -389,7 +448,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     for d in range(E):
                         a = acc[d * nr + r]
                         for j in ti.static(range(TILE_K)):
-                            a += ds[j] * ks[j * E + d]
+                            a += ds[j] * ti.cast(ks[j * E + d], ti.f32)  # dS is float32 data
                         acc[d * nr + r] = a
                 ti.simt.block.sync()  # the next tile overwrites ks/vs
             if live and write_q != 0:
@@ -415,8 +474,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             j = j0 + tid
             live = j < S
             t = b * S + ti.min(j, S - 1)
-            qs = ti.simt.block.SharedArray((TILE_Q * MAX_HEAD_DIM,), ti.f32)
-            gs = ti.simt.block.SharedArray((TILE_Q * MAX_HEAD_DIM,), ti.f32)
+            qs = ti.simt.block.SharedArray((TILE_Q * HEAD,), T)
+            gs = ti.simt.block.SharedArray((TILE_Q * HEAD,), T)
             ls = ti.simt.block.SharedArray((TILE_Q,), ti.f32)
             dl = ti.simt.block.SharedArray((TILE_Q,), ti.f32)
             if live:
@@ -444,9 +503,13 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                 if live and (causal == 0 or i0 + nq - 1 >= j):
                     s = ti.Vector.zero(ti.f32, TILE_Q)
                     for d in range(E):
-                        kd = ti.cast(k[t * E + d], ti.f32)
+                        kd = k[t * E + d]
                         for i in ti.static(range(TILE_Q)):
-                            s[i] += qs[i * E + d] * kd
+                            s[i] += ti.cast(qs[i * E + d] * kd, ti.f32)
+                    if ti.static(IS16):
+                        for i in ti.static(range(TILE_Q)):
+                            if not finite(s[i]):
+                                s[i] = dot32(qs, i * E, k, t * E, E)
                     p = ti.Vector.zero(ti.f32, TILE_Q)
                     z = ti.Vector.zero(ti.f32, TILE_Q)
                     for i in ti.static(range(TILE_Q)):
@@ -457,29 +520,43 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                                 x += ti.cast(mask[mbase + qi * S], ti.f32)
                             p[i] = ti.exp(x - ls[i])
                             z[i] = keep_scale(b * L + qi, L, S, j, key, threshold, dscale, drop)
+                    # grad_v's P (times keep) in the storage type; float16 applies dscale at the end.
+                    pz = ti.Vector.zero(T, TILE_Q)
+                    for i in ti.static(range(TILE_Q)):
+                        if ti.static(IS16):
+                            pz[i] = ti.cast(ti.select(z[i] != 0.0, p[i], 0.0), T)
+                        else:
+                            pz[i] = p[i] * z[i]
                     dp = ti.Vector.zero(ti.f32, TILE_Q)
                     for d in range(EV):
-                        vd = ti.cast(v[t * EV + d], ti.f32)
+                        vd = v[t * EV + d]
                         a = acc[(E + d) * nk + t]
                         for i in ti.static(range(TILE_Q)):
                             gd = gs[i * EV + d]
-                            dp[i] += gd * vd
-                            a += p[i] * z[i] * gd
+                            dp[i] += ti.cast(gd * vd, ti.f32)
+                            a += ti.cast(pz[i] * gd, ti.f32)
                         acc[(E + d) * nk + t] = a
+                    if ti.static(IS16):
+                        for i in ti.static(range(TILE_Q)):
+                            if not finite(dp[i]):
+                                dp[i] = dot32(gs, i * EV, v, t * EV, EV)
                     ds = ti.Vector.zero(ti.f32, TILE_Q)
                     for i in ti.static(range(TILE_Q)):
                         ds[i] = p[i] * (dp[i] * z[i] - dl[i])
                     for d in range(E):
                         a = acc[d * nk + t]
                         for i in ti.static(range(TILE_Q)):
-                            a += ds[i] * qs[i * E + d]
+                            a += ds[i] * ti.cast(qs[i * E + d], ti.f32)  # dS is float32 data
                         acc[d * nk + t] = a
                 ti.simt.block.sync()  # the next tile overwrites qs/gs/ls/dl
             if live:
                 for d in range(E):
                     gk[t * E + d] = ti.cast(acc[d * nk + t] * scale, T)
+                vscale = 1.0
+                if ti.static(IS16):
+                    vscale = dscale  # 1.0 without dropout
                 for d in range(EV):
-                    gv[t * EV + d] = ti.cast(acc[(E + d) * nk + t], T)
+                    gv[t * EV + d] = ti.cast(acc[(E + d) * nk + t] * vscale, T)
 
     return SimpleNamespace(
         forward=forward,
@@ -513,9 +590,9 @@ def _common(
     return (bh, L, S, E, ev, mask_rows), (key, reference.dropout_threshold(dropout_p), dscale)
 
 
-def _tiled(E: int, ev: int) -> bool:
+def _tiled(E: int, ev: int, dtype: np.dtype) -> bool:
     """Whether the threadgroup-memory kernels run: on the GPU archs, when a tile row fits."""
-    return _on_gpu() and E <= MAX_HEAD_DIM and ev <= MAX_HEAD_DIM
+    return _on_gpu() and max(E, ev) <= max_head_dim(dtype)
 
 
 def _launch(ks: SimpleNamespace, name: str, *args) -> None:
@@ -538,7 +615,7 @@ def attention(
     """As ``reference.attention``, fused (NOTE [ Taichi attention kernels ])."""
     (bh, L, S, E, ev, mask_rows), drop = _common(q, k, v, mask, dropout_p, seed)
     acc = _new((bh * L * ev,), np.float32)
-    name = "forward_tiled" if _tiled(E, ev) else "forward"
+    name = "forward_tiled" if _tiled(E, ev, q.dtype) else "forward"
     _launch(
         kernels_for(q.dtype), name,
         _nd(q), _nd(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(acc),
@@ -565,7 +642,7 @@ def attention_backward(
     """As ``reference.attention_backward``: two kernels (NOTE [ Taichi attention kernels ])."""
     (bh, L, S, E, ev, mask_rows), drop = _common(q, k, v, mask, dropout_p, seed)
     ks = kernels_for(q.dtype)
-    suffix = "_tiled" if _tiled(E, ev) else ""
+    suffix = "_tiled" if _tiled(E, ev, q.dtype) else ""
     dsum = _new((bh * L,), np.float32)
     acc_q = _new((max(bh * L * E, 1),), np.float32)
     _launch(
