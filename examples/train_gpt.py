@@ -12,9 +12,11 @@ The model is ``examples/gpt.py``'s GPT (token and position embeddings, pre-Layer
 causal self-attention and a GELU MLP). It trains with AdamW (weight decay on matrices only, from
 ``GPT.configure_optimizer``), a linear warm-up into a cosine decay of the learning rate
 (``WarmupCosineLR`` below, a ``taifuse.optim.lr_scheduler.LRScheduler``) and gradient clipping
-(``taifuse.optim.clip_grad_norm_``). A tqdm bar (when tqdm is installed) shows the loss and
-tokens/s; every ``--eval-interval`` steps the train and validation losses are estimated on fixed
-batches (no_grad, eval mode). At the end it saves a checkpoint (model and optimizer state, config
+(``taifuse.optim.clip_grad_norm_``). A ``taifuse.monitor.TrainingMonitor`` watches the steps: a
+progress bar (tqdm's when tqdm is installed) with the loss, tokens/s, lr, gradient norm and memory;
+``--log PATH`` (.csv or .jsonl) writes them for every step and ``--plot PATH`` draws them to a PNG
+(matplotlib, the ``plot`` extra). Every ``--eval-interval`` steps the train and validation losses
+are estimated on fixed batches (no_grad, eval mode; left out of the monitor's step times). At the end it saves a checkpoint (model and optimizer state, config
 and step, pickled; ``--resume`` continues from it), prints a sample of generated text, the final
 validation loss, the training throughput and the wall time, and exits with status 1 if the
 validation loss is not below TARGET_VAL_LOSS. For scale it also prints two baselines: the corpus's
@@ -46,11 +48,13 @@ than one character.
     python examples/train_gpt.py --backend numpy --steps 50 --n-layer 1
     python examples/train_gpt.py --steps 2000 --resume    # train a saved run further
     python examples/train_gpt.py --amp                    # float16 autocast with a GradScaler
+    python examples/train_gpt.py --log gpt.csv --plot gpt.png
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import pickle
@@ -66,6 +70,7 @@ from gpt import GPT, GPTConfig
 
 import taifuse
 from taifuse.amp import GradScaler, autocast
+from taifuse.monitor import TrainingMonitor
 from taifuse.optim import clip_grad_norm_
 from taifuse.optim.lr_scheduler import LRScheduler
 
@@ -246,16 +251,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def _progress(total: int, initial: int, quiet: bool):
-    if quiet:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional (the `bench` extra)
-        return None
-    return tqdm(total=total, initial=initial, desc="steps", dynamic_ncols=True)
-
-
 def _log(bar: Any, line: str, quiet: bool) -> None:
     if quiet:
         return
@@ -294,7 +289,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint at --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
     p.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler")
+    p.add_argument("--log", type=Path, default=None, help="write every step's figures to this .csv or .jsonl")
+    p.add_argument("--plot", type=Path, default=None, help="draw loss, throughput and memory to this PNG")
     args = p.parse_args(argv)
+    if args.log is not None and args.log.suffix.lower() not in (".csv", ".jsonl"):
+        p.error(f"--log should end in .csv or .jsonl, got {str(args.log)!r}")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib: pip install 'taifuse[plot]'")
     for name in (
         "steps",
         "batch_size",
@@ -380,12 +381,15 @@ def main(argv: list[str] | None = None) -> Result:
         scale = f"  loss scale {scaler.get_scale():g}" if args.amp else ""
         _log(bar, f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}{scale}", quiet)
 
-    bar = _progress(args.steps, start, quiet)
+    monitor = TrainingMonitor(
+        args.steps, unit="tokens", log_path=args.log, desc="steps", disable=quiet, initial_step=start
+    )
     tokens_per_step = args.batch_size * block
     train_time, timed_tokens = 0.0, 0
     done = start  # steps completed
     if start < args.steps:
-        evaluate(start, bar)
+        with monitor.paused():
+            evaluate(start, monitor)
     for step in range(start, args.steps):
         x, y = get_batch(train_data, args.batch_size, block, np.random.default_rng([args.seed, 0, step]))
         t0 = time.perf_counter()
@@ -394,9 +398,10 @@ def main(argv: list[str] | None = None) -> Result:
         optimizer.zero_grad()
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # the true gradients, for the clipping
-        clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip)
         scaler.step(optimizer)
         scaler.update()
+        lr = optimizer.param_groups[0]["lr"]  # the step's (the scheduler moves it for the next)
         scheduler.step()
         loss_value = loss.item()
         elapsed = time.perf_counter() - t0
@@ -404,18 +409,18 @@ def main(argv: list[str] | None = None) -> Result:
             train_time += elapsed
             timed_tokens += tokens_per_step
         done = step + 1
+        scale = {"loss_scale": scaler.get_scale()} if args.amp else {}
+        monitor.step(loss_value, n=tokens_per_step, lr=lr, grad_norm=grad_norm, **scale)
         if not math.isfinite(loss_value):
-            _log(bar, f"step {done}: the loss is {loss_value}; stopping", quiet)
-            evaluate(done, bar)
+            _log(monitor, f"step {done}: the loss is {loss_value}; stopping", quiet)
+            evaluate(done, monitor)
             break
-        if bar is not None:
-            rate = timed_tokens / train_time if train_time > 0 else 0.0
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
-            bar.update(1)
         if done % args.eval_interval == 0 or done == args.steps:
-            evaluate(done, bar)
-    if bar is not None:
-        bar.close()
+            with monitor.paused():
+                evaluate(done, monitor)
+    monitor.close()
+    if args.plot is not None:
+        monitor.plot(args.plot)
     if not history:  # nothing left to train: still report where the checkpoint stands
         evaluate(start, None)
     save_checkpoint(args.out, model, optimizer, config, done, args, scaler)

@@ -16,13 +16,16 @@ update; a step whose gradients overflowed is skipped and the scale backs off). T
 under autocast too. It needs an optimizer for the scaler to step (AdamW, the default).
 
 The script states its result and checks it: held-out accuracy of at least TARGET_ACCURACY
-(93%), with either optimizer. It prints the loss per epoch (with a tqdm progress bar when tqdm is
-installed), then the held-out loss (mean cross entropy) and accuracy, and exits with status 1 if
-the target is not reached.
+(93%), with either optimizer. It prints the loss per epoch, then the held-out loss (mean cross
+entropy) and accuracy, and exits with status 1 if the target is not reached. A
+``taifuse.monitor.TrainingMonitor`` watches the steps: a progress bar with the loss, samples/s and
+memory (tqdm's when tqdm is installed), ``--log run.csv`` (or ``.jsonl``) writes every step's loss,
+lr, throughput and memory, and ``--plot run.png`` draws them (matplotlib, the ``plot`` extra).
 
     python examples/train_mlp.py                 # AdamW + cosine, on the active backend (numba on Linux)
     python examples/train_mlp.py --optimizer sgd --backend numpy
     python examples/train_mlp.py --amp           # float16 autocast with a GradScaler
+    python examples/train_mlp.py --log mlp.csv --plot mlp.png
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import taifuse
 import taifuse.functional as F
 from taifuse import nn, optim
 from taifuse.amp import GradScaler, autocast
+from taifuse.monitor import TrainingMonitor
 
 TARGET_ACCURACY = 0.93
 CLASSES = 3
@@ -91,16 +95,6 @@ class Result(NamedTuple):
     loss_scale: float | None
 
 
-def _progress(iterable, total: int, quiet: bool):
-    if quiet:
-        return iterable
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional (the `bench` extra)
-        return iterable
-    return tqdm(iterable, total=total, desc="epochs", leave=False)
-
-
 # Learning rates per optimizer: AdamW's peak (the cosine schedule anneals it to 0), plain SGD's constant.
 LEARNING_RATES = {"adamw": 0.01, "sgd": 0.2}
 
@@ -113,9 +107,12 @@ def main(
     quiet: bool = False,
     optimizer: str = "adamw",
     amp: bool = False,
+    log_path: str | None = None,
+    plot_path: str | None = None,
 ) -> float:
-    """Train with ``optimizer`` (``'adamw'`` or ``'sgd'``) and return the held-out accuracy."""
-    return train(epochs, batch_size, lr, seed, quiet, optimizer, amp).accuracy
+    """Train with ``optimizer`` (``'adamw'`` or ``'sgd'``) and return the held-out accuracy; the
+    steps' figures go to ``log_path`` (.csv or .jsonl) and are drawn to ``plot_path`` (PNG)."""
+    return train(epochs, batch_size, lr, seed, quiet, optimizer, amp, log_path, plot_path).accuracy
 
 
 def train(
@@ -126,6 +123,8 @@ def train(
     quiet: bool = False,
     optimizer: str = "adamw",
     amp: bool = False,
+    log_path: str | None = None,
+    plot_path: str | None = None,
 ) -> Result:
     """:func:`main`, returning everything the run reached."""
     if optimizer not in LEARNING_RATES:
@@ -148,11 +147,13 @@ def train(
     scaler = GradScaler(enabled=amp)  # without amp every call passes straight through
     rng = np.random.default_rng(seed + 1)
     epoch_losses = []
-    for epoch in _progress(range(1, epochs + 1), epochs, quiet):
+    monitor = TrainingMonitor(epochs * steps_per_epoch, log_path=log_path, desc="steps", disable=quiet)
+    for epoch in range(1, epochs + 1):
         order = rng.permutation(split)
         total = 0.0
         for lo in range(0, split, batch_size):
             idx = order[lo : lo + batch_size]
+            step_lr = lr if opt is None else opt.param_groups[0]["lr"]
             with autocast(enabled=amp):
                 loss = F.cross_entropy(model(taifuse.tensor(x_train[idx])), y_train[idx])
             if opt is not None:
@@ -167,18 +168,19 @@ def train(
                 with taifuse.no_grad():
                     for p in model.parameters():
                         p -= lr * p.grad
-            total += loss.item() * len(idx)
+            loss_value = loss.item()
+            total += loss_value * len(idx)
+            scale = {"loss_scale": scaler.get_scale()} if amp else {}
+            monitor.step(loss_value, n=len(idx), lr=step_lr, **scale)
         epoch_losses.append(total / split)
         if not quiet:
             line = f"epoch {epoch:3d}  loss {total / split:.4f}"
             if amp:
                 line += f"  loss scale {scaler.get_scale():g}"
-            try:
-                from tqdm import tqdm
-
-                tqdm.write(line)
-            except ImportError:
-                print(line)
+            monitor.write(line)
+    monitor.close()
+    if plot_path is not None:
+        monitor.plot(plot_path)
     val_loss, acc = evaluate(model, x_test, y_test, amp)
     if not quiet:
         print(
@@ -196,12 +198,16 @@ if __name__ == "__main__":
         "--optimizer", choices=sorted(LEARNING_RATES), default="adamw", help="adamw (default) or plain sgd"
     )
     parser.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler (adamw only)")
+    parser.add_argument("--log", default=None, help="write every step's figures to this .csv or .jsonl file")
+    parser.add_argument("--plot", default=None, help="draw loss, throughput and memory to this PNG")
     args = parser.parse_args()
     if args.amp and args.optimizer != "adamw":
         parser.error("--amp needs --optimizer adamw (a GradScaler steps an optimizer)")
     if args.backend:
         taifuse.set_backend(args.backend)
-    reached = main(epochs=args.epochs, optimizer=args.optimizer, amp=args.amp)
+    reached = main(
+        epochs=args.epochs, optimizer=args.optimizer, amp=args.amp, log_path=args.log, plot_path=args.plot
+    )
     if reached < TARGET_ACCURACY:
         print(f"FAILED: accuracy {reached:.3f} is below the stated {TARGET_ACCURACY:.2f}", file=sys.stderr)
         sys.exit(1)

@@ -258,8 +258,9 @@ def test_plot_needs_a_step(tmp_path):
 def test_a_nonfinite_loss_is_flagged():
     monitor = _monitor()
     monitor.step(1.0, n=1)
-    with pytest.warns(RuntimeWarning, match="step 2: the loss is nan"):
+    with pytest.warns(RuntimeWarning, match="step 2: the loss is nan") as caught:
         monitor.step(float("nan"), n=1)
+    assert caught[0].filename == __file__  # the warning names the caller's line
     with pytest.warns(RuntimeWarning, match="step 3: the loss is -inf"):
         monitor.step(np.float32(-np.inf), n=1)
     monitor.step(0.5, n=1)
@@ -279,7 +280,7 @@ def test_a_throughput_drop_is_flagged_once_by_the_documented_rule():
     # from step 13 (5 earlier checked rates for the median). 40 steps of 10 samples at 0.1 s
     # (100 samples/s), then 0.5 s steps: with k slow steps in the window the rate is
     # 50 / (0.5 + 0.4 k), below 0.5 x 100 from k = 2, at step 42.
-    monitor = _monitor(window=5, warmup=2, drop_fraction=0.5)
+    monitor = _monitor(window=5, warmup=2, drop_fraction=0.5, drop_patience_s=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _run(monitor, [5.0] + [0.1] * 39)  # a slow first step (compilation) is warm-up: no flag
@@ -289,10 +290,29 @@ def test_a_throughput_drop_is_flagged_once_by_the_documented_rule():
     assert monitor.flags == [Flag(42, "throughput_drop", pytest.approx(50 / 1.3), monitor.flags[0].message)]
     assert "below 0.5 x its running median 100" in monitor.flags[0].message
     assert [str(w.message) for w in caught] == [monitor.flags[0].message]
+    assert caught[0].filename == __file__
     # A second drop after the recovery is flagged again.
     with pytest.warns(RuntimeWarning, match="throughput"):
         _run(monitor, [0.5] * 5)
     assert [f.step for f in monitor.flags] == [42, 82]
+
+
+def test_a_drop_is_flagged_once_it_has_lasted_drop_patience_s():
+    # As above: below the threshold from step 42 (k = 2 slow steps of 0.5 s in the window of 5).
+    # Five slow steps, then fast ones: below at steps 42-45 (0.5 s each) and 46-48 (0.1 s each,
+    # while 3, 2 slow steps are still in the window: 50 / 1.7, 50 / 1.3 < 50), 2.3 s in all.
+    slowdown = [0.1] * 40 + [0.5] * 5 + [0.1] * 20
+    lasting = _monitor(window=5, warmup=2, drop_patience_s=1.0)
+    with pytest.warns(RuntimeWarning, match=r"for 1 s of steps"):
+        _run(lasting, slowdown)
+    assert [f.step for f in lasting.flags] == [43]  # 0.5 s at step 42, 1.0 s at step 43
+    brief = _monitor(window=5, warmup=2, drop_patience_s=2.35)
+    _run(brief, slowdown)
+    assert brief.flags == []
+    edge = _monitor(window=5, warmup=2, drop_patience_s=2.25)  # reached at the last step below
+    with pytest.warns(RuntimeWarning):
+        _run(edge, slowdown)
+    assert [f.step for f in edge.flags] == [48]
 
 
 def test_jitter_and_a_short_stall_are_not_drops():
@@ -365,6 +385,8 @@ def test_pool_figures_are_the_active_backends_pool(backend):
         ({"warmup": -1}, ValueError, "warmup"),
         ({"drop_fraction": 1.0}, ValueError, "drop_fraction"),
         ({"drop_fraction": "half"}, TypeError, "drop_fraction"),
+        ({"drop_patience_s": -1.0}, ValueError, "drop_patience_s"),
+        ({"drop_patience_s": "1s"}, TypeError, "drop_patience_s"),
         ({"desc": 3}, TypeError, "desc"),
         ({"disable": 1}, TypeError, "disable"),
         ({"use_tqdm": "yes"}, TypeError, "use_tqdm"),

@@ -338,6 +338,30 @@ def test_train_mlp_example_with_amp_runs_under_autocast_and_a_grad_scaler():
     assert amp.loss_scale in {2.0**k for k in range(17)}
 
 
+def test_train_mlp_example_writes_the_monitors_log_and_plot(tmp_path):
+    """--log and --plot: one CSV row per minibatch step whose losses make up the epoch's printed
+    mean, with the lr the step used; the plot is a PNG."""
+    import csv
+
+    example = _load_example()
+    log, plot = tmp_path / "mlp.csv", tmp_path / "mlp.png"
+    with taifuse.use_backend("numba" if "numba" in taifuse.available_backends() else "numpy"):
+        result = example.train(epochs=2, quiet=True, log_path=str(log), plot_path=str(plot))
+    with open(log, newline="") as f:
+        rows = list(csv.DictReader(f))
+    split, batch = 1350, 64  # 75% of 3 x 600 points, the default batch size
+    per_epoch = -(-split // batch)
+    assert [int(r["step"]) for r in rows] == list(range(1, 2 * per_epoch + 1))
+    assert sum(int(r["n"]) for r in rows[:per_epoch]) == split
+    first_epoch = sum(float(r["loss"]) * int(r["n"]) for r in rows[:per_epoch]) / split
+    assert first_epoch == pytest.approx(result.epoch_losses[0], rel=1e-12)
+    assert float(rows[0]["lr"]) == example.LEARNING_RATES["adamw"]  # the cosine starts at the peak
+    assert float(rows[-1]["lr"]) < float(rows[0]["lr"])
+    assert all(float(r["samples_per_s"]) > 0 and int(r["pool_peak_bytes"]) > 0 for r in rows)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # ----------------------------------------------------------------------------- ModuleList
 
 

@@ -3,8 +3,10 @@ config): the corpus and vocabulary, the schedule, the printed losses, the checkp
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import itertools
+import json
 import math
 import pickle
 import re
@@ -92,8 +94,8 @@ def test_warmup_cosine_schedule():
 
 
 def test_a_few_steps_learn_save_a_checkpoint_and_resume(tmp_path, capsys):
-    ckpt = tmp_path / "ckpt.pkl"
-    result = _run(["--steps", "12", "--out", str(ckpt)])
+    ckpt, log, plot = tmp_path / "ckpt.pkl", tmp_path / "run.csv", tmp_path / "run.png"
+    result = _run(["--steps", "12", "--out", str(ckpt), "--log", str(log), "--plot", str(plot)])
     printed = [tuple(map(float, m.groups())) for m in LOSS_LINE.finditer(capsys.readouterr().out)]
     assert [int(s) for s, _, _ in printed] == [0, 4, 8, 12]
     assert all(math.isfinite(v) for _, train, val in printed for v in (train, val))
@@ -103,6 +105,18 @@ def test_a_few_steps_learn_save_a_checkpoint_and_resume(tmp_path, capsys):
     assert result.val_loss == pytest.approx(last[2], abs=1e-4) and result.step == 12
     assert math.isfinite(result.tokens_per_s) and result.tokens_per_s > 0
     assert len(result.sample) == len(train_gpt.SAMPLE_PROMPT) + 12
+
+    # The monitor's log: a row per step with its tokens, the lr it used and a finite gradient norm.
+    with open(log, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 13))
+    assert {int(r["n"]) for r in rows} == {4 * 16}  # --batch-size x --block-size tokens
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[:3] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])  # warm-up over 2 steps to the peak
+    assert all(math.isfinite(float(r["grad_norm"])) and float(r["grad_norm"]) > 0 for r in rows)
+    assert float(rows[0]["loss"]) == pytest.approx(math.log(97), abs=0.3)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # The checkpoint: model, optimizer, config and step, loadable into a fresh model and optimizer.
     state = train_gpt.load_checkpoint(ckpt)
@@ -120,8 +134,10 @@ def test_a_few_steps_learn_save_a_checkpoint_and_resume(tmp_path, capsys):
     assert set(state["model"]) == set(model.state_dict())
 
     # --resume continues from it: the first estimate is the saved run's last (same fixed batches).
-    resumed = _run(["--steps", "16", "--out", str(ckpt), "--resume"])
+    resumed = _run(["--steps", "16", "--out", str(ckpt), "--resume", "--log", str(tmp_path / "more.jsonl")])
     assert [s for s, _, _ in resumed.history] == [12, 16]
+    more = [json.loads(line) for line in (tmp_path / "more.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in more] == [13, 14, 15, 16]  # numbered on from the checkpoint's step
     assert resumed.history[0][2] == pytest.approx(last[2], rel=1e-5)
     assert train_gpt.load_checkpoint(ckpt)["step"] == 16
 
@@ -178,3 +194,10 @@ def test_float32_checkpoint_has_an_empty_scaler_state_and_resumes_under_amp(tmp_
     assert train_gpt.load_checkpoint(ckpt)["scaler"] == {}
     resumed = _run(["--steps", "6", "--out", str(ckpt), "--resume", "--amp", "--quiet"])
     assert resumed.step == 6 and resumed.loss_scale in {2.0**16, 2.0**15, 2.0**14}
+
+
+def test_log_and_plot_options_are_checked_before_training(capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--log", "run.txt"])
+    assert "--log should end in .csv or .jsonl" in capsys.readouterr().err
+    assert train_gpt.parse_args(["--log", "run.JSONL"]).log == Path("run.JSONL")

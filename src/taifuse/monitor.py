@@ -195,8 +195,10 @@ class TrainingMonitor:
       ``n``) fell below ``drop_fraction`` times the median of its earlier values. Checked once the
       window holds no warm-up step (step > ``warmup + window``, counting this monitor's steps) and
       at least ``window`` earlier values are there for the median (they include slow ones: the
-      median is of every checked step). A drop is flagged once when it starts, and again only
-      after the throughput has come back above the threshold.
+      median is of every checked step). It is flagged once it has lasted ``drop_patience_s``
+      seconds of step time (the steps' ``step_time_s`` summed from the first one below the
+      threshold, so a scheduling hiccup in a window of short steps is not a drop), and flagged
+      again only after the throughput has come back above the threshold.
 
     Args:
         total_steps: the steps the run will take (the bar's total), or None when unknown.
@@ -208,6 +210,7 @@ class TrainingMonitor:
         window: the steps the rates are computed over.
         warmup: steps before the throughput-drop check may start (compilation, first allocations).
         drop_fraction: the throughput-drop threshold, in (0, 1).
+        drop_patience_s: seconds a drop must last before it is flagged (0: at its first step).
         desc: the bar's label (and the plain lines' prefix).
         disable: no bar and no plain lines; the log, history and flags still work.
         use_tqdm: None: a tqdm bar when tqdm is installed; False: plain lines; True: tqdm required.
@@ -257,6 +260,7 @@ class TrainingMonitor:
         window: int = 20,
         warmup: int = 10,
         drop_fraction: float = 0.5,
+        drop_patience_s: float = 1.0,
         desc: str | None = "train",
         disable: bool = False,
         use_tqdm: bool | None = None,
@@ -292,6 +296,12 @@ class TrainingMonitor:
             raise TypeError(f"TrainingMonitor drop_fraction should be a float, got {drop_fraction!r}")
         if not 0.0 < drop_fraction < 1.0:
             raise ValueError(f"TrainingMonitor drop_fraction should be in (0, 1), got {drop_fraction}")
+        if isinstance(drop_patience_s, bool) or not isinstance(drop_patience_s, (int, float)):
+            raise TypeError(f"TrainingMonitor drop_patience_s should be a float, got {drop_patience_s!r}")
+        if not (math.isfinite(drop_patience_s) and drop_patience_s >= 0):
+            raise ValueError(
+                f"TrainingMonitor drop_patience_s should be a finite number >= 0, got {drop_patience_s}"
+            )
         if desc is not None and not isinstance(desc, str):
             raise TypeError(f"TrainingMonitor desc should be a str or None, got {desc!r}")
         _flag_bool("disable", disable)
@@ -323,6 +333,7 @@ class TrainingMonitor:
         self.window = window
         self.warmup = warmup
         self.drop_fraction = float(drop_fraction)
+        self.drop_patience_s = float(drop_patience_s)
         self.desc = desc
         self.disable = disable
         self.print_every = print_every or (max(1, total_steps // 10) if total_steps else 100)
@@ -345,7 +356,9 @@ class TrainingMonitor:
         self._recent_missing_n = 0  # steps in the window without n
         self._checked_rates: list[float] = []  # sorted: the running median's values
         self._in_drop = False
+        self._below_s = 0.0  # step time since the rate went below the threshold (not yet flagged)
         self._rate_in_units = False
+        self._postfix_time = -math.inf  # time_s of the bar's last postfix update
         self._paused = 0.0
         self._closed = False
         self._statm = None
@@ -436,8 +449,9 @@ class TrainingMonitor:
         self._show(record)
 
         if not math.isfinite(loss):
-            self._flag(record["step"], "nonfinite_loss", loss, f"step {record['step']}: the loss is {loss}")
-        self._check_throughput(record["step"], unit_per_s if self._rate_in_units else steps_per_s)
+            message = f"step {record['step']}: the loss is {loss}"
+            self._flag(record["step"], "nonfinite_loss", loss, message, stacklevel=3)
+        self._check_throughput(record["step"], dt, unit_per_s if self._rate_in_units else steps_per_s)
         if self.raise_on_nonfinite and not math.isfinite(loss):
             raise FloatingPointError(f"step {record['step']}: the loss is {loss}")
         return record
@@ -481,7 +495,7 @@ class TrainingMonitor:
         unit_per_s = None if self._recent_missing_n else self._recent_n / self._recent_time
         return steps_per_s, unit_per_s
 
-    def _check_throughput(self, step: int, rate: float | None) -> None:
+    def _check_throughput(self, step: int, dt: float, rate: float | None) -> None:
         if rate is None or len(self.history) <= self.warmup + self.window:
             return
         earlier = self._checked_rates
@@ -489,23 +503,28 @@ class TrainingMonitor:
             mid = len(earlier) // 2
             median = earlier[mid] if len(earlier) % 2 else 0.5 * (earlier[mid - 1] + earlier[mid])
             threshold = self.drop_fraction * median
-            if rate < threshold and not self._in_drop:
+            if rate >= threshold:
+                self._in_drop, self._below_s = False, 0.0
+            elif not self._in_drop and self._below_s + dt >= self.drop_patience_s:
                 self._in_drop = True
+                unit = self.unit if self._rate_in_units else "steps"
                 self._flag(
                     step,
                     "throughput_drop",
                     rate,
-                    f"step {step}: throughput {rate:.4g} {self.unit if self._rate_in_units else 'steps'}/s "
-                    f"over the last {self.window} steps is below {self.drop_fraction:g} x its running median "
-                    f"{median:.4g}",
+                    f"step {step}: throughput {rate:.4g} {unit}/s over the last {self.window} steps is below "
+                    f"{self.drop_fraction:g} x its running median {median:.4g} "
+                    f"(for {self._below_s + dt:.3g} s of steps)",
+                    stacklevel=4,
                 )
-            elif rate >= threshold:
-                self._in_drop = False
+            elif not self._in_drop:
+                self._below_s += dt
         bisect.insort(earlier, rate)
 
-    def _flag(self, step: int, kind: str, value: float, message: str) -> None:
+    def _flag(self, step: int, kind: str, value: float, message: str, stacklevel: int) -> None:
+        # stacklevel: the frames between here and the caller of step(), whose line the warning names.
         self.flags.append(Flag(step, kind, value, message))
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     # -- output
 
@@ -542,7 +561,11 @@ class TrainingMonitor:
 
     def _show(self, record: dict[str, Any]) -> None:
         if self._bar is not None:
-            self._bar.set_postfix(self._postfix(record), refresh=False)
+            # Formatting the postfix costs more than the rest of a step's bookkeeping: at most once
+            # per tqdm refresh interval (its mininterval, 0.1 s by default), and at close().
+            if record["time_s"] - self._postfix_time >= self._bar.mininterval:
+                self._postfix_time = record["time_s"]
+                self._bar.set_postfix(self._postfix(record), refresh=False)
             self._bar.update(1)
         elif not self.disable:
             count = len(self.history)
@@ -653,6 +676,8 @@ class TrainingMonitor:
         if self._log is not None:
             self._log.close()
         if self._bar is not None:
+            if self.history:
+                self._bar.set_postfix(self._postfix(self.history[-1]), refresh=False)
             self._bar.close()
         if self._statm is not None:
             os.close(self._statm)
@@ -681,4 +706,10 @@ class TrainingMonitor:
 
 
 def _mib(nbytes: int | None) -> str:
-    return "?" if nbytes is None else f"{nbytes / 2**20:.1f}MiB"
+    """Bytes for the bar: in KiB below 1 MiB, MiB below 1 GiB, else GiB."""
+    if nbytes is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f}{unit}"
+    return f"{nbytes / 2**10:.1f}KiB"
