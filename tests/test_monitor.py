@@ -190,6 +190,30 @@ def test_without_n_the_unit_rate_is_none_and_steps_count():
     assert summary["steps"] == 2 and summary["tokens_per_s"] is None
 
 
+def test_summary_means_are_over_the_steps_after_warmup():
+    monitor = _monitor(warmup=2)
+    assert monitor.summary()["steps"] == 0 and monitor.summary()["samples_per_s"] is None
+    _run(monitor, [0.5, 1.0])
+    assert monitor.summary()["steps_per_s"] == 2 / 1.5  # no step past the warm-up yet: all of them
+    _run(monitor, [0.5, 0.25, 0.75, 0.5])
+    summary = monitor.summary()
+    assert summary["steps"] == 6 and summary["wall_s"] == 3.5 and summary["flags"] == 0
+    assert summary["steps_per_s"] == 4 / 2.0 and summary["samples_per_s"] == 40 / 2.0
+    assert summary["pool_peak_bytes"] == max(r["pool_peak_bytes"] for r in monitor.history)
+    assert summary["rss_peak_bytes"] == monitor.history[-1]["rss_peak_bytes"]
+
+
+def test_keep_history_false_keeps_no_records_but_logs_and_sums(tmp_path):
+    path = tmp_path / "run.jsonl"
+    with _monitor(log_path=path, keep_history=False, warmup=0) as monitor:
+        _run(monitor, [0.5] * 4, lr=0.1)
+    assert monitor.history == []
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    assert monitor.summary()["steps"] == 4 and monitor.summary()["samples_per_s"] == 20.0
+    with pytest.raises(ValueError, match="keep_history=False"):
+        monitor.plot(tmp_path / "run.png")
+
+
 # ----------------------------------------------------------------------------- display
 
 
@@ -394,6 +418,7 @@ def test_pool_figures_are_the_active_backends_pool(backend):
         ({"flush_every": True}, TypeError, "flush_every"),
         ({"raise_on_nonfinite": None}, TypeError, "raise_on_nonfinite"),
         ({"track_memory": "no"}, TypeError, "track_memory"),
+        ({"keep_history": 0}, TypeError, "keep_history"),
         ({"initial_step": -1}, ValueError, "initial_step"),
         ({"clock": 1.0}, TypeError, "clock"),
     ],
