@@ -20,7 +20,7 @@ PACKAGE = "taifuse"
 # Layers from the bottom (docs/architecture.md, "The import rule"): the first prefix that matches a
 # module's name gives its layer. A module may import its own layer (without a circle) or lower.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("taifuse.backends._spec",),
+    ("taifuse.backends._spec", "taifuse._profile_hook", "taifuse._costs"),  # import nothing of taifuse
     ("taifuse.backends._host", "taifuse.backends.reference"),
     ("taifuse.backends",),  # the dispatch: the package's __init__ only (see _EXACT)
     ("taifuse.pool",),
@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse._array_ops", "taifuse._tensor_math"),
     ("taifuse.tensor", "taifuse.amp.autocast"),  # autocast's state, which the Tensor ops read
     ("taifuse._autograd_ops", "taifuse.functional", "taifuse.checkpoint"),
-    ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor"),
+    ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 

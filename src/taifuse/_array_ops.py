@@ -12,6 +12,7 @@ This module never imports ``taifuse.tensor``: a Tensor is routed to its autograd
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from taifuse import _random, backends, pool
+from taifuse import _profile_hook, _random, backends, pool
 from taifuse._tensor_math import math_for
 from taifuse.backends._spec import ACTIVATIONS
 
@@ -865,3 +866,29 @@ def cross_entropy_forward(be: ModuleType, logits: Any, target: Any, reduction: s
 def _reduction_of_nothing(be: ModuleType, reduction: str, dtype: np.dtype) -> Any:
     # PyTorch: the mean of nothing is nan, the sum 0.
     return math_for(be).full((1,), math.nan if reduction == "mean" else 0.0, dtype)
+
+
+# ----------------------------------------------------------------------------- profiler hook
+
+# The public ops, as taifuse.functional calls them on arrays (NOTE [ Profiler hooks ] in
+# taifuse/_profile_hook.py). An autograd forward that calls one of them is already being recorded,
+# and the recorder does not record the nested call twice.
+PROFILED_OPS = (
+    "gelu", "relu", "leaky_relu", "silu", "sigmoid", "tanh", "add_relu", "mul_relu", "affine", "linear",
+    "softmax", "log_softmax", "layer_norm", "rms_norm", "embedding", "dropout",
+    "scaled_dot_product_attention", "mse_loss", "cross_entropy",
+)  # fmt: skip
+
+
+def _profiled(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+        return fn(*args, **kwargs) if rec is None else rec.array_op(name, fn, args, kwargs)
+
+    return op
+
+
+for _name in PROFILED_OPS:
+    globals()[_name] = _profiled(_name, globals()[_name])
+del _name

@@ -1,4 +1,4 @@
-"""The ``taifuse`` command: ``taifuse info`` and ``taifuse bench``."""
+"""The ``taifuse`` command: ``taifuse info``, ``taifuse bench`` and ``taifuse profile``."""
 
 from __future__ import annotations
 
@@ -100,17 +100,72 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _add_profile_parser(sub) -> None:
+    prof = sub.add_parser(
+        "profile",
+        help="run a Python script under taifuse.profiler and print its op table (like python -m cProfile)",
+        description="Run SCRIPT as __main__ (with ARGS as its sys.argv[1:]) under taifuse.profiler.profile, "
+        "then print the table of its ops and optionally write a Chrome trace. Options go before SCRIPT.",
+    )
+    prof.add_argument("--trace", metavar="PATH", help="write Trace Event JSON (Perfetto, chrome://tracing)")
+    prof.add_argument("--sort", default="self_time_total", metavar="KEY",
+                      help="table order: self_time_total (default), total_time, count, mean, gbps, gflops")
+    prof.add_argument("--row-limit", type=int, default=30, metavar="N", help="rows in the table (default 30)")
+    prof.add_argument("--group-by-shape", action="store_true", help="one row per op and input shapes")
+    prof.add_argument("--ceilings", metavar="FILE", help="a taifuse bench results.json to take the ceilings from")
+    prof.add_argument("script", help="the Python script to run")
+    prof.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import runpy
+
+    from taifuse import profiler
+
+    if args.row_limit < 1:
+        print("taifuse profile: --row-limit should be at least 1", file=sys.stderr)
+        return 2
+    if not os.path.isfile(args.script):
+        print(f"taifuse profile: error: no such script {args.script!r}", file=sys.stderr)
+        return 2
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [args.script, *args.args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    code = 0
+    prof = profiler.profile(ceilings=args.ceilings)
+    try:
+        with prof:
+            runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as exc:  # the script's own exit: still print what was recorded
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    averages = prof.key_averages(group_by_input_shape=args.group_by_shape)
+    print(averages.table(sort_by=args.sort, row_limit=args.row_limit))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+        print(f"wrote {args.trace}")
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="taifuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="print the backends available, the active one, versions and threads")
     _add_bench_parser(sub)
+    _add_profile_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info(args)
     if args.command == "bench":
         return _bench(args, argv)
+    if args.command == "profile":
+        from taifuse.profiler import SORT_KEYS
+
+        if args.sort not in SORT_KEYS:  # checked before the script runs
+            parser.error(f"profile: --sort should be one of {', '.join(SORT_KEYS)}, got {args.sort!r}")
+        return _profile(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -74,6 +74,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from taifuse import _profile_hook
+
 __all__ = [
     "DEFAULT_MAX_MB",
     "Allocator",
@@ -359,7 +361,8 @@ class BufferPool:
             allocator.fill(out, 0)
         elif self.fill_on_reuse is not None:
             allocator.fill(out, self.fill_on_reuse)
-        return out
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+        return out if rec is None else rec.acquired(self, out, block.nbytes)
 
     # -- internals (called with the lock held unless said otherwise)
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from taifuse import backends
+from taifuse import _profile_hook, backends
 from taifuse._tensor_math import astype, math_for, sum_to_shape
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
@@ -144,7 +144,9 @@ class Function:
         ctx.be, ctx.m = be, math_for(be)
         record = is_grad_enabled() and any(t.requires_grad for t in tensors)
         ctx.needs_grad = tuple(isinstance(a, Tensor) and a.requires_grad and record for a in args)
-        data = ctx.forward(*(a._data if isinstance(a, Tensor) else a for a in args), **kwargs)
+        arrays = tuple(a._data if isinstance(a, Tensor) else a for a in args)
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+        data = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, arrays, kwargs)
         out = Tensor._wrap(data, be)
         if record:
             ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)
@@ -1268,7 +1270,8 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
             continue
         if ctx.released:
             raise RuntimeError(_SECOND_BACKWARD)
-        grads = ctx.backward(g)
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+        grads = ctx.backward(g) if rec is None else rec.backward(ctx, g)
         parents = ctx.parents
         if not retain_graph:
             ctx.release()

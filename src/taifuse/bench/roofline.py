@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from taifuse._costs import traffic_bytes  # written once, shared with taifuse.profiler
 from taifuse.bench import stats, timing
 from taifuse.bench.env import (
     UNKNOWN_LEVEL,
@@ -63,21 +64,6 @@ DRAM = "DRAM"
 _MIB = 2**20
 _PASS_BYTES = 256 * _MIB  # a sample streams about this much working set: several ms at any level
 _PAGE = 4096
-
-
-def traffic_bytes(bytes_moved: int, bytes_written: int) -> int:
-    """Bytes the memory system moves for a kernel (NOTE [ Traffic model ]).
-
-    Args:
-        bytes_moved: inputs read plus outputs written, each counted once.
-        bytes_written: the part of ``bytes_moved`` that is written (with ordinary stores).
-
-    Every written byte counts twice (write-allocate reads the line before the store replaces it).
-    For a copy of ``a`` bytes: ``traffic_bytes(2 * a, a) == 3 * a``.
-    """
-    if not 0 <= bytes_written <= bytes_moved:
-        raise ValueError(f"bytes_written should lie in [0, bytes_moved={bytes_moved}], got {bytes_written}")
-    return bytes_moved + bytes_written
 
 
 # ----------------------------------------------------------------------------- sizes

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from taifuse import _profile_hook
 from taifuse.tensor import Tensor, no_grad
 
 
@@ -152,7 +153,8 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} should implement forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]: a range named by the module's path
+        return self.forward(*args, **kwargs) if rec is None else rec.module(self, args, kwargs)
 
     def extra_repr(self) -> str:
         return ""

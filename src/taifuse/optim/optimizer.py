@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from taifuse import _profile_hook
 from taifuse.backends.reference.optim import BFLOAT16_BITS, from_bfloat16_bits, to_bfloat16_bits
 from taifuse.tensor import GradSlot, Tensor, bind_storage, enable_grad, set_grad_slot, storage_is
 
@@ -421,9 +422,10 @@ class Optimizer:
             param, grad = bucket.param_flat(), bucket.grad_flat()
             for run in runs:
                 state = bucket.state_for(type(self)._init, hyper, run)
-                new = type(self)._update(
-                    bucket.be, bucket.part(param, run), bucket.part(grad, run), state, hyper
-                )
+                update = type(self)._update
+                args = (bucket.be, bucket.part(param, run), bucket.part(grad, run), state, hyper)
+                rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+                new = update(*args) if rec is None else rec.step(self, update, args)
                 for i in range(run.first, run.last):
                     bucket.steps[i] = new.step
         return loss

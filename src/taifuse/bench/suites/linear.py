@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from taifuse import _costs
 from taifuse.bench.case import Case, Variant
 from taifuse.bench.suites.elementwise import numpy_gelu_erf, numpy_gelu_tanh
 
@@ -97,7 +98,7 @@ def _case(activation: str, compare_torch: bool) -> Case:
                 isolated=True,
             )
         )
-    flops = 2 * BATCH * IN_FEATURES * OUT_FEATURES
+    cost = _costs.linear(BATCH, IN_FEATURES, OUT_FEATURES)
     return Case(
         suite=SUITE,
         name=f"linear(activation='{activation}')",
@@ -112,9 +113,8 @@ def _case(activation: str, compare_torch: bool) -> Case:
         baselines=tuple(baselines),
         dtype="float32",
         shape=f"x ({BATCH}, {IN_FEATURES}) @ w ({OUT_FEATURES}, {IN_FEATURES}).T + b ({OUT_FEATURES},)",
-        bytes_moved=4
-        * (BATCH * IN_FEATURES + OUT_FEATURES * IN_FEATURES + OUT_FEATURES + BATCH * OUT_FEATURES),
-        flops=flops,
+        bytes_moved=cost.bytes_moved,
+        flops=cost.flops,
         rtol=1e-4,
         atol=1e-4,
     )
@@ -170,6 +170,7 @@ def _backward_case(compare_torch: bool) -> Case:
                 isolated=True,
             )
         )
+    bwd = _costs.linear(BWD_BATCH, BWD_IN, BWD_OUT, backward=True, activation=True)
     return Case(
         suite=SUITE,
         name="linear backward(activation='gelu')",
@@ -186,8 +187,8 @@ def _backward_case(compare_torch: bool) -> Case:
         baselines=tuple(baselines),
         dtype="float32",
         shape=f"x ({BWD_BATCH}, {BWD_IN}), w ({BWD_OUT}, {BWD_IN}), grad_out ({BWD_BATCH}, {BWD_OUT})",
-        bytes_moved=4 * (2 * BWD_BATCH * BWD_IN + 2 * BWD_OUT * BWD_IN + 3 * BWD_BATCH * BWD_OUT + BWD_OUT),
-        flops=2 * 2 * BWD_BATCH * BWD_IN * BWD_OUT,
+        bytes_moved=bwd.bytes_moved,
+        flops=bwd.flops,
         rtol=1e-4,
         atol=1e-5,
     )

@@ -24,6 +24,7 @@ import functools
 
 import numpy as np
 
+from taifuse import _costs
 from taifuse.bench.case import Case, Variant
 
 SUITE = "optim"
@@ -116,8 +117,8 @@ def _case(name: str, model: str, compare_torch: bool) -> Case:
                 )
             )
     # Read parameter, gradient and state; write parameter and state.
-    bytes_moved = 4 * elements * (2 + 2 * n_state + 1)
-    bytes_written = 4 * elements * (1 + n_state)
+    cost = _costs.optimizer_step(4 * elements, 4 * elements, 4 * elements * n_state)
+    bytes_moved, bytes_written = cost.bytes_moved, cost.bytes_written
     return Case(
         suite=SUITE,
         name=f"{name} step, {model}",
@@ -156,6 +157,7 @@ def _bf16_state_case(compare_torch: bool) -> Case:
         )
     ]
     baselines += [b for b in float32_case.baselines if b.label == "torch fused"]
+    bf16 = _costs.optimizer_step(4 * elements, 4 * elements, state_bytes["bfloat16"])
     return Case(
         suite=SUITE,
         name=f"AdamW step, bfloat16 state, {model}",
@@ -171,8 +173,8 @@ def _bf16_state_case(compare_torch: bool) -> Case:
         dtype="float32 parameters, bfloat16 state",
         shape=f"{count} parameters of {shape}; moments {state_bytes['bfloat16']} bytes (float32: {state_bytes['float32']})",
         # Read parameter, gradient and two 2-byte moments; write parameter and moments.
-        bytes_moved=elements * (4 + 4 + 2 * 2 + 4 + 2 * 2),
-        bytes_written=elements * (4 + 2 * 2),
+        bytes_moved=bf16.bytes_moved,
+        bytes_written=bf16.bytes_written,
         # One step from zero state: the rounded moments move each value by up to ~lr * 2**-8.
         rtol=1e-5,
         atol=2e-5,

@@ -38,12 +38,14 @@ from typing import Any
 
 import numpy as np
 
+from taifuse import _costs
+from taifuse._costs import attention_flops, attention_pairs
 from taifuse.bench.case import Case, Variant
 from taifuse.bench.row import NO_DATA, Row, RowHeader
 from taifuse.bench.suites.memory import MemoryCase, measure_memory
 from taifuse.bench.suites.training import StepOutput
 
-__all__ = ["StepOutput", "attention_flops", "cases"]
+__all__ = ["StepOutput", "attention_flops", "attention_pairs", "cases"]
 
 SUITE = "transformer"
 # Issue 16's goal size: batch, heads, query and key length, head dim.
@@ -57,21 +59,7 @@ _TORCH = ("numpy as np", "torch", "torch.nn.functional as TF", _SUITE_IMPORT)
 _NUMPY = ("numpy as np", _SUITE_IMPORT)
 
 
-def attention_pairs(L: int, S: int, causal: bool) -> int:
-    """The (query, key) pairs one head attends: ``L * S``, or with ``causal`` (top-left aligned)
-    ``sum(min(i + 1, S) for i in range(L))``, which is ``L * (L + 1) / 2`` when ``L == S``."""
-    if not causal:
-        return L * S
-    full = max(L - S, 0)  # queries past the last key see all S keys
-    seen = min(L, S)
-    return seen * (seen + 1) // 2 + full * S
-
-
-def attention_flops(batch: int, heads: int, L: int, S: int, E: int, causal: bool, backward: bool) -> int:
-    """Flops of attention's products (NOTE [ Attention FLOPs ]): ``4 * E * P`` per head forward,
-    ``14 * E * P`` forward and backward, with ``P`` from :func:`attention_pairs`."""
-    per_pair = 14 if backward else 4
-    return per_pair * E * attention_pairs(L, S, causal) * batch * heads
+# attention_pairs and attention_flops live in taifuse._costs, shared with taifuse.profiler.
 
 
 # ----------------------------------------------------------------------------- attention time
@@ -227,8 +215,7 @@ def attention_case(
     baselines = [_numpy_naive("numpy naive", causal, backward)]
     if compare_torch:
         baselines.append(_torch_attention(causal, backward))
-    arrays = 8 if backward else 4  # q, k, v (and g) in; out (and three gradients) out
-    elements = b * h * seq * e
+    cost = _costs.attention(b, h, seq, seq, e, causal, phase="both" if backward else "forward")
     mask = "causal" if causal else "no mask"
     what = "forward+backward" if backward else "forward"
     return Case(
@@ -241,9 +228,9 @@ def attention_case(
         dtype="float32",
         shape=f"q, k, v ({b}, {h}, {seq}, {e}), {mask}"
         + ("; outputs: out, then the gradients of q, k, v" if backward else ""),
-        bytes_moved=4 * arrays * elements,
-        bytes_written=4 * (arrays // 2) * elements,
-        flops=attention_flops(b, h, seq, seq, e, causal, backward),
+        bytes_moved=cost.bytes_moved,
+        bytes_written=cost.bytes_written,
+        flops=cost.flops,
         # Measured against torch 2.13 with seed 0 at B=H=2: at most 5e-7 apart (outputs up to ~5).
         rtol=1e-4,
         atol=1e-5,

@@ -1,0 +1,909 @@
+"""Where a step's time goes, op by op, against what the machine can do: ``torch.profiler``'s shape.
+
+:class:`profile` records every op call while it is active (forward and backward of every autograd
+op, ops on NumPy arrays, the optimizers' fused updates, the pool's buffer acquisitions) and every
+``nn.Module`` call as an enclosing range named by the module's path (``model.blocks.0.attn``), as
+:func:`record_function` does for user code. Each op event carries its backend and arch, input
+shapes and dtypes, wall time (synchronized before and after on a device backend when
+``sync=True``), and what it must move and compute from the formulas ``taifuse bench`` uses
+(``taifuse._costs``). :meth:`profile.key_averages` groups the events by name (and optionally by
+input shapes) and prints a table with the achieved GB/s and GFLOP/s, the fraction of the machine's
+ceiling and the bound (memory, compute, or per-call overhead); :meth:`profile.export_chrome_trace`
+writes Trace Event JSON for Perfetto or chrome://tracing, with the pool's bytes in use as a counter
+track. See docs/profiling.md.
+
+Example::
+
+    >>> import numpy as np, taifuse, taifuse.functional as F
+    >>> from taifuse import nn
+    >>> from taifuse.profiler import profile, record_function
+    >>> taifuse.set_backend("numpy")
+    >>> model = nn.Sequential(nn.Linear(8, 4), nn.GELU())
+    >>> x = taifuse.tensor(np.ones((2, 8), np.float32))
+    >>> with profile() as prof:
+    ...     with record_function("step"):
+    ...         model(x).sum().backward()
+    >>> [e.name for e in prof.events() if e.kind == "range"]
+    ['step', 'model', 'model.0', 'model.1']
+    >>> "linear" in [row.name for row in prof.key_averages()]
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from taifuse import _costs, _profile_hook, backends
+from taifuse._costs import Cost, traffic_bytes
+
+if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
+    from typing_extensions import Self
+
+__all__ = [
+    "SORT_KEYS",
+    "Ceilings",
+    "EventAverage",
+    "EventList",
+    "ProfilerEvent",
+    "measure_ceilings",
+    "profile",
+    "record_function",
+]
+
+# Working sets (source + destination bytes) of the measured copy ceilings: one per size class, so
+# that an op is judged against a copy of about its own size (NOTE [ One ceiling per cache level ] in
+# taifuse/bench/roofline.py: a step's small ops stream from cache, several times faster than DRAM,
+# and where the caches end differs between machines).
+COPY_WORKING_SETS = tuple(2**p for p in range(18, 29, 2))  # 256 KiB .. 256 MiB
+
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass
+class ProfilerEvent:
+    """One recorded call.
+
+    Attributes:
+        name: the op (``"linear"``, ``"linear_backward"``, ``"AdamW.step"``, ``"pool.acquire"``)
+            or the range (``"model.blocks.0.attn"``, a :func:`record_function` name).
+        kind: ``"op"`` (an op's forward), ``"backward"``, ``"optimizer"``, ``"range"`` or ``"pool"``.
+        backend, arch: where it ran (arch is the Taichi arch, or the backend's name).
+        start_ns, duration_ns: wall time from the profile's start (``time.perf_counter_ns``).
+        self_ns: ``duration_ns`` less the time of the events directly inside it.
+        shapes, dtypes: of the array arguments (empty with ``record_shapes=False``).
+        cost: bytes it must move and flops it must do (``taifuse._costs.Cost``), None for ranges.
+        depth: nesting depth (0: outermost).
+        pool_bytes_in_use: for a pool event, the pool's bytes in use after the acquisition.
+    """
+
+    name: str
+    kind: str
+    backend: str
+    arch: str
+    start_ns: int
+    duration_ns: int = 0
+    self_ns: int = 0
+    shapes: tuple = ()
+    dtypes: tuple = ()
+    cost: Cost | None = None
+    depth: int = 0
+    pool_bytes_in_use: int | None = None
+    _signature: Any = field(default=None, repr=False)
+    _child_ns: int = field(default=0, repr=False)
+
+    @property
+    def end_ns(self) -> int:
+        return self.start_ns + self.duration_ns
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What the machine can do: copy bandwidth by working set (``((bytes, GB/s of traffic), ...)``,
+    NOTE [ Traffic model ] in taifuse/bench/roofline.py), the GEMM rate (GFLOP/s) and the cost of
+    one op call that does no work (ns), with where they came from."""
+
+    copy: tuple[tuple[int, float], ...]
+    gemm_gflops: float
+    call_overhead_ns: float
+    source: str
+
+    def bandwidth(self, working_set: float) -> tuple[float, int]:
+        """(GB/s, its working set): the copy of the smallest working set that holds
+        ``working_set`` bytes, else the largest measured."""
+        ordered = sorted(self.copy)
+        for size, gbps in ordered:
+            if working_set <= size:
+                return gbps, size
+        return ordered[-1][1], ordered[-1][0]
+
+
+def _fastest_ns(fn: Callable[[], Any], repeats: int) -> float:
+    # The fastest of several passes: other work on the machine only ever slows a pass.
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        fn()
+        best = min(best, time.perf_counter_ns() - start)
+    return best
+
+
+def _threaded_copy_gbps(working_set: int) -> float:
+    # NOTE [ Traffic model ]: np.add(src, 0.0, out=dst) (ordinary stores), one chunk per CPU on
+    # its own thread, as the ceiling of taifuse bench; traffic = read + 2 x written.
+    n = working_set // 8
+    src = np.full(n, 1.5, dtype=np.float32)
+    dst = np.empty_like(src)
+    workers = max(
+        1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+    chunks = [(src[lo:hi], dst[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+    reps = max(1, (64 * 2**20) // working_set)
+
+    def copy() -> None:
+        def run(s: np.ndarray, d: np.ndarray) -> None:
+            for _ in range(reps):
+                np.add(s, 0.0, out=d)
+
+        threads = [threading.Thread(target=run, args=c) for c in chunks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    copy()
+    ns = _fastest_ns(copy, 5) / reps
+    return traffic_bytes(8 * n, 4 * n) / ns
+
+
+def _call_overhead_ns() -> float:
+    # One op that does no work, as a user calls it: a 1-element relu on the active backend.
+    from taifuse import functional as F
+
+    x = np.zeros(1, np.float32)
+    F.relu(x)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter_ns()
+        for _ in range(50):
+            F.relu(x)
+        samples.append((time.perf_counter_ns() - start) / 50)
+    return min(samples)
+
+
+@functools.lru_cache(maxsize=1)
+def measure_ceilings() -> Ceilings:
+    """The ceilings of this machine, measured once per process (a second or two) and cached.
+
+    Copy bandwidth at each of :data:`COPY_WORKING_SETS` (``taifuse bench``'s copy kernel: one
+    chunk per CPU on its own thread), the GEMM rate on ``taifuse bench``'s shape (4096x1024 @
+    1024x768 float32, NumPy's BLAS), each the fastest of five passes, and the per-call cost of a
+    1-element op on the active backend. A ``taifuse bench`` results file
+    (``profile(ceilings=path)``) gives figures measured with intervals instead.
+    """
+    m, k, n = 4096, 1024, 768
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    out = np.empty((m, n), np.float32)
+    np.matmul(x, w.T, out=out)
+    gemm = 2 * m * k * n / _fastest_ns(lambda: np.matmul(x, w.T, out=out), 5)
+    return Ceilings(
+        copy=tuple((size, _threaded_copy_gbps(size)) for size in COPY_WORKING_SETS),
+        gemm_gflops=gemm,
+        call_overhead_ns=_call_overhead_ns(),
+        source="measured in this process, fastest of 5 passes",
+    )
+
+
+def ceilings_from_results(path: str | os.PathLike) -> Ceilings:
+    """The ceilings of a ``taifuse bench`` ``results.json``: its roofline rows (copy bandwidth per
+    cache level at that level's working set, the GEMM rate); the per-call cost is measured here
+    (bench results do not hold it).
+
+    Raises ValueError naming ``path`` when the file has no roofline rows.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    copy, gemm = [], None
+    for row in data.get("rows", []):
+        if row.get("kind") != "roofline" or row.get("value") is None:
+            continue
+        if row["id"] == "roofline/gemm":
+            gemm = float(row["value"])
+        elif row["id"].startswith("roofline/copy-") and row.get("bytes_moved"):
+            copy.append((int(row["bytes_moved"]), float(row["value"])))
+    if gemm is None or not copy:
+        raise ValueError(
+            f"ceilings: {os.fspath(path)!r} holds no roofline rows (a taifuse bench results.json)"
+        )
+    return Ceilings(tuple(copy), gemm, _call_overhead_ns(), f"taifuse bench results {os.fspath(path)}")
+
+
+# ----------------------------------------------------------------------------- op names and costs
+
+_CAMEL = re.compile(r"(?<!^)(?=[A-Z][a-z])")
+
+
+@functools.cache
+def _op_name(cls: type) -> str:
+    """``_LayerNorm`` -> ``layer_norm``, ``_MatMul`` -> ``matmul``."""
+    name = cls.__name__.lstrip("_")
+    return "matmul" if name == "MatMul" else _CAMEL.sub("_", name).lower()
+
+
+def _is_array(v: Any) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def _nbytes(shape: tuple, dtype: Any) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _arrays_bytes(values: Any) -> int:
+    if values is None:
+        return 0
+    if isinstance(values, (tuple, list)):
+        return sum(_arrays_bytes(v) for v in values)
+    return _nbytes(tuple(values.shape), values.dtype) if _is_array(values) else 0
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """(shapes, dtypes, scalars) of a call: arrays by shape and dtype, small values as they are."""
+    shapes, dtypes, scalars = [], [], []
+    for v in (*args, *kwargs.values()):
+        if _is_array(v):
+            shapes.append(tuple(v.shape))
+            dtypes.append(str(v.dtype))
+            scalars.append(None)
+        else:
+            shapes.append(None)
+            dtypes.append(None)
+            scalars.append(v if isinstance(v, (bool, int, float, str, type(None))) else None)
+    return tuple(shapes), tuple(dtypes), tuple(scalars)
+
+
+_ARRAY_PARAMS: dict[str, list[str]] = {}
+
+
+def _bind(fn: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Positional arguments of an array-path call, keywords folded in (so costs read positions)."""
+    if not kwargs:
+        return args, kwargs
+    params = _ARRAY_PARAMS.get(fn.__name__)
+    if params is None:
+        params = _ARRAY_PARAMS[fn.__name__] = list(inspect.signature(fn).parameters)
+    full = list(args) + [None] * (len(params) - len(args))
+    for key, value in kwargs.items():
+        full[params.index(key)] = value
+    return tuple(full), {}
+
+
+def _linear_cost(sig: tuple, phase: str, needs_grad: tuple) -> Cost | None:
+    shapes, dtypes, scalars = sig
+    if len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
+        return None
+    x, w = shapes[0], shapes[1]
+    bias = len(shapes) > 2 and shapes[2] is not None
+    activation = scalars[3] if len(scalars) > 3 else None
+    return _costs.linear(
+        math.prod(x[:-1]),
+        w[1],
+        w[0],
+        bias=bias,
+        itemsize=np.dtype(dtypes[0]).itemsize,
+        backward=phase == "backward",
+        activation=activation is not None,
+        input_grad=bool(needs_grad[0]) if needs_grad else True,
+    )
+
+
+def _attention_cost(sig: tuple, phase: str, causal_at: int) -> Cost | None:
+    shapes, dtypes, scalars = sig
+    q, k = shapes[0], shapes[1]
+    if q is None or k is None:
+        return None
+    causal = bool(scalars[causal_at]) if len(scalars) > causal_at else False
+    heads = max(math.prod(q[:-2]), math.prod(k[:-2]))
+    return _costs.attention(
+        1, heads, q[-2], k[-2], q[-1], causal, phase=phase, itemsize=np.dtype(dtypes[0]).itemsize
+    )
+
+
+def _matmul_cost(sig: tuple, phase: str) -> Cost | None:
+    shapes, dtypes, _ = sig
+    a, b = shapes[0], shapes[1]
+    if a is None or b is None or len(a) < 2 or len(b) < 1:
+        return None
+    b2 = b if len(b) >= 2 else (b[0], 1)
+    batch = max(math.prod(a[:-2]), math.prod(b2[:-2]))
+    return _costs.matmul(
+        batch, a[-2], a[-1], b2[-1], itemsize=np.dtype(dtypes[0]).itemsize, backward=phase == "backward"
+    )
+
+
+def _op_cost(name: str, sig: tuple, phase: str, out_bytes: int, needs_grad: tuple = ()) -> Cost:
+    """What the op must move and compute; ops without a formula of their own count their array
+    arguments read and their results written (the elementwise model), their arithmetic not counted."""
+    cost = None
+    if name == "linear":
+        cost = _linear_cost(sig, phase, needs_grad)
+    elif name in ("attention", "scaled_dot_product_attention"):
+        cost = _attention_cost(sig, phase, causal_at=5)
+    elif name == "matmul":
+        cost = _matmul_cost(sig, phase)
+    if cost is not None:
+        return cost
+    shapes, dtypes, _ = sig
+    read = sum(_nbytes(s, d) for s, d in zip(shapes, dtypes) if s is not None)
+    return _costs.elementwise(read, out_bytes)
+
+
+def _state_bytes(state: Any) -> int:
+    return sum(_arrays_bytes(v) for v in state if _is_array(v))
+
+
+# ----------------------------------------------------------------------------- the profiler
+
+
+class profile:
+    """Record every op, optimizer step, pool acquisition and module call while active.
+
+    Shaped like ``torch.profiler.profile``: a context manager (``start()``/``stop()`` too), then
+    :meth:`key_averages`, :meth:`export_chrome_trace` and :meth:`events`.
+
+    Args:
+        record_shapes: keep each op's input shapes and dtypes (``key_averages(group_by_input_shape=True)``
+            and the trace's args need them). Costs are computed either way.
+        profile_memory: record the pool's acquisitions and its bytes in use (a counter track).
+        sync: on a device backend (Taichi), wait for the device before and after each op, so
+            that a kernel's time lands on its own op (NOTE: this serializes the device's queue).
+        ceilings: where the ceilings come from: None measures them once per process
+            (:func:`measure_ceilings`), a path reads a ``taifuse bench`` results.json, or a
+            :class:`Ceilings`.
+
+    Only the thread that entered the profile is recorded; the others run unrecorded. Profiles do
+    not nest (entering a second while one is active raises RuntimeError).
+
+    Example::
+
+        >>> import numpy as np, taifuse, taifuse.functional as F
+        >>> from taifuse.profiler import profile
+        >>> taifuse.set_backend("numpy")
+        >>> with profile() as prof:
+        ...     y = F.gelu(np.ones(1000, np.float32))
+        >>> [gelu] = [e for e in prof.events() if e.kind == "op"]
+        >>> gelu.name, gelu.shapes, gelu.dtypes
+        ('gelu', ((1000,), None, None), ('float32', None, None))
+        >>> gelu.cost.bytes_moved, gelu.cost.bytes_written  # read 4000 bytes, write 4000
+        (8000, 4000)
+    """
+
+    def __init__(
+        self,
+        record_shapes: bool = True,
+        profile_memory: bool = True,
+        sync: bool = True,
+        ceilings: Ceilings | str | os.PathLike | None = None,
+    ) -> None:
+        if ceilings is not None and not isinstance(ceilings, (Ceilings, str, os.PathLike)):
+            raise TypeError(
+                f"profile: ceilings should be a Ceilings, a path or None, got {type(ceilings).__name__}"
+            )
+        self.record_shapes = bool(record_shapes)
+        self.profile_memory = bool(profile_memory)
+        self.sync = bool(sync)
+        self._ceilings_arg = ceilings
+        self._events: list[ProfilerEvent] = []
+        self._stack: list[ProfilerEvent] = []
+        self._in_op = 0
+        self._tid: int | None = None
+        self._t0 = 0
+        self.wall_ns = 0
+        self._backends: dict[int, tuple[str, str, Callable | None]] = {}
+        self._module_names: dict[int, tuple[Any, str]] = {}
+        self._roots = 0
+
+    # -- lifetime
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if _profile_hook.ACTIVE is not None:
+            raise RuntimeError("profile: another taifuse profiler is already active (profiles do not nest)")
+        self._tid = threading.get_ident()
+        self._sync_active()
+        self._t0 = time.perf_counter_ns()
+        _profile_hook.ACTIVE = self
+
+    def stop(self) -> None:
+        if _profile_hook.ACTIVE is self:
+            self._sync_active()
+            self.wall_ns = time.perf_counter_ns() - self._t0
+            _profile_hook.ACTIVE = None
+            self._module_names.clear()
+
+    def _sync_active(self) -> None:
+        if self.sync:
+            be = backends.active()
+            sync = getattr(be, "sync", None)
+            if sync is not None:
+                sync()
+
+    # -- recording (called by the hooks: NOTE [ Profiler hooks ] in taifuse/_profile_hook.py)
+
+    def _backend(self, be: ModuleType) -> tuple[str, str, Callable | None]:
+        info = self._backends.get(id(be))
+        if info is None:
+            name = getattr(be, "NAME", str(be))
+            arch = be.describe().get("arch", name) if hasattr(be, "describe") else name
+            sync = getattr(be, "sync", None) if self.sync else None
+            info = self._backends[id(be)] = (name, str(arch), sync)
+        return info
+
+    def _open(self, name: str, kind: str, be: ModuleType | None, sig: tuple | None) -> ProfilerEvent:
+        backend, arch, sync = self._backend(be) if be is not None else ("", "", None)
+        if sync is not None:
+            sync()
+        ev = ProfilerEvent(name, kind, backend, arch, 0, depth=len(self._stack), _signature=sig)
+        if sig is not None and self.record_shapes:
+            ev.shapes, ev.dtypes = sig[0], sig[1]
+        self._stack.append(ev)
+        ev.start_ns = time.perf_counter_ns() - self._t0
+        return ev
+
+    def _close(self, ev: ProfilerEvent) -> None:
+        end = time.perf_counter_ns() - self._t0
+        ev.duration_ns = end - ev.start_ns
+        ev.self_ns = ev.duration_ns - ev._child_ns
+        self._stack.pop()
+        if self._stack:
+            self._stack[-1]._child_ns += ev.duration_ns
+        self._events.append(ev)
+
+    def _sync_after(self, ev: ProfilerEvent) -> None:
+        for name, _, sync in self._backends.values():
+            if name == ev.backend and sync is not None:
+                sync()
+                return
+
+    def _mine(self) -> bool:
+        return threading.get_ident() == self._tid
+
+    def forward(self, ctx: Any, arrays: tuple, kwargs: dict) -> Any:
+        if not self._mine():
+            return ctx.forward(*arrays, **kwargs)
+        name = _op_name(type(ctx))
+        sig = _signature(arrays, kwargs)
+        ctx._profile_signature = sig
+        ev = self._open(name, "op", ctx.be, sig)
+        self._in_op += 1
+        try:
+            out = ctx.forward(*arrays, **kwargs)
+        finally:
+            self._in_op -= 1
+            self._sync_after(ev)
+            self._close(ev)
+        ev.cost = _op_cost(name, sig, "forward", _arrays_bytes(out))
+        return out
+
+    def backward(self, ctx: Any, grad: Any) -> tuple:
+        if not self._mine():
+            return ctx.backward(grad)
+        name = _op_name(type(ctx))
+        forward_sig = getattr(ctx, "_profile_signature", None) or ((), (), ())
+        ev = self._open(name + "_backward", "backward", ctx.be, _signature((grad,), {}))
+        self._in_op += 1
+        try:
+            grads = ctx.backward(grad)
+        finally:
+            self._in_op -= 1
+            self._sync_after(ev)
+            self._close(ev)
+        written = _arrays_bytes(tuple(g for g in grads if g is not None))
+        base = _op_cost(name, forward_sig, "backward", 0, tuple(ctx.needs_grad))
+        if name in ("linear", "attention", "matmul"):
+            ev.cost = base
+        else:  # read the output's gradient and the forward's inputs, write the gradients
+            read = base.bytes_moved + _arrays_bytes(grad)
+            ev.cost = _costs.elementwise(read, written)
+        return grads
+
+    def array_op(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self._in_op or not self._mine():  # inside an autograd op: recorded there
+            return fn(*args, **kwargs)
+        be = backends.active()
+        sig = _signature(*_bind(fn, args, kwargs))
+        ev = self._open(name, "op", be, sig)
+        self._in_op += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._in_op -= 1
+            self._sync_after(ev)
+            self._close(ev)
+        ev.cost = _op_cost(name, sig, "forward", _arrays_bytes(out))
+        return out
+
+    def step(self, optimizer: Any, update: Callable, args: tuple) -> Any:
+        if not self._mine():
+            return update(*args)
+        be, param, grad, state, _ = args
+        ev = self._open(f"{type(optimizer).__name__}.step", "optimizer", be, _signature((param, grad), {}))
+        self._in_op += 1
+        try:
+            new = update(*args)
+        finally:
+            self._in_op -= 1
+            self._sync_after(ev)
+            self._close(ev)
+        ev.cost = _costs.optimizer_step(_arrays_bytes(param), _arrays_bytes(grad), _state_bytes(state))
+        return new
+
+    def acquired(self, pool: Any, out: Any, nbytes: int) -> Any:
+        if not self.profile_memory or not self._mine():
+            return out
+        now = time.perf_counter_ns() - self._t0
+        ev = ProfilerEvent(
+            "pool.acquire",
+            "pool",
+            "host" if pool._on_host else "device",
+            "",
+            now,
+            shapes=(tuple(out.shape),) if self.record_shapes else (),
+            dtypes=(str(out.dtype),) if self.record_shapes else (),
+            depth=len(self._stack),
+            pool_bytes_in_use=pool._bytes_in_use,
+            cost=Cost(0, 0, 0),
+        )
+        self._events.append(ev)
+        return out
+
+    def module(self, mod: Any, args: tuple, kwargs: dict) -> Any:
+        if not self._mine():
+            return mod.forward(*args, **kwargs)
+        with self.range(self._module_name(mod)):
+            return mod.forward(*args, **kwargs)
+
+    def _module_name(self, mod: Any) -> str:
+        known = self._module_names.get(id(mod))
+        if known is not None and known[0] is mod:
+            return known[1]
+        parent = next(
+            (e.name for e in reversed(self._stack) if e.kind == "range" and e._signature == "module"), None
+        )
+        if parent is None:  # a root: name it and everything under it from named_modules
+            prefix = "model" if self._roots == 0 else f"model{self._roots}"
+            self._roots += 1
+            for name, sub in mod.named_modules(prefix):
+                self._module_names.setdefault(id(sub), (sub, name))
+            return prefix
+        name = f"{parent}.{type(mod).__name__}"  # a module outside the root's tree
+        self._module_names[id(mod)] = (mod, name)
+        return name
+
+    @contextlib.contextmanager
+    def range(self, name: str, module: bool = True) -> Iterator[None]:
+        """A range named ``name`` around the block (a module's call; :func:`record_function`)."""
+        ev = self._open(name, "range", None, "module" if module else None)
+        try:
+            yield
+        finally:
+            self._sync_active()
+            self._close(ev)
+
+    # -- results
+
+    def events(self) -> list[ProfilerEvent]:
+        """Every recorded event, in the order they started (a range before the ops inside it)."""
+        return sorted(self._events, key=lambda e: (e.start_ns, e.depth))
+
+    @property
+    def ceilings(self) -> Ceilings:
+        """The ceilings the table judges against (measured on first use unless given)."""
+        arg = self._ceilings_arg
+        if isinstance(arg, Ceilings):
+            return arg
+        if arg is not None:
+            self._ceilings_arg = ceilings_from_results(arg)
+            return self._ceilings_arg
+        return measure_ceilings()
+
+    def key_averages(self, group_by_input_shape: bool = False) -> EventList:
+        """The events grouped by name (and by input shapes with ``group_by_input_shape``), one
+        :class:`EventAverage` per group, in order of first appearance."""
+        if group_by_input_shape and not self.record_shapes:
+            raise ValueError("key_averages: group_by_input_shape=True needs profile(record_shapes=True)")
+        groups: dict[tuple, EventAverage] = {}
+        for ev in sorted(self._events, key=lambda e: e.start_ns):
+            key = (ev.name, ev.kind, ev.shapes if group_by_input_shape else None)
+            avg = groups.get(key)
+            if avg is None:
+                avg = groups[key] = EventAverage(
+                    ev.name, ev.kind, ev.shapes if group_by_input_shape else None
+                )
+            avg.add(ev)
+        wall = self.wall_ns or max((e.end_ns for e in self._events), default=0)
+        return EventList(groups.values(), wall_ns=wall, ceilings_fn=lambda: self.ceilings)
+
+    def export_chrome_trace(self, path: str | os.PathLike) -> None:
+        """Write the events as Trace Event JSON (Perfetto, chrome://tracing): an ``"X"`` event per
+        op and range (``ts``/``dur`` in microseconds, args with shapes, dtypes, bytes and flops)
+        and a ``"C"`` counter track of the pool's bytes in use."""
+        pid, tid = os.getpid(), self._tid or threading.get_ident()
+        trace: list[dict] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": "taifuse"}},
+        ]
+        for ev in sorted(self._events, key=lambda e: (e.start_ns, -e.duration_ns)):
+            if ev.kind == "pool":
+                trace.append(
+                    {
+                        "name": f"pool bytes in use ({ev.backend})",
+                        "ph": "C",
+                        "ts": ev.start_ns / 1e3,
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"bytes": ev.pool_bytes_in_use},
+                    }
+                )
+                continue
+            args: dict[str, Any] = {"backend": ev.backend, "arch": ev.arch}
+            if ev.shapes:
+                args["shapes"] = [list(s) if s is not None else None for s in ev.shapes]
+                args["dtypes"] = list(ev.dtypes)
+            if ev.cost is not None:
+                args.update(
+                    bytes_moved=ev.cost.bytes_moved, bytes_written=ev.cost.bytes_written, flops=ev.cost.flops
+                )
+            trace.append(
+                {
+                    "name": ev.name,
+                    "cat": ev.kind,
+                    "ph": "X",
+                    "ts": ev.start_ns / 1e3,
+                    "dur": ev.duration_ns / 1e3,
+                    "pid": pid,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+        with open(path, "w") as f:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+
+
+# ----------------------------------------------------------------------------- averages
+
+
+@dataclass
+class EventAverage:
+    """The events of one name (and shape): count, times, and what they moved and computed."""
+
+    name: str
+    kind: str
+    shapes: tuple | None = None
+    count: int = 0
+    self_ns: int = 0
+    total_ns: int = 0
+    bytes_moved: int = 0
+    bytes_written: int = 0
+    flops: int = 0
+    backend: str = ""
+
+    def add(self, ev: ProfilerEvent) -> None:
+        self.count += 1
+        self.self_ns += ev.self_ns
+        self.total_ns += ev.duration_ns
+        self.backend = self.backend or ev.backend
+        if ev.cost is not None:
+            self.bytes_moved += ev.cost.bytes_moved
+            self.bytes_written += ev.cost.bytes_written
+            self.flops += ev.cost.flops
+
+    @property
+    def is_op(self) -> bool:
+        return self.kind in ("op", "backward", "optimizer")
+
+    @property
+    def mean_ns(self) -> float:
+        return self.total_ns / self.count if self.count else 0.0
+
+    @property
+    def traffic(self) -> int:
+        return traffic_bytes(self.bytes_moved, self.bytes_written)
+
+    @property
+    def gbps(self) -> float | None:
+        """Achieved GB/s of traffic (NOTE [ Traffic model ]), over the total time."""
+        return self.traffic / self.total_ns if self.is_op and self.total_ns and self.bytes_moved else None
+
+    @property
+    def gflops(self) -> float | None:
+        return self.flops / self.total_ns if self.is_op and self.total_ns and self.flops else None
+
+    def judge(self, ceilings: Ceilings) -> tuple[float | None, str]:
+        """(fraction of the ceiling, bound): the bound is ``"compute"`` when the op's arithmetic
+        intensity reaches the ridge point (GEMM rate / bandwidth), else ``"memory"``, and
+        ``"overhead"`` when the work at the ceilings takes less than one empty op call, so that
+        the per-call cost dominates. The fraction is of the GEMM rate for compute-bound ops, of
+        the copy bandwidth (of the op's cache level) otherwise."""
+        if not self.is_op or not self.count or not self.total_ns:
+            return None, ""
+        traffic = self.traffic / self.count
+        bandwidth, _ = ceilings.bandwidth(self.bytes_moved / self.count)
+        flops = self.flops / self.count
+        roof_ns = max(traffic / bandwidth, flops / ceilings.gemm_gflops)
+        compute = flops > 0 and flops / max(traffic, 1) >= ceilings.gemm_gflops / bandwidth
+        if compute:
+            fraction = (self.gflops or 0.0) / ceilings.gemm_gflops
+        elif self.bytes_moved:
+            fraction = (self.gbps or 0.0) / bandwidth
+        else:
+            fraction = None
+        if roof_ns < ceilings.call_overhead_ns:
+            return fraction, "overhead"
+        return fraction, "compute" if compute else "memory"
+
+
+_SORT_KEYS: dict[str, Callable[[EventAverage], float]] = {
+    "self_time_total": lambda a: a.self_ns,
+    "self_cpu_time_total": lambda a: a.self_ns,  # torch.profiler's name
+    "total_time": lambda a: a.total_ns,
+    "cpu_time_total": lambda a: a.total_ns,
+    "count": lambda a: a.count,
+    "mean": lambda a: a.mean_ns,
+    "gbps": lambda a: a.gbps or 0.0,
+    "gflops": lambda a: a.gflops or 0.0,
+}
+
+
+SORT_KEYS = tuple(_SORT_KEYS)  # what table(sort_by=...) and `taifuse profile --sort` take
+
+
+class EventList(list):
+    """:meth:`profile.key_averages`'s result: a list of :class:`EventAverage` with :meth:`table`."""
+
+    def __init__(self, items: Any, wall_ns: int, ceilings_fn: Callable[[], Ceilings]) -> None:
+        super().__init__(items)
+        self.wall_ns = wall_ns
+        self._ceilings_fn = ceilings_fn
+
+    def table(self, sort_by: str = "self_time_total", row_limit: int = 100) -> str:
+        """The rows as a text table, sorted by ``sort_by`` (descending), at most ``row_limit`` rows.
+
+        Columns: name, calls, self time (total ms and % of the profiled wall time: the share of the
+        step), total time (ms, ranges included), mean per call (µs), achieved GB/s and GFLOP/s,
+        % of the ceiling and the bound. ``sort_by``: one of ``self_time_total``, ``total_time``,
+        ``count``, ``mean``, ``gbps``, ``gflops`` (``self_cpu_time_total`` and
+        ``cpu_time_total`` as torch.profiler's aliases).
+        """
+        if sort_by not in _SORT_KEYS:
+            raise ValueError(f"table: sort_by should be one of {sorted(_SORT_KEYS)}, got {sort_by!r}")
+        if not isinstance(row_limit, int) or isinstance(row_limit, bool) or row_limit < 1:
+            raise ValueError(f"table: row_limit should be a positive int, got {row_limit!r}")
+        rows = sorted(self, key=_SORT_KEYS[sort_by], reverse=True)[:row_limit]
+        ceilings = self._ceilings_fn() if any(r.is_op for r in rows) else None
+        header = [
+            "Name",
+            "Calls",
+            "Self ms",
+            "Self %",
+            "Total ms",
+            "Mean us",
+            "GB/s",
+            "GFLOP/s",
+            "% ceil",
+            "Bound",
+        ]
+        lines = []
+        for r in rows:
+            fraction, bound = r.judge(ceilings) if ceilings is not None else (None, "")
+            name = r.name if r.shapes is None else f"{r.name} {list(r.shapes)}"
+            lines.append(
+                [
+                    name if r.kind != "range" else f"[{name}]",
+                    str(r.count),
+                    f"{r.self_ns / 1e6:.3f}",
+                    f"{100 * r.self_ns / self.wall_ns:.1f}" if self.wall_ns else "-",
+                    f"{r.total_ns / 1e6:.3f}",
+                    f"{r.mean_ns / 1e3:.1f}",
+                    f"{r.gbps:.1f}" if r.gbps is not None else "-",
+                    f"{r.gflops:.1f}" if r.gflops is not None else "-",
+                    f"{100 * fraction:.0f}" if fraction is not None else "-",
+                    bound or "-",
+                ]
+            )
+        widths = [
+            max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)
+        ]
+        rule = "  ".join("-" * w for w in widths)
+
+        def fmt(cells: list[str]) -> str:
+            return "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            )
+
+        out = [fmt(header), rule, *(fmt(line) for line in lines), rule]
+        ops_self = sum(r.self_ns for r in self if r.is_op)
+        out.append(
+            f"Profiled wall time {self.wall_ns / 1e6:.3f} ms; ops' self time {ops_self / 1e6:.3f} ms"
+            + (f" ({100 * ops_self / self.wall_ns:.1f}%)" if self.wall_ns else "")
+            + "; [ranges] are module calls and record_function blocks."
+        )
+        if ceilings is not None:
+            copies = ", ".join(f"{gbps:.0f} at {_size(size)}" for size, gbps in sorted(ceilings.copy))
+            out.append(
+                f"Ceilings ({ceilings.source}): copy GB/s by working set {copies}; GEMM "
+                f"{ceilings.gemm_gflops:.1f} GFLOP/s; empty op call {ceilings.call_overhead_ns / 1e3:.1f} us."
+            )
+        return "\n".join(out)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.4g} MiB" if nbytes >= 2**20 else f"{nbytes // 2**10} KiB"
+
+
+# ----------------------------------------------------------------------------- record_function
+
+
+class record_function(contextlib.ContextDecorator):
+    """A named range around user code, as ``torch.profiler.record_function``: a context manager or
+    a decorator. Without an active profiler it does nothing.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> from taifuse.profiler import profile, record_function
+        >>> @record_function("activation")
+        ... def act(x):
+        ...     return F.relu(x)
+        >>> with profile() as prof:
+        ...     with record_function("block"):
+        ...         _ = act(np.ones(4, np.float32))
+        >>> [(e.name, e.depth) for e in prof.events() if e.kind != "pool"]
+        [('block', 0), ('activation', 1), ('relu', 2)]
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"record_function: name should be a str, got {type(name).__name__}")
+        self.name = name
+        self._ranges: list[Any] = []
+
+    def __enter__(self) -> Self:
+        rec = _profile_hook.ACTIVE
+        if rec is not None and rec._mine():
+            cm = rec.range(self.name, module=False)
+            cm.__enter__()
+            self._ranges.append(cm)
+        else:
+            self._ranges.append(None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cm = self._ranges.pop()
+        if cm is not None:
+            cm.__exit__(*exc)

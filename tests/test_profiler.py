@@ -1,0 +1,320 @@
+"""taifuse.profiler: it sees every op of a training step, its times add up, its byte and FLOP
+counts are the hand-computed ones, the trace is valid Trace Event JSON, ranges nest, and the
+``taifuse profile`` command runs a script."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+import taifuse
+import taifuse.functional as F
+from taifuse import _costs, _profile_hook, backends, nn, optim
+from taifuse.profiler import Ceilings, profile, record_function
+from taifuse.tensor import Tensor
+
+# Fixed ceilings so that no test measures the machine (the bound column is tested on its own rule).
+CEILINGS = Ceilings(
+    copy=((2**20, 50.0), (2**28, 20.0)), gemm_gflops=100.0, call_overhead_ns=5e3, source="test"
+)
+
+
+@pytest.fixture(autouse=True)
+def _keep_backend_choice():
+    # The tests below pick the numpy backend; hand the next test what it had.
+    with backends.preserved_choice():
+        yield
+
+
+def _mlp(rng: np.random.Generator) -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32, activation="gelu"), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _graph_nodes(root: Tensor) -> list:
+    """Every Function node of root's graph (each once)."""
+    seen, stack, nodes = set(), [root], []
+    while stack:
+        t = stack.pop()
+        ctx = t._ctx
+        if ctx is None or id(ctx) in seen:
+            continue
+        seen.add(id(ctx))
+        nodes.append(ctx)
+        stack.extend(p for p in ctx.parents if p is not None)
+    return nodes
+
+
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    nodes = _graph_nodes(loss)
+    loss.backward()
+    opt.step()
+    return nodes
+
+
+def test_profiler_sees_every_op_of_a_training_step(backend):
+    rng = np.random.default_rng(0)
+    model = _mlp(rng)
+    opt = optim.AdamW(model.parameters(), lr=1e-3)
+    x = taifuse.tensor(rng.standard_normal((8, 16), dtype=np.float32))
+    y = rng.integers(0, 4, 8)
+    _step(model, opt, x, y)  # the optimizer's state exists from here on
+    with profile(ceilings=CEILINGS) as prof:
+        nodes = _step(model, opt, x, y)
+    events = prof.events()
+    names = sorted(type(n).__name__ for n in nodes)
+    forward = [e for e in events if e.kind == "op"]
+    backward = [e for e in events if e.kind == "backward"]
+    # Every node of the graph is one forward event and one backward event; the step is one fused
+    # update per run of its buckets (one flat run on the host backends, one per parameter on taichi).
+    assert len(forward) == len(nodes) == len(backward), (names, [e.name for e in forward])
+    assert sorted(e.name for e in backward) == sorted(e.name + "_backward" for e in forward)
+    runs = sum(len(bucket.runs()) for buckets in opt._buckets for bucket in buckets)
+    assert runs >= 1
+    assert [e.name for e in events if e.kind == "optimizer"] == ["AdamW.step"] * runs
+    assert {e.backend for e in forward} == {taifuse.get_backend()}
+    assert any(e.kind == "pool" for e in events)
+
+
+def test_disabled_profiler_records_nothing():
+    taifuse.set_backend("numpy")
+    x = np.ones(16, np.float32)
+    with profile(ceilings=CEILINGS) as prof:
+        F.relu(x)
+    assert _profile_hook.ACTIVE is None
+    before = len(prof.events())
+    F.relu(x)
+    F.gelu(taifuse.tensor(x, requires_grad=True)).sum().backward()
+    assert len(prof.events()) == before == 2  # the relu and its output buffer's acquisition
+
+
+def test_times_add_up_to_the_wall_time():
+    taifuse.set_backend("numpy")
+    rng = np.random.default_rng(1)
+    w = taifuse.tensor(rng.standard_normal((256, 256), dtype=np.float32), requires_grad=True)
+    x = taifuse.tensor(rng.standard_normal((512, 256), dtype=np.float32))
+    with profile(ceilings=CEILINGS) as prof, record_function("step"):
+        h = F.linear(x, w, activation="gelu")
+        F.linear(h, w).sum().backward()
+    timed = [e for e in prof.events() if e.kind != "pool"]
+    top = [e for e in timed if e.depth == 0]
+    assert [e.name for e in top] == ["step"]
+    # Self times partition the outermost events' time exactly (integer nanoseconds).
+    assert sum(e.self_ns for e in timed) == sum(e.duration_ns for e in top)
+    # The region is one range around the ops: everything but the profile's own entry and exit is
+    # inside it. Slack: at most 20% of the wall time outside it (measured: well under 1%).
+    assert 0.8 * prof.wall_ns <= top[0].duration_ns <= prof.wall_ns
+    ops = sum(e.duration_ns for e in timed if e.kind in ("op", "backward"))
+    assert 0.5 * top[0].duration_ns <= ops <= top[0].duration_ns
+
+
+def test_linear_cost_is_hand_computed():
+    taifuse.set_backend("numpy")
+    rng = np.random.default_rng(2)
+    x = taifuse.tensor(rng.standard_normal((8, 16), dtype=np.float32), requires_grad=True)
+    w = taifuse.tensor(rng.standard_normal((4, 16), dtype=np.float32), requires_grad=True)
+    b = taifuse.tensor(np.zeros(4, np.float32), requires_grad=True)
+    with profile(ceilings=CEILINGS) as prof:
+        F.linear(x, w, b).sum().backward()
+    fwd = next(e for e in prof.events() if e.name == "linear")
+    bwd = next(e for e in prof.events() if e.name == "linear_backward")
+    # Forward: read x (8x16), w (4x16), b (4), write y (8x4), float32; 2*8*16*4 flops.
+    assert fwd.cost == (4 * (128 + 64 + 4 + 32), 4 * 32, 2 * 8 * 16 * 4)
+    # Backward: read x, w, grad_out; write gx, gw, gb; two products.
+    assert bwd.cost == (4 * (128 + 64 + 32 + 128 + 64 + 4), 4 * (128 + 64 + 4), 2 * 2 * 8 * 16 * 4)
+    # The array path counts the same as the Tensor path.
+    with profile(ceilings=CEILINGS) as prof2:
+        F.linear(x.numpy(), w.numpy(), b.numpy())
+    assert next(e for e in prof2.events() if e.name == "linear").cost == fwd.cost
+
+
+def test_attention_cost_is_hand_computed():
+    taifuse.set_backend("numpy")
+    rng = np.random.default_rng(3)
+    q, k, v = (taifuse.tensor(rng.standard_normal((2, 3, 5, 4), dtype=np.float32)) for _ in range(3))
+    with profile(ceilings=CEILINGS) as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ev = next(e for e in prof.events() if e.kind == "op")
+    assert ev.name == "attention"
+    elements = 2 * 3 * 5 * 4
+    pairs = 5 * 6 // 2  # causal: query i sees keys 0..i
+    # Read q, k, v, write out; QK^T and PV: 2 products of 2*E flops per pair, per head.
+    assert ev.cost == (4 * 4 * elements, 4 * elements, 2 * 3 * 2 * 2 * 4 * pairs)
+
+
+def test_adamw_cost_is_hand_computed():
+    taifuse.set_backend("numpy")
+    p = nn.Parameter(taifuse.tensor(np.ones((10, 10), np.float32)))
+    opt = optim.AdamW([p], lr=1e-3)
+    p.grad = taifuse.tensor(np.ones((10, 10), np.float32))
+    with profile(ceilings=CEILINGS) as prof:
+        opt.step()
+    [ev] = [e for e in prof.events() if e.kind == "optimizer"]
+    # Read parameter, gradient, two float32 moments; write parameter and moments.
+    assert ev.cost == (400 * (1 + 1 + 2 + 1 + 2), 400 * (1 + 2), 0)
+
+
+def test_table_shares_rates_and_bound():
+    taifuse.set_backend("numpy")
+    x = np.ones((256, 256), np.float32)
+    with profile(ceilings=CEILINGS) as prof:
+        F.linear(x, x)
+        F.relu(np.ones(4, np.float32))
+    rows = {r.name: r for r in prof.key_averages()}
+    lin = rows["linear"]
+    assert lin.gflops == pytest.approx(2 * 256**3 / lin.total_ns)
+    # 2*256^3 flops over 4*4*65536 bytes of traffic: 32 flops/byte, past the ridge 100/50 = 2.
+    assert lin.judge(CEILINGS) == (pytest.approx(lin.gflops / 100.0), "compute")
+    # 32 bytes at 50 GB/s take 0.6 ns, under the 5 us call: overhead.
+    assert rows["relu"].judge(CEILINGS)[1] == "overhead"
+    table = prof.key_averages().table(row_limit=2)
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["Name", "Calls", "Self", "ms"]
+    assert len([line for line in lines[2:] if line and not line.startswith("-")]) == 2 + 2  # rows, footer
+    share = 100 * lin.self_ns / prof.wall_ns
+    assert f"{share:.1f}" in next(line for line in lines if line.startswith("linear"))
+    with pytest.raises(ValueError, match="sort_by"):
+        prof.key_averages().table(sort_by="nope")
+    with pytest.raises(ValueError, match="row_limit"):
+        prof.key_averages().table(row_limit=0)
+
+
+def test_group_by_input_shape():
+    taifuse.set_backend("numpy")
+    with profile(ceilings=CEILINGS) as prof:
+        F.relu(np.ones(4, np.float32))
+        F.relu(np.ones(8, np.float32))
+        F.relu(np.ones(8, np.float32))
+    counts = sorted(r.count for r in prof.key_averages(group_by_input_shape=True) if r.name == "relu")
+    assert counts == [1, 2]
+    assert [r.count for r in prof.key_averages() if r.name == "relu"] == [3]
+
+
+def test_chrome_trace_is_valid_with_a_counter_track(tmp_path):
+    taifuse.set_backend("numpy")
+    model = _mlp(np.random.default_rng(4))
+    x = taifuse.tensor(np.ones((4, 16), np.float32))
+    with profile(ceilings=CEILINGS) as prof:
+        model(x).sum().backward()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    counters = [e for e in events if e["ph"] == "C"]
+    assert {"linear", "linear_backward", "model", "model.0", "model.3"} <= {e["name"] for e in complete}
+    for e in complete:
+        assert {"name", "ts", "dur", "pid", "tid", "args"} <= set(e)
+        assert e["dur"] >= 0
+    lin = next(e for e in complete if e["name"] == "linear")
+    assert lin["args"]["shapes"][0] == [4, 16] and lin["args"]["flops"] == 2 * 4 * 16 * 32
+    assert counters and all(isinstance(e["args"]["bytes"], int) for e in counters)
+    assert len(counters) == sum(1 for e in prof.events() if e.kind == "pool")
+
+
+def test_module_ranges_enclose_their_ops():
+    taifuse.set_backend("numpy")
+    model = _mlp(np.random.default_rng(5))
+    x = taifuse.tensor(np.ones((4, 16), np.float32))
+    with profile(ceilings=CEILINGS) as prof:
+        model(x)
+    events = prof.events()
+    ranges = {e.name: e for e in events if e.kind == "range"}
+    assert list(ranges) == ["model", "model.0", "model.1", "model.2", "model.3"]
+    ops = [e for e in events if e.kind == "op"]
+    assert [e.name for e in ops] == ["linear", "linear", "relu", "linear"]
+    for op, layer in zip(ops, ["model.0", "model.1", "model.2", "model.3"]):
+        r = ranges[layer]
+        assert r.start_ns <= op.start_ns and op.end_ns <= r.end_ns
+        assert ranges["model"].start_ns <= r.start_ns and r.end_ns <= ranges["model"].end_ns
+        assert op.depth == r.depth + 1 == 2
+    # A range's self time excludes the ops inside it.
+    assert ranges["model.0"].self_ns == ranges["model.0"].duration_ns - ops[0].duration_ns
+
+
+def test_record_function_as_decorator_and_context_manager():
+    taifuse.set_backend("numpy")
+
+    @record_function("helper")
+    def helper(a):
+        return F.relu(a)
+
+    helper(np.ones(2, np.float32))  # no profiler: nothing recorded, nothing raised
+    with profile(ceilings=CEILINGS) as prof, record_function("outer"):
+        helper(np.ones(2, np.float32))
+        helper(np.ones(2, np.float32))
+    events = [e for e in prof.events() if e.kind != "pool"]
+    assert [(e.name, e.depth) for e in events] == [
+        ("outer", 0),
+        ("helper", 1),
+        ("relu", 2),
+        ("helper", 1),
+        ("relu", 2),
+    ]
+    with pytest.raises(TypeError, match="name"):
+        record_function(3)
+
+
+def test_profiles_do_not_nest():
+    taifuse.set_backend("numpy")
+    with profile(ceilings=CEILINGS), pytest.raises(RuntimeError, match="already active"):
+        profile().start()
+    assert _profile_hook.ACTIVE is None
+
+
+def test_ceilings_from_bench_results(tmp_path):
+    rows = [
+        {"kind": "roofline", "id": "roofline/copy-L2", "value": 80.0, "bytes_moved": 2**20},
+        {"kind": "roofline", "id": "roofline/copy-DRAM", "value": 20.0, "bytes_moved": 2**29},
+        {"kind": "roofline", "id": "roofline/gemm", "value": 300.0, "bytes_moved": None},
+    ]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"rows": rows}))
+    prof = profile(ceilings=path)
+    c = prof.ceilings
+    assert c.gemm_gflops == 300.0 and c.bandwidth(1000) == (80.0, 2**20) and c.bandwidth(2**25)[0] == 20.0
+    (tmp_path / "empty.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="empty.json"):
+        _ = profile(ceilings=tmp_path / "empty.json").ceilings
+    with pytest.raises(TypeError, match="ceilings"):
+        profile(ceilings=3)
+
+
+def test_costs_match_the_bench_formulas():
+    # The bench's attention case counts forward+backward as 8 arrays and 14*E flops per pair.
+    both = _costs.attention(8, 8, 512, 512, 64, causal=True, phase="both")
+    elements = 8 * 8 * 512 * 64
+    assert both == (4 * 8 * elements, 4 * 4 * elements, 14 * 64 * (512 * 513 // 2) * 64)
+    fwd, bwd = (_costs.attention(2, 2, 16, 16, 8, False, phase=p) for p in ("forward", "backward"))
+    assert fwd.flops + bwd.flops == _costs.attention_flops(2, 2, 16, 16, 8, False, backward=True)
+    assert math.isclose(_costs.traffic_bytes(*_costs.elementwise(4, 4)[:2]), 12)
+
+
+def test_cli_profiles_a_script(tmp_path, capsys):
+    from taifuse.cli import main
+
+    script = tmp_path / "tiny.py"
+    script.write_text(
+        "import sys, numpy as np, taifuse, taifuse.functional as F\n"
+        "taifuse.set_backend('numpy')\n"
+        "assert sys.argv[1:] == ['--n', '3'], sys.argv\n"
+        "assert __name__ == '__main__'\n"
+        "for _ in range(3):\n"
+        "    F.gelu(np.ones(64, np.float32))\n"
+    )
+    trace = tmp_path / "t.json"
+    saved = list(sys.argv)
+    code = main(["profile", "--trace", str(trace), "--row-limit", "5", str(script), "--n", "3"])
+    assert sys.argv == saved
+    out = capsys.readouterr().out
+    assert code == 0
+    gelu = next(line for line in out.splitlines() if line.startswith("gelu"))
+    assert gelu.split()[1] == "3"  # calls
+    assert "Profiled wall time" in out and f"wrote {trace}" in out
+    assert any(e["name"] == "gelu" for e in json.loads(trace.read_text())["traceEvents"])
+    assert main(["profile", str(tmp_path / "missing.py")]) == 2
