@@ -630,11 +630,12 @@ class TrainingMonitor:
         axes = fig.subplots(panels, 1, sharex=True)
 
         ax = axes[0]
-        ax.plot(
-            steps, [r["loss"] if math.isfinite(r["loss"]) else math.nan for r in rows], lw=1, label="loss"
-        )
+        losses = [r["loss"] if math.isfinite(r["loss"]) else math.nan for r in rows]
+        ax.plot(steps, losses, lw=0.8, alpha=0.5, label="loss")
+        ax.plot(steps, _trailing_mean(losses, self.window), lw=1.5, label=f"mean of the last {self.window}")
         ax.set_ylabel("loss")
-        ax.set_title(self.desc or "training")
+        ax.legend(loc="best", fontsize="small")
+        ax.set_title(f"{self.desc}: loss, throughput, memory" if self.desc else "loss, throughput, memory")
 
         ax = axes[1]
         unit_rates = [r[self.rate_column] for r in rows]
@@ -647,18 +648,24 @@ class TrainingMonitor:
         ax.set_ylim(bottom=0)
 
         if self.track_memory:
+            # The pool on the left axis, the process's RSS (usually far larger) on the right.
             ax = axes[2]
-            for column, label in (
-                ("pool_in_use_bytes", "pool in use"),
-                ("pool_peak_bytes", "pool peak"),
-                ("rss_bytes", "process RSS"),
+            rss_ax = ax.twinx()
+            for target, column, label, color in (
+                (ax, "pool_in_use_bytes", "pool in use", "tab:blue"),
+                (ax, "pool_peak_bytes", "pool peak", "tab:orange"),
+                (rss_ax, "rss_bytes", "process RSS (right)", "tab:green"),
             ):
                 values = [r[column] for r in rows]
                 if any(v is not None for v in values):
-                    ax.plot(steps, [math.nan if v is None else v / 2**20 for v in values], lw=1, label=label)
-            ax.set_ylabel("MiB")
+                    mib = [math.nan if v is None else v / 2**20 for v in values]
+                    target.plot(steps, mib, lw=1, label=label, color=color)
+            ax.set_ylabel("pool MiB")
+            rss_ax.set_ylabel("RSS MiB")
             ax.set_ylim(bottom=0)
-            ax.legend(loc="best", fontsize="small")
+            rss_ax.set_ylim(bottom=0)
+            lines = ax.get_lines() + rss_ax.get_lines()
+            ax.legend(lines, [line.get_label() for line in lines], loc="lower right", fontsize="small")
 
         for flag in self.flags:
             panel = axes[0] if flag.kind == "nonfinite_loss" else axes[1]
@@ -724,6 +731,23 @@ class TrainingMonitor:
             f"TrainingMonitor(total_steps={self.total_steps}, unit={self.unit!r}, "
             f"log_path={str(self.log_path) if self.log_path else None!r}, steps={self._count})"
         )
+
+
+def _trailing_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it, NaNs left out (NaN when all are)."""
+    out, recent, total, count = [], deque(), 0.0, 0
+    for v in values:
+        recent.append(v)
+        if not math.isnan(v):
+            total += v
+            count += 1
+        if len(recent) > window:
+            old = recent.popleft()
+            if not math.isnan(old):
+                total -= old
+                count -= 1
+        out.append(total / count if count else math.nan)
+    return out
 
 
 def _mib(nbytes: int | None) -> str:
