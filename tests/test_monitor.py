@@ -262,6 +262,13 @@ def test_plot_writes_a_png(tmp_path):
     assert len(data) > 10_000  # three panels of curves, not an empty canvas
 
 
+def test_the_plotted_loss_mean_leaves_out_nonfinite_steps():
+    from taifuse.monitor import _trailing_mean
+
+    got = _trailing_mean([1.0, math.nan, 3.0, 5.0, math.nan, math.nan, math.nan], 2)
+    assert got[:5] == [1.0, 1.0, 3.0, 4.0, 5.0] and math.isnan(got[5]) and math.isnan(got[6])
+
+
 def test_plot_names_the_extra_without_matplotlib(monkeypatch, tmp_path):
     monitor = _monitor()
     _run(monitor, [0.1])
