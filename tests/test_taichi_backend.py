@@ -185,13 +185,19 @@ def _every_float16(rng, n):
 
 @pytest.mark.parametrize("arch", ["cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)])
 def test_float16_arithmetic_kernels_equal_the_reference_bit_for_bit(arch):
-    # NOTE [ float16 arithmetic in the elementwise kernels ]: the float16 paths must be exactly the
-    # float64 reference rounded once, over every bit pattern; the float32 fallbacks (slope 0.01,
-    # p = 0.1) are held to the float16 tolerance.
+    # NOTE [ float16 arithmetic in the elementwise kernels ]: the float16 paths (on vulkan; ti.cpu
+    # keeps float32 arithmetic, which must give the same bits) must be exactly the float64
+    # reference rounded once, over every bit pattern; the float32 fallbacks (slope 0.01, p = 0.1)
+    # are held to the float16 tolerance.
+    from taifuse.backends.taichi.forward import _math16
+
     if arch == "vulkan":
         _vulkan_or_skip()
     else:
         tg.init("cpu")
+    on_gpu = arch != "cpu"
+    assert _math16(np.dtype(np.float16), 0.25) == on_gpu and _math16(np.dtype(np.float16)) == on_gpu
+    assert _math16(np.dtype(np.float16), 0.01) == 0 and _math16(np.dtype(np.float32)) == 0
     rng = np.random.default_rng(16)
     a, b = _every_float16(rng, 200_003), _every_float16(rng, 200_003)
     cases = [

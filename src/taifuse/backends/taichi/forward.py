@@ -82,8 +82,11 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     # float16 operands is correctly rounded, as is float32's result rounded to float16 (double
     # rounding is harmless when the wider format has at least 2p + 2 bits: 24 >= 2 * 11 + 2). A
     # multiplier that is a float32 argument (leaky_relu's slope, dropout's scale) joins the float16
-    # path only when float16 holds it exactly (``exact16``); 0.01 or 1 / 0.9 would be rounded
-    # first, so those stay on the float32 path. Kept in float32: affine (x * scale rounded before
+    # path only when float16 holds it exactly; 0.01 or 1 / 0.9 would be rounded first, so those
+    # stay on the float32 path. The float16 + and * run on the GPU archs only (``math16``): ti.cpu
+    # has no float16 arithmetic on x86 and its float16 leaky_relu measured ~8x its float32 path's
+    # time (add_relu ~1.6x); the results being the same bit for bit, the choice is only speed. Kept
+    # in float32: affine (x * scale rounded before
     # + bias loses the bias-cancelling digits a float32 product keeps), the linear epilogue (its
     # accumulator is float32, and a float16 add of the rounded sum would round twice), and every
     # transcendental (gelu, silu, sigmoid, tanh, softmax, norms, losses: float16 exp/erf polynomials
@@ -102,9 +105,9 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             out[i] = relu_t(x[i])
 
     @ti.kernel
-    def leaky_relu(x: X, out: X, n: ti.i32, slope: ti.f32, exact16: ti.i32):
+    def leaky_relu(x: X, out: X, n: ti.i32, slope: ti.f32, math16: ti.i32):
         for i in range(n):
-            if exact16 != 0:
+            if math16 != 0:
                 v = x[i]
                 out[i] = ti.select(v > ti.cast(0.0, T), v, ti.cast(slope, T) * v)
             else:
@@ -128,14 +131,20 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             out[i] = ti.cast(M.tanh(ti.cast(x[i], ti.f32)), T)
 
     @ti.kernel
-    def add_relu(a: X, b: X, out: X, n: ti.i32):
+    def add_relu(a: X, b: X, out: X, n: ti.i32, math16: ti.i32):
         for i in range(n):
-            out[i] = relu_t(a[i] + b[i])
+            if math16 != 0:
+                out[i] = relu_t(a[i] + b[i])
+            else:
+                out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) + ti.cast(b[i], ti.f32)), T)
 
     @ti.kernel
-    def mul_relu(a: X, b: X, out: X, n: ti.i32):
+    def mul_relu(a: X, b: X, out: X, n: ti.i32, math16: ti.i32):
         for i in range(n):
-            out[i] = relu_t(a[i] * b[i])
+            if math16 != 0:
+                out[i] = relu_t(a[i] * b[i])
+            else:
+                out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) * ti.cast(b[i], ti.f32)), T)
 
     @ti.kernel
     def affine(x: X, scale: X, bias: X, out: X, rows: ti.i32, cols: ti.i32):
@@ -145,10 +154,10 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             out[i] = ti.cast(v, T)
 
     @ti.kernel
-    def dropout(x: X, out: X, n: ti.i32, key: ti.u32, threshold: ti.u32, scale: ti.f32, exact16: ti.i32):
+    def dropout(x: X, out: X, n: ti.i32, key: ti.u32, threshold: ti.u32, scale: ti.f32, math16: ti.i32):
         for i in range(n):
             keep = ti.bit_shr(M.hash32(ti.cast(i, ti.u32) ^ key), 8) >= threshold
-            if exact16 != 0:  # x * 0 keeps a dropped NaN NaN, as the reference
+            if math16 != 0:  # x * 0 keeps a dropped NaN NaN, as the reference
                 out[i] = x[i] * ti.select(keep, ti.cast(scale, T), ti.cast(0.0, T))
             else:
                 out[i] = ti.cast(ti.cast(x[i], ti.f32) * ti.select(keep, scale, 0.0), T)
@@ -467,15 +476,15 @@ def relu(x: DeviceArray, out: DeviceArray) -> None:
     _k(x).relu(_nd(x), _nd(out), x.size)
 
 
-def _exact16(dtype: np.dtype, value: float) -> int:
-    """1 when ``dtype`` is float16 and float16 holds ``value`` exactly (NOTE [ float16 arithmetic
-    in the elementwise kernels ]), else 0."""
-    return int(dtype == np.float16 and float(np.float16(value)) == value)
+def _math16(dtype: np.dtype, multiplier: float = 1.0) -> int:
+    """1 when a kernel may compute in float16 (NOTE [ float16 arithmetic in the elementwise
+    kernels ]): float16 data on a GPU arch, and float16 holds ``multiplier`` exactly; else 0."""
+    return int(dtype == np.float16 and _on_gpu() and float(np.float16(multiplier)) == multiplier)
 
 
 def leaky_relu(x: DeviceArray, out: DeviceArray, negative_slope: float) -> None:
     slope = float(negative_slope)
-    _k(x).leaky_relu(_nd(x), _nd(out), x.size, slope, _exact16(x.dtype, slope))
+    _k(x).leaky_relu(_nd(x), _nd(out), x.size, slope, _math16(x.dtype, slope))
 
 
 def silu(x: DeviceArray, out: DeviceArray) -> None:
@@ -491,11 +500,11 @@ def tanh(x: DeviceArray, out: DeviceArray) -> None:
 
 
 def add_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
-    _k(a).add_relu(_nd(a), _nd(b), _nd(out), a.size)
+    _k(a).add_relu(_nd(a), _nd(b), _nd(out), a.size, _math16(a.dtype))
 
 
 def mul_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
-    _k(a).mul_relu(_nd(a), _nd(b), _nd(out), a.size)
+    _k(a).mul_relu(_nd(a), _nd(b), _nd(out), a.size, _math16(a.dtype))
 
 
 def affine(x: DeviceArray, scale: DeviceArray, bias: DeviceArray, out: DeviceArray) -> None:
@@ -609,5 +618,5 @@ def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
         reference.dropout_key(seed),
         reference.dropout_threshold(p),
         reference.dropout_scale(p),
-        _exact16(x.dtype, reference.dropout_scale(p)),
+        _math16(x.dtype, reference.dropout_scale(p)),
     )
