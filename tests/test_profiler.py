@@ -15,7 +15,7 @@ import taifuse
 import taifuse.functional as F
 from taifuse import _costs, _profile_hook, backends, nn, optim
 from taifuse.profiler import Ceilings, profile, record_function
-from taifuse.tensor import Tensor
+from taifuse.tensor import Function, Tensor
 
 # Fixed ceilings so that no test measures the machine (the bound column is tested on its own rule).
 CEILINGS = Ceilings(
@@ -35,16 +35,16 @@ def _mlp(rng: np.random.Generator) -> nn.Module:
 
 
 def _graph_nodes(root: Tensor) -> list:
-    """Every Function node of root's graph (each once)."""
-    seen, stack, nodes = set(), [root], []
+    """Every Function node of root's graph (each once). A node's parents hold the creators of its
+    non-leaf inputs (NOTE [ The graph keeps no data ] in taifuse/tensor.py)."""
+    seen, stack, nodes = set(), [root._ctx], []
     while stack:
-        t = stack.pop()
-        ctx = t._ctx
-        if ctx is None or id(ctx) in seen:
+        ctx = stack.pop()
+        if not isinstance(ctx, Function) or id(ctx) in seen:
             continue
         seen.add(id(ctx))
         nodes.append(ctx)
-        stack.extend(p for p in ctx.parents if p is not None)
+        stack.extend(ctx.parents)
     return nodes
 
 

@@ -132,7 +132,9 @@ class Function:
     owns_grads: bool = False
 
     def __init__(self) -> None:
-        self.parents: tuple[Tensor | None, ...] = ()
+        # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
+        # (NOTE [ The graph keeps no data ]).
+        self.parents: tuple[Tensor | Function | None, ...] = ()
         self.released = False
 
     @classmethod
@@ -149,7 +151,7 @@ class Function:
         data = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, arrays, kwargs)
         out = Tensor._wrap(data, be)
         if record:
-            ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)
+            ctx.parents = tuple(_graph_node(a) for a in args)
             out._ctx = ctx
             out._requires_grad = True
         return out
@@ -1103,26 +1105,49 @@ def _resolve_shape(shape: Sequence[Any], old: tuple[int, ...]) -> tuple[int, ...
 # ----------------------------------------------------------------------------- backward engine
 
 
-def _graph_order(root: Tensor) -> list[Tensor]:
-    """Non-leaf tensors reachable from ``root``, each after every tensor it was computed from.
+# NOTE [ The graph keeps no data ]
+# A node's ``parents`` hold what the backward needs of each argument, as PyTorch's edges do: a
+# leaf that requires grad (its ``.grad`` is written), the creator (``Function``) of a non-leaf
+# tensor, None for anything else. Never a non-leaf Tensor: that would keep its array alive as long
+# as the graph, although only the arrays a node saves for its backward need to live that long.
+# An intermediate that no backward reads (a residual branch's output, the float32 input of an
+# autocast cast to float16, a cast's float32 copy that an addition consumed) is then freed as soon
+# as the forward drops it, not at the end of the backward. A Tensor that is a non-leaf (a
+# checkpoint's arguments) stands for its creator.
+
+
+def _graph_node(a: Any) -> Tensor | Function | None:
+    """What a node keeps of argument ``a``: NOTE [ The graph keeps no data ]."""
+    if not isinstance(a, Tensor) or not a._requires_grad:
+        return None
+    return a if a._ctx is None else a._ctx
+
+
+def _creator(parent: Tensor | Function | None) -> Function | None:
+    return parent if isinstance(parent, Function) else None if parent is None else parent._ctx
+
+
+def _graph_order(root: Function) -> list[Function]:
+    """Nodes reachable from ``root``, each after every node that computed one of its inputs.
 
     An iterative depth-first post-order: recursion would overflow on long chains.
     """
-    order: list[Tensor] = []
+    order: list[Function] = []
     seen: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(root, False)]
+    stack: list[tuple[Function, bool]] = [(root, False)]
     while stack:
-        t, finished = stack.pop()
+        node, finished = stack.pop()
         if finished:
-            order.append(t)
+            order.append(node)
             continue
-        if id(t) in seen:
+        if id(node) in seen:
             continue
-        seen.add(id(t))
-        stack.append((t, True))
-        for p in t._ctx.parents:  # type: ignore[union-attr]
-            if p is not None and p._ctx is not None and id(p) not in seen:
-                stack.append((p, False))
+        seen.add(id(node))
+        stack.append((node, True))
+        for p in node.parents:
+            creator = _creator(p)
+            if creator is not None and id(creator) not in seen:
+                stack.append((creator, False))
     return order
 
 
@@ -1254,19 +1279,17 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
     if root._ctx is None:
         _accumulate_leaf(root, grad, m)
         return
-    order = _graph_order(root)
-    pending: dict[int, Any] = {id(root): grad}
+    order = _graph_order(root._ctx)
+    pending: dict[int, Any] = {id(root._ctx): grad}
     del root, grad
     for i in range(len(order) - 1, -1, -1):
-        # NOTE: each tensor leaves `order` as its node runs, and no local outlives its iteration,
-        # so that arrays are freed as the backward goes (a checkpoint's segment boundaries and
-        # recomputed activations, say), not when it ends. `pending` only ever holds the ids of
-        # tensors still in `order`, so ids stay unique.
-        t, order[i] = order[i], None
-        g = pending.pop(id(t), None)
-        ctx = t._ctx
-        del t
-        if g is None or ctx is None:
+        # NOTE: each node leaves `order` as it runs, and no local outlives its iteration, so that
+        # arrays are freed as the backward goes (a checkpoint's segment boundaries and recomputed
+        # activations, say), not when it ends. `pending` only ever holds the ids of nodes still in
+        # `order`, so ids stay unique.
+        ctx, order[i] = order[i], None
+        g = pending.pop(id(ctx), None)
+        if g is None:
             continue
         if ctx.released:
             raise RuntimeError(_SECOND_BACKWARD)
@@ -1278,13 +1301,14 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
         for parent, pg, needed in zip(parents, grads, ctx.needs_grad):
             if parent is None or pg is None or not needed:
                 continue
-            if parent._ctx is None:
-                _accumulate_leaf(parent, pg, m, owned=ctx.owns_grads)
-            elif id(parent) in pending:
-                pending[id(parent)] = m.add(pending[id(parent)], pg)
+            creator = _creator(parent)
+            if creator is None:
+                _accumulate_leaf(parent, pg, m, owned=ctx.owns_grads)  # type: ignore[arg-type]
+            elif id(creator) in pending:
+                pending[id(creator)] = m.add(pending[id(creator)], pg)
             else:
-                pending[id(parent)] = pg
-        g = grads = parents = parent = pg = None
+                pending[id(creator)] = pg
+        g = grads = parents = parent = creator = pg = ctx = None
 
 
 # ----------------------------------------------------------------------------- arithmetic nodes
