@@ -324,3 +324,87 @@ def test_goals_are_judged_on_the_interval():
     assert goal["status"] == "not met" and goal["detail"].startswith("skipped: examples/gpt.py not found")
     # No rows: every goal is not met, none is skipped silently.
     assert [g["status"] for g in script.goals({"rows": []})] == ["not met"] * 4
+
+
+# ----------------------------------------------------------------------------- GPT step memory under autocast
+
+SMALL_GPT = transformer.GPTSettings(
+    {"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32},
+    batch=4,
+    lr=1e-3,
+    weight_decay=0.1,
+    grad_clip=1.0,
+)
+
+
+def test_gpt_memory_case_is_registered_at_the_examples_defaults():
+    settings = transformer.example_settings()
+    for quick in (False, True):
+        (case,) = [c for c in load_cases(["transformer"], quick=quick) if "autocast" in c.name]
+        assert case.name.startswith("GPT step peak activation memory, autocast float16 vs float32(")
+        assert f"batch={settings.batch}" in case.name
+        for key, value in settings.config.items():
+            assert f"{key}={value}" in case.name
+    assert case.pairs == ((transformer.GPT_MEMORY_AUTOCAST, transformer.GPT_MEMORY_FLOAT32),)
+    # The float32 variant is the gpt case's step; the autocast one runs the same model and batch.
+    assert case.variant(transformer.GPT_MEMORY_FLOAT32).code == transformer.gpt_case(False).candidate.code
+    assert "amp.autocast()" in case.variant(transformer.GPT_MEMORY_AUTOCAST).code
+
+
+def test_gpt_memory_variants_step_the_same_model(host_backend):
+    case = transformer.gpt_memory_case(SMALL_GPT)
+    losses = {}
+    for v in case.variants:
+        call = v.build(case.setup(0))
+        losses[v.label] = [float(call().numpy()) for _ in range(2)]
+        if v.label == transformer.GPT_MEMORY_AUTOCAST:
+            # No step was skipped for an overflow: AdamW's state exists after the warm-up step, so
+            # the measured step does not allocate it.
+            assert call.__globals__["scaler"].get_scale() == 2.0**16
+        assert call.__globals__["opt"].state  # the optimizer stepped
+    f32, f16 = losses[transformer.GPT_MEMORY_FLOAT32], losses[transformer.GPT_MEMORY_AUTOCAST]
+    np.testing.assert_allclose(f16, f32, rtol=1e-2)
+
+
+def test_gpt_memory_job_measures_both_variants(host_backend):
+    case = transformer.gpt_memory_case(SMALL_GPT)
+    for v in case.variants:
+        result = case.run_job({"variant": v.label, "process": 0})
+        assert result["variant"] == v.label
+        assert result["traced_peak_bytes"] > 0 and result["pool_peak_bytes"] > 0
+
+
+def test_gpt_memory_pair_row_gives_autocasts_fraction_of_float32():
+    case = transformer.gpt_memory_case(SMALL_GPT)
+    mib = 2**20
+    runs = []
+    for i, amp in enumerate((55, 60, 58)):
+        runs.append(
+            {"variant": transformer.GPT_MEMORY_FLOAT32, "rss_peak_bytes": (100 + i) * mib, "step_ns": 1}
+        )
+        runs.append({"variant": transformer.GPT_MEMORY_AUTOCAST, "rss_peak_bytes": amp * mib, "step_ns": 1})
+    rows = {r["id"]: r for r in case.rows(runs)}
+    assert set(rows) == {
+        f"{case.id}/{transformer.GPT_MEMORY_FLOAT32}",
+        f"{case.id}/{transformer.GPT_MEMORY_AUTOCAST}",
+        f"{case.id}/{transformer.GPT_MEMORY_AUTOCAST} vs {transformer.GPT_MEMORY_FLOAT32}",
+    }
+    pair = rows[f"{case.id}/{transformer.GPT_MEMORY_AUTOCAST} vs {transformer.GPT_MEMORY_FLOAT32}"]
+    assert pair["unit"] == "x less memory" and pair["kind"] == "memory_compare"
+    ratios = [101 / 60, 100 / 55, 102 / 58]  # float32's peak over autocast's, process by process
+    assert pair["value"] == pytest.approx(sorted(ratios)[1])
+    fraction = pair["fraction"]
+    assert fraction["median"] == pytest.approx(1 / pair["value"])
+    assert fraction["low"] <= fraction["median"] <= fraction["high"]
+    assert pair["bytes"] == {
+        transformer.GPT_MEMORY_AUTOCAST: 58 * mib,
+        transformer.GPT_MEMORY_FLOAT32: 101 * mib,
+    }
+    assert "goal: at most 0.60" in pair["note"]
+
+
+def test_gpt_memory_case_without_the_example_is_one_skipped_row(tmp_path):
+    case = transformer.gpt_memory_case(path=tmp_path / "gpt.py")
+    assert case.jobs(3) == []
+    (row,) = case.rows([], None)
+    assert row["kind"] == "skipped" and row["verdict"].startswith("skipped: examples/gpt.py not found")

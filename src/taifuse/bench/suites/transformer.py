@@ -635,15 +635,117 @@ def gpt_case(
     )
 
 
+# ----------------------------------------------------------------------------- GPT step memory under autocast
+
+# NOTE [ GPT step memory under autocast ]
+# Issue 17's goal: the peak activation memory of one GPT training step under taifuse.amp.autocast
+# at most 60% of the float32 step's. Both variants are the gpt case's step at the same settings
+# and weights, measured as the attention memory rows are (suites/memory.py's measure_memory in
+# fresh processes: a warm-up step, the pool emptied, then the peak above what the process held,
+# which is the parameters, their gradients, AdamW's state and the batch). The autocast step is
+# examples/train_gpt.py's --amp step: the forward and the loss under autocast, then a GradScaler's
+# scale, backward, unscale_, clip_grad_norm_, step and update.
+GPT_MEMORY_FLOAT32 = "taifuse float32"
+GPT_MEMORY_AUTOCAST = "taifuse autocast float16"
+# Autocast's peak over float32's, at most (issue 17).
+GPT_MEMORY_GOAL = 0.60
+
+
+def _gpt_memory_variants(g: GPTSettings) -> tuple[Variant, Variant]:
+    step = _taifuse_gpt(g)
+    prepare = step.prepare + "scaler = amp.GradScaler()\n"
+    imports = (*step.imports, "taifuse.amp as amp")
+    float32 = Variant(GPT_MEMORY_FLOAT32, step.code, result="loss", prepare=prepare, imports=imports)
+    autocast = Variant(
+        GPT_MEMORY_AUTOCAST,
+        f"""
+opt.zero_grad()
+with amp.autocast():
+    _, loss = model(x, y)
+scaler.scale(loss).backward()
+scaler.unscale_(opt)
+optim.clip_grad_norm_(model.parameters(), {g.grad_clip!r})
+scaler.step(opt)
+scaler.update()
+""",
+        result="loss",
+        prepare=prepare,
+        imports=imports,
+        note="examples/train_gpt.py's --amp step: forward and loss under taifuse.amp.autocast(), "
+        "GradScaler scale, backward, unscale_, clip_grad_norm_, step, update",
+    )
+    return float32, autocast
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTMemoryCase(AttentionMemoryCase):
+    """The GPT step's peak memory, float32 against autocast (NOTE [ GPT step memory under
+    autocast ]): a row per variant and the pair row, which also gives autocast's peak as a
+    fraction of float32's (``fraction``) and both medians in bytes (``bytes``)."""
+
+    def rows(self, runs: list[dict], error: str | None = None) -> list[dict]:
+        rows = super().rows(runs, error)
+        peaks = {
+            label: [r["rss_peak_bytes"] for r in runs if r["variant"] == label and r.get("rss_peak_bytes")]
+            for label in (GPT_MEMORY_AUTOCAST, GPT_MEMORY_FLOAT32)
+        }
+        for row in rows:
+            if row["kind"] != "memory_compare" or row["value"] is None:
+                continue
+            # The pair row's value is float32's peak over autocast's: its reciprocal is the fraction.
+            fraction = {"median": 1 / row["value"], "low": 1 / row["high"], "high": 1 / row["low"]}
+            row["fraction"] = fraction
+            row["bytes"] = {label: float(np.median(v)) for label, v in peaks.items() if v}
+            row["note"] += (
+                f"; autocast's peak is {fraction['median']:.3f} of float32's "
+                f"(95% interval {fraction['low']:.3f}-{fraction['high']:.3f}; issue 17's goal: at most "
+                f"{GPT_MEMORY_GOAL:.2f}); medians "
+                + ", ".join(f"{label} {b / 2**20:.2f} MiB" for label, b in row["bytes"].items())
+            )
+        return rows
+
+
+def gpt_memory_case(
+    settings: GPTSettings | None = None, path: Path = GPT_PATH
+) -> GPTMemoryCase | SkippedCase:
+    """Peak activation memory of the GPT step (``settings``, default :func:`example_settings`),
+    autocast float16 against float32, or the skipped row without examples/gpt.py."""
+    g = settings or (example_settings() if path.is_file() else FALLBACK_GPT)
+    config = ", ".join(f"{k}={v}" for k, v in g.config.items())
+    name = f"GPT step peak activation memory, autocast float16 vs float32({config}, batch={g.batch})"
+    if not path.is_file():
+        return SkippedCase(
+            SUITE,
+            name,
+            f"examples/gpt.py not found (looked for {path})",
+            shape="examples/gpt.py's GPT (not built)",
+            setup_code=_gpt_setup_code(g.batch),
+        )
+    variants = _gpt_memory_variants(g)
+    tokens = g.batch * g.config["block_size"]
+    return GPTMemoryCase(
+        suite=SUITE,
+        name=name,
+        variants=variants,
+        pairs=((GPT_MEMORY_AUTOCAST, GPT_MEMORY_FLOAT32),),
+        setup_code=_gpt_setup_code(g.batch),
+        shape=f"examples/gpt.py's GPT ({g.source}), {tokens} tokens per step; the peak above the "
+        "parameters, gradients, AdamW state and batch",
+        setup=functools.partial(_gpt_inputs, config=g.config, batch=g.batch),
+    )
+
+
 # ----------------------------------------------------------------------------- suite
 
 
 def cases(quick: bool = False, compare_torch: bool = False) -> list:
     """Attention forward+backward and forward at issue 16's size (quick mode too), the attention
-    peak-memory case and the GPT training step."""
+    peak-memory case, the GPT step's peak memory under autocast against float32, and the GPT
+    training step."""
     return [
         attention_case(compare_torch, backward=True),
         attention_case(compare_torch, backward=False),
         attention_memory_case(),
+        gpt_memory_case(),
         gpt_case(compare_torch),
     ]
