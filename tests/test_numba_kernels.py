@@ -336,13 +336,19 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
         np.testing.assert_allclose(gr, wr, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# float16's budget in rows of the (29, 37) weight: all of it in one block, or blocks of 10 rows.
+_DTYPE_WEIGHT_ROWS = [(dtype, 29) for dtype in DTYPES] + [(np.float16, 10)]
+
+
+@pytest.mark.parametrize(("dtype", "weight_rows"), _DTYPE_WEIGHT_ROWS)
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
-def test_linear_act_both_paths(dtype, parallel, activation, force_path, monkeypatch):
+def test_linear_act_both_paths(dtype, weight_rows, parallel, activation, force_path, monkeypatch):
     force_path(parallel)
-    # A small float16 chunk forces several row chunks through the float32 scratch.
-    monkeypatch.setattr(nb_forward, "_F16_LINEAR_CHUNK_BYTES", 4 * 40 * (37 + 29))
+    # A small float16 budget forces several row chunks (40 rows) through the float32 scratch, and
+    # the weight through blocks of weight_rows rows (NOTE [ float16 products in blocks ]).
+    monkeypatch.setattr(nb_jit, "_F16_BLOCK_BYTES", 4 * weight_rows * 37)
+    monkeypatch.setattr(nb_jit, "_F16_MIN_ROWS", 40)
     x = _inputs((131, 37), dtype, scale=1.0)
     w = (_inputs((29, 37), dtype, seed=1, scale=1.0) / 6).astype(dtype)
     for b in (_inputs(29, dtype, seed=2, scale=1.0), None):
@@ -410,12 +416,21 @@ def test_out_overlapping_the_input(name):
         assert_close(out, want, np.float32, scale=10.0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# float16's budget in rows of the (549, 23) weight: the default (one chunk, the whole weight),
+# the whole weight in chunks of 23 rows, and blocks of 100 weight rows with chunks of 20 rows.
+_BACKWARD_BLOCKS = [(dtype, None) for dtype in DTYPES] + [(np.float16, 549), (np.float16, 100)]
+
+
+@pytest.mark.parametrize(("dtype", "weight_rows"), _BACKWARD_BLOCKS)
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
-def test_linear_act_backward_both_paths(dtype, activation, force_path):
+def test_linear_act_backward_both_paths(dtype, weight_rows, activation, force_path, monkeypatch):
     # The parallel epilogue works in column tiles (NOTE [ Column tiles as spans from 0 ]): two
     # whole tiles and a partial one. Each gradient matches the reference, and the parallel
     # result is bitwise the serial one (the same operations, the column sums in the same order).
+    # float16 goes through row chunks and weight blocks (NOTE [ float16 products in blocks ]).
+    if weight_rows is not None:
+        monkeypatch.setattr(nb_jit, "_F16_BLOCK_BYTES", 4 * weight_rows * 23)
+        monkeypatch.setattr(nb_jit, "_F16_MIN_ROWS", 20)
     rows, in_features, out_features = 67, 23, 2 * _COL_TILE + 37
     x = _inputs((rows, in_features), dtype, scale=1.0)
     w = _inputs((out_features, in_features), dtype, seed=1, scale=0.2)
@@ -433,6 +448,60 @@ def test_linear_act_backward_both_paths(dtype, activation, force_path):
     for serial, par, expected in zip(results[False], results[True], want):
         np.testing.assert_array_equal(par, serial)
         assert_close(serial, expected, dtype, scale=100.0)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_float16_linear_converts_blocks_not_whole_tensors(activation, monkeypatch):
+    # NOTE [ float16 products in blocks ]: with a 64 KiB budget, what the forward and the backward
+    # allocate (the pool bypassed, so that every scratch buffer is a new allocation tracemalloc
+    # sees) stays far below the float32 form of any operand: 2 MiB for w, 4 MiB for x, 8 MiB for
+    # grad_out. Converting any one of them whole, as the kernels once did, exceeds the bound.
+    import tracemalloc
+
+    from taifuse import pool
+
+    budget = 64 * 1024
+    monkeypatch.setattr(nb_jit, "_F16_BLOCK_BYTES", budget)
+    monkeypatch.setattr(nb_jit, "_F16_MIN_ROWS", 8)
+    rows, k, m = 2048, 512, 1024
+    x = _inputs((rows, k), np.float16, scale=1.0)
+    w = (_inputs((m, k), np.float16, seed=1, scale=1.0) / 20).astype(np.float16)
+    b = _inputs(m, np.float16, seed=2, scale=1.0)
+    g = _inputs((rows, m), np.float16, seed=3, scale=1.0)
+    out, pre = np.empty((rows, m), np.float16), np.empty((rows, m), np.float16)
+    grads = (np.empty_like(x), np.empty_like(w), np.empty_like(b))
+    bound = 1024 * 1024  # half of w's float32 form, the smallest of the operands'
+
+    def peak_of(call):
+        with pool.host_pool().disabled():
+            tracemalloc.start()
+            try:
+                call()
+                return tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+
+    grad_pre = np.empty_like(g)
+    calls = (
+        lambda: nb.linear_act(x, w, b, activation, out, pre=pre),
+        lambda: nb.linear_act_backward(x, w, pre, g, activation, grad_pre, *grads),
+    )
+    for call in calls:
+        call()  # compile outside the measurement
+    forward, backward = (peak_of(call) for call in calls)
+    assert forward < bound and backward < bound, (forward, backward)
+    # Still the right answer through 128 chunks and 32 weight blocks: within float16's rounding
+    # of each result (2**-11 relative) plus float32 summation, against float64. The sums run over
+    # up to 2048 terms and cancel, so the absolute part scales with the largest result.
+    wide = [a.astype(np.float64) for a in (x, w, b, g)]
+    want = np.empty((rows, m))
+    ref.linear_act(wide[0], wide[1], wide[2], None, want)
+    want_grads = (np.empty((rows, k)), np.empty((m, k)), np.empty(m))
+    wide_pre = pre.astype(np.float64)
+    ref.linear_act_backward(wide[0], wide[1], wide_pre, wide[3], activation, np.empty((rows, m)), *want_grads)
+    for got, expected in zip((pre, *grads), (want, *want_grads)):
+        atol = 2.0**-12 * np.abs(expected).max()
+        np.testing.assert_allclose(got.astype(np.float64), expected, rtol=2.0**-11, atol=atol)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu", "relu"])

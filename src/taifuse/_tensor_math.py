@@ -14,6 +14,7 @@ attribute ``TENSOR_MATH``, so that tensor data stays on the device.
 from __future__ import annotations
 
 import math
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -45,6 +46,83 @@ def _reduced_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None, keepdim
     if keepdims:
         return tuple(1 if i in axes else n for i, n in enumerate(shape))
     return tuple(n for i, n in enumerate(shape) if i not in axes)
+
+
+# float16 products: float32 BLAS on blocks converted in pooled scratch of about this many bytes
+# each (NOTE [ float16 products in blocks ] in backends/numba/_jit.py). NumPy's own float16
+# matmul is a scalar loop: (8, 256, 64) @ (8, 64, 256) took 324 ms against 3.7 ms in float32
+# BLAS, with the same result (it sums in float32 too).
+_F16_BLOCK_BYTES = 4 * 1024 * 1024
+_F16_MIN_ROWS = 64
+
+
+def _convert(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src``, float16 through the Numba backend's hardware conversions once it is loaded.
+
+    NumPy's float16 casts run in software, 20-40x slower (the note above ``_convert`` in
+    backends/numba/_jit.py). The two round identically (a signalling NaN's payload aside; tested),
+    so which one runs changes no result; the numpy backend alone, without Numba, keeps NumPy's.
+    """
+    jit = sys.modules.get("taifuse.backends.numba._jit")
+    if jit is None:
+        np.copyto(dst, src)
+    else:
+        jit._convert(dst, src)
+
+
+def _half_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a @ b for float16 ``a (..., N, K)``, ``b (..., K, M)``, summed in float32 through BLAS."""
+    n, k = a.shape[-2:]
+    m = b.shape[-1]
+    if out.size == 0 or k == 0:
+        np.matmul(a, b, out=out)  # nothing to multiply
+        return
+    if b.ndim == 2:  # every matrix of a shares b: their rows are one matrix's rows
+        _half_matmul_2d(a.reshape(-1, k), b, out.reshape(-1, m))
+        return
+    batch = out.shape[:-2]
+    per = 4 * (n * k + k * m + n * m)  # float32 bytes of one product's operands and result
+    if a.shape[:-2] == b.shape[:-2] == batch and per <= _F16_BLOCK_BYTES:
+        # Small matrices (attention's heads): as many per BLAS call as fit the budget.
+        a3, b3, o3 = a.reshape(-1, n, k), b.reshape(-1, k, m), out.reshape(-1, n, m)
+        group = min(len(a3), _F16_BLOCK_BYTES // per)
+        host = _pool.host_pool()
+        a32, b32, y32 = (host.acquire((group, *s), np.float32) for s in ((n, k), (k, m), (n, m)))
+        for g0 in range(0, len(a3), group):
+            g = min(group, len(a3) - g0)
+            _convert(a32[:g], a3[g0 : g0 + g])
+            _convert(b32[:g], b3[g0 : g0 + g])
+            np.matmul(a32[:g], b32[:g], out=y32[:g])
+            _convert(o3[g0 : g0 + g], y32[:g])
+        return
+    ab, bb = np.broadcast_to(a, (*batch, n, k)), np.broadcast_to(b, (*batch, k, m))
+    for index in np.ndindex(*batch):
+        _half_matmul_2d(ab[index], bb[index], out[index])
+
+
+def _half_matmul_2d(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a @ b for float16 matrices: rows of a in chunks, columns of b in blocks."""
+    n, k = a.shape
+    m = b.shape[1]
+    rows = max(1, min(n, max(_F16_MIN_ROWS, _F16_BLOCK_BYTES // (4 * max(k, m)))))
+    cols = max(1, min(m, _F16_BLOCK_BYTES // (4 * k)))
+    host = _pool.host_pool()
+    a32 = host.acquire((rows, k), np.float32)
+    b32 = host.acquire((k * cols,), np.float32)
+    y32 = host.acquire((rows * cols,), np.float32)
+    if cols == m:
+        _convert(b32.reshape(k, m), b)
+    for lo in range(0, n, rows):
+        hi = min(lo + rows, n)
+        _convert(a32[: hi - lo], a[lo:hi])
+        for m0 in range(0, m, cols):
+            m1 = min(m0 + cols, m)
+            bt = b32[: k * (m1 - m0)].reshape(k, m1 - m0)
+            if cols < m:  # b's block converted again for each chunk of rows
+                _convert(bt, b[:, m0:m1])
+            yt = y32[: (hi - lo) * (m1 - m0)].reshape(hi - lo, m1 - m0)
+            np.matmul(a32[: hi - lo], bt, out=yt)
+            _convert(out[lo:hi, m0:m1], yt)
 
 
 class HostMath:
@@ -111,7 +189,11 @@ class HostMath:
         if a.ndim < 2 or b.ndim < 2 or not _floating(a, b):
             return np.matmul(a, b)  # vector promotions: rare, left to NumPy
         shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
-        return np.matmul(a, b, out=_buffer(shape, np.result_type(a, b)))
+        out = _buffer(shape, np.result_type(a, b))
+        if a.dtype == b.dtype == np.float16:
+            _half_matmul(a, b, out)
+            return out
+        return np.matmul(a, b, out=out)
 
     @staticmethod
     def sum(a: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool) -> np.ndarray:
@@ -297,7 +379,10 @@ def astype(m: Any, a: Any, dtype: Any) -> Any:
     dtype = np.dtype(dtype)
     if isinstance(a, np.ndarray):
         out = _buffer(a.shape, dtype)
-        np.copyto(out, a, casting="unsafe")
+        if {a.dtype, dtype} == {np.dtype(np.float16), np.dtype(np.float32)}:
+            _convert(out, a)  # autocast's casts: the hardware conversions where Numba is loaded
+        else:
+            np.copyto(out, a, casting="unsafe")
         return out
     cast = getattr(m, "astype", None)
     if cast is not None:

@@ -31,8 +31,36 @@ from taifuse.backends._spec import Activation
 # bit view (``_bits``); ``_widen`` turns the bits into float32 with LLVM's ``fpext half`` and
 # ``_narrow`` stores with ``fptrunc`` (round to nearest even, bit-identical to NumPy's
 # ``astype(np.float16)``, checked by the tests). Both compile to the hardware conversions
-# (F16C / AVX512-FP16 on x86-64, FCVT on arm64), so no float32 copy of an array is made, except
-# in ``linear_act``, whose matrix product runs through BLAS in float32 in row chunks.
+# (F16C / AVX512-FP16 on x86-64, FCVT on arm64), so no float32 copy of an array is made; the
+# matrix products convert blocks instead (NOTE [ float16 products in blocks ]).
+
+# NOTE [ float16 products in blocks ]
+# BLAS has no float16 product, and NumPy's own float16 matmul is a scalar loop. So a float16
+# product (linear_act and its backward here; batched ``@`` in ``_tensor_math``; attention in
+# ``attention.py``) runs float32 BLAS on blocks converted in float32 scratch from the host pool,
+# never on a float32 copy of a whole operand: rows of x (and of grad_out) in chunks whose float32
+# form takes about ``_F16_BLOCK_BYTES``, the weight whole when its float32 form fits in that too,
+# else in row blocks converted again for each chunk. Results and gradients are summed in float32
+# (grad_x over the weight's blocks, grad_w over the chunks, grad_b in float64) and rounded into
+# the float16 outputs once. A weight gradient larger than the budget is summed one block of its
+# rows at a time over all the chunks, so x is converted once per block. Cost: the conversions
+# are elementwise passes over blocks that sit in cache, beside products of O(K) flops per element
+# (measured figures in docs/amp.md).
+_F16_BLOCK_BYTES = 4 * 1024 * 1024
+# The fewest rows per chunk, so that a very wide weight (a vocabulary head) still gives BLAS
+# products of useful height; its scratch then exceeds the budget, still a fraction of the whole.
+_F16_MIN_ROWS = 64
+
+
+def _f16_rows(rows: int, width: int) -> int:
+    """Rows per float16 chunk of a product whose widest float32 row has ``width`` elements."""
+    return max(1, min(rows, max(_F16_MIN_ROWS, _F16_BLOCK_BYTES // (4 * width))))
+
+
+def _f16_weight_rows(rows: int, cols: int) -> int:
+    """Rows of a ``(rows, cols)`` float16 weight per float32 block (all of them if it fits)."""
+    return max(1, min(rows, _F16_BLOCK_BYTES // (4 * cols)))
+
 
 # NOTE [ Serial and parallel kernels ]
 # Every kernel has a serial and a ``parallel=True`` variant over the same block function. A
@@ -727,3 +755,42 @@ def _readable(a: np.ndarray, out: np.ndarray) -> np.ndarray:
     if np.may_share_memory(a, out) and not _same_data(a, out):
         return a.copy()
     return a
+
+
+# ----------------------------------------------------------------------------- float16 blocks
+# NOTE: NumPy's own float16 casts (np.copyto, astype) convert in software, one element at a time:
+# over 1M elements, float16 -> float32 took 1.6-3.5 ns per element and float32 -> float16
+# 2.5-6.3 ns (fastest tenth and median of 31, shared 2-core AMD EPYC (Zen 4)), against 0.08-0.14 ns
+# for these loops, which compile to vcvtph2ps / vcvtps2ph (NOTE [ float16 storage ]). The blocks
+# of NOTE [ float16 products in blocks ] are converted here.
+
+
+@njit(**_FMA_INLINE)
+def _convert_span(src, dst):
+    for i in range(src.size):
+        dst[i] = _narrow(_widen(src[i]), dst)
+
+
+@njit(**_FMA)
+def _convert_rows(src, dst):
+    for r in range(src.shape[0]):
+        _convert_span(src[r], dst[r])
+
+
+def _convert(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` of the same shape; float16 <-> float32 through the hardware conversions."""
+    pair = {src.dtype, dst.dtype}
+    if pair != {np.dtype(np.float16), np.dtype(np.float32)} or src.size == 0:
+        np.copyto(dst, src)
+        return
+    if src.ndim > 2:  # a group of matrices (attention's heads): one at a time
+        for i in range(src.shape[0]):
+            _convert(dst[i], src[i])
+        return
+    if src.ndim < 2:
+        src, dst = src.reshape(1, -1), dst.reshape(1, -1)
+    if not src.flags.c_contiguous:
+        # Loops over rows of a strided source did not vectorize (1.1 against 0.07 ns per element):
+        # gather the block first, a same-dtype copy.
+        src = np.ascontiguousarray(src)
+    _convert_rows(_bits(src), _bits(dst))

@@ -54,7 +54,7 @@ from threadpoolctl import ThreadpoolController
 
 from taifuse import pool
 from taifuse.backends._host import compute_dtype
-from taifuse.backends.numba._jit import _FMA, _FMA_REDUCE, _exp_neg, _maxnum
+from taifuse.backends.numba._jit import _FMA, _FMA_REDUCE, _convert, _exp_neg, _maxnum
 from taifuse.backends.reference.forward import dropout_key, dropout_scale, dropout_threshold
 
 _BLOCK_Q = 64  # query rows per block
@@ -222,7 +222,7 @@ def _widened(a: np.ndarray, dtype: np.dtype, buf: np.ndarray | None) -> np.ndarr
     if a.dtype == dtype:
         return a
     c = _block(buf, *a.shape)
-    np.copyto(c, a)
+    _convert(c, a)  # the hardware conversions, not NumPy's (the note above _convert)
     return c
 
 
@@ -304,7 +304,7 @@ def attention(
         np.matmul(sc, vb, out=o)
         _scale_rows(o, inv)
         if half:
-            np.copyto(out[h0:h1, q0:q1], o)
+            _convert(out[h0:h1, q0:q1], o)
 
     _run(task, items, workers)
     if lc is not lse:
@@ -382,6 +382,6 @@ def attention_backward(
             dk[:, :sn] += t
         for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq, dk, dv), own):
             if grad is not None and o:
-                np.copyto(grad[h0:h1], acc)
+                _convert(grad[h0:h1], acc)
 
     _run(task, groups, workers)

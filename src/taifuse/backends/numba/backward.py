@@ -459,21 +459,17 @@ def linear_act_backward(
 ) -> None:
     """One fused pass (grad_pre = grad_out * act'(pre), grad_b = its column sums), then two BLAS products.
 
-    float16: grad_pre is formed in float32 scratch and the products run in float32 on float32
-    copies of ``x`` and ``w`` (float16 is storage only), all from the host pool. With
-    ``activation=None`` grad_pre is grad_out itself and ``grad_pre`` is left untouched.
+    float16: grad_pre is formed in float32 a row chunk at a time and the products run in float32
+    on blocks of ``x`` and ``w`` converted in scratch from the host pool (NOTE [ float16 products
+    in blocks ]), and ``grad_pre`` is not written. With ``activation=None`` grad_pre is grad_out
+    itself and ``grad_pre`` is left untouched.
     """
     op = int(activation_code(activation))
-    half = x.dtype == np.float16
+    if x.dtype == np.float16:
+        _linear_backward_half(x, w, pre, grad_out, op, grad_x, grad_w, grad_b)
+        return
     gp = grad_pre
-    if half:
-        # The float32 scratch goes back to the pool when this call drops it (NOTE [ Buffer
-        # ownership ] in pool.py).
-        scratch = pool.host_pool()
-        gp = scratch.acquire(grad_out.shape, np.float32)
-        if op == _IDENTITY:
-            np.copyto(gp, grad_out)
-    elif op == _IDENTITY:
+    if op == _IDENTITY:
         gp = grad_out
     par = _jit._epilogue_parallel(grad_out.size)  # NOTE [ Serial epilogue between BLAS calls ] in _jit.py
     if op != _IDENTITY:
@@ -481,20 +477,108 @@ def linear_act_backward(
         epilogue(_bits(pre), _bits(grad_out), op, gp, None if grad_b is None else _bits(grad_b))
     elif grad_b is not None:
         (_bias_grad_parallel if par else _bias_grad_serial)(_bits(grad_out), _bits(grad_b))
-    if half:
-        if grad_x is not None:
-            w32 = scratch.acquire(w.shape, np.float32)
-            np.copyto(w32, w)
-            np.copyto(grad_x, np.matmul(gp, w32, out=scratch.acquire(grad_x.shape, np.float32)))
-        if grad_w is not None:
-            x32 = scratch.acquire(x.shape, np.float32)
-            np.copyto(x32, x)
-            np.copyto(grad_w, np.matmul(gp.T, x32, out=scratch.acquire(grad_w.shape, np.float32)))
-        return
     if grad_x is not None:
         np.matmul(gp, w, out=grad_x)
     if grad_w is not None:
         np.matmul(gp.T, x, out=grad_w)
+
+
+def _grad_pre_chunk(pre, grad_out, op, gp, gb) -> None:
+    """gp = grad_out * act'(pre) in float32 and, unless ``gb`` is None, gb = its float64 column sums."""
+    par = _jit._epilogue_parallel(grad_out.size)  # NOTE [ Serial epilogue between BLAS calls ] in _jit.py
+    if op != _IDENTITY:
+        epilogue = _linear_epilogue_parallel if par else _linear_epilogue_serial
+        epilogue(_bits(pre), _bits(grad_out), op, gp, gb)
+        return
+    _jit._convert(gp, grad_out)
+    if gb is not None:
+        (_bias_grad_parallel if par else _bias_grad_serial)(_bits(grad_out), gb)
+
+
+def _linear_backward_half(x, w, pre, grad_out, op, grad_x, grad_w, grad_b) -> None:
+    """linear_act_backward for float16 storage, in blocks (NOTE [ float16 products in blocks ])."""
+    rows, k = x.shape
+    m = w.shape[0]
+    # The scratch goes back to the pool when this call drops it (NOTE [ Buffer ownership ]).
+    scratch = pool.host_pool()
+    chunk = _jit._f16_rows(rows, max(k, m))
+    wrows = _jit._f16_weight_rows(m, k)
+    whole = wrows == m  # the weight (and grad_w's float32 sum) fits the budget in one block
+    gp = scratch.acquire((chunk, m), np.float32)
+    gb = None if grad_b is None else scratch.acquire((m,), np.float64, zero=True)
+    gb_chunk = None if grad_b is None else scratch.acquire((m,), np.float64)
+    x32 = scratch.acquire((chunk, k), np.float32) if grad_w is not None else None
+    if grad_x is not None:
+        w32 = scratch.acquire((wrows, k), np.float32)
+        gx = scratch.acquire((chunk, k), np.float32)
+        gx_part = None if whole else scratch.acquire((chunk, k), np.float32)
+        if whole:
+            _jit._convert(w32, w)
+    if grad_w is not None and whole:
+        gw = scratch.acquire((m, k), np.float32)
+        gw_part = scratch.acquire((m, k), np.float32)
+    for lo in range(0, rows, chunk):
+        hi = min(lo + chunk, rows)
+        n = hi - lo
+        g = gp[:n]
+        _grad_pre_chunk(None if pre is None else pre[lo:hi], grad_out[lo:hi], op, g, gb_chunk)
+        if gb is not None:
+            gb += gb_chunk
+        if grad_x is not None:
+            if whole:
+                np.matmul(g, w32, out=gx[:n])
+            else:  # grad_x's rows summed over the weight's blocks
+                for m0 in range(0, m, wrows):
+                    m1 = min(m0 + wrows, m)
+                    _jit._convert(w32[: m1 - m0], w[m0:m1])
+                    np.matmul(g[:, m0:m1], w32[: m1 - m0], out=gx[:n] if m0 == 0 else gx_part[:n])
+                    if m0:
+                        gx[:n] += gx_part[:n]
+            _jit._convert(grad_x[lo:hi], gx[:n])
+        if grad_w is not None and whole:
+            _jit._convert(x32[:n], x[lo:hi])
+            np.matmul(g.T, x32[:n], out=gw if lo == 0 else gw_part)
+            if lo:
+                gw += gw_part
+    if grad_w is not None:
+        if whole:
+            _jit._convert(grad_w, gw)
+        else:
+            _weight_grad_half_blocks(x, pre, grad_out, op, grad_w, wrows, chunk, gp, x32)
+    if grad_b is not None:
+        np.copyto(grad_b, gb)
+
+
+def _weight_grad_half_blocks(x, pre, grad_out, op, grad_w, wrows, chunk, gp, x32) -> None:
+    """grad_w for a float16 weight larger than the budget: one block of its rows at a time, summed
+    in float32 over all the chunks (NOTE [ float16 products in blocks ])."""
+    rows, k = x.shape
+    m = grad_w.shape[0]
+    scratch = pool.host_pool()
+    gw = scratch.acquire((wrows, k), np.float32)
+    gw_part = scratch.acquire((wrows, k), np.float32)
+    # A tile of pre and grad_out is gathered contiguous (float16, half the size of gp's tile) so
+    # that the epilogue kernels see the layout they were compiled for.
+    tiles = [None if a is None else scratch.acquire((chunk * wrows,), np.float16) for a in (pre, grad_out)]
+    for m0 in range(0, m, wrows):
+        m1 = min(m0 + wrows, m)
+        mm = m1 - m0
+        for lo in range(0, rows, chunk):
+            hi = min(lo + chunk, rows)
+            n = hi - lo
+            parts = []
+            for a, t in zip((pre, grad_out), tiles):
+                if a is not None:
+                    t = t[: n * mm].reshape(n, mm)
+                    np.copyto(t, a[lo:hi, m0:m1])
+                parts.append(t)
+            g = gp.reshape(-1)[: n * mm].reshape(n, mm)
+            _grad_pre_chunk(parts[0], parts[1], op, g, None)
+            _jit._convert(x32[:n], x[lo:hi])
+            np.matmul(g.T, x32[:n], out=gw[:mm] if lo == 0 else gw_part[:mm])
+            if lo:
+                gw[:mm] += gw_part[:mm]
+        _jit._convert(grad_w[m0:m1], gw[:mm])
 
 
 # ----------------------------------------------------------------------------- softmax backward
