@@ -42,7 +42,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +75,7 @@ COPY_WORKING_SETS = tuple(2**p for p in range(18, 29, 2))  # 256 KiB .. 256 MiB
 # ----------------------------------------------------------------------------- events
 
 
-@dataclass
+@dataclass(slots=True)
 class ProfilerEvent:
     """One recorded call.
 
@@ -104,8 +104,6 @@ class ProfilerEvent:
     cost: Cost | None = None
     depth: int = 0
     pool_bytes_in_use: int | None = None
-    _signature: Any = field(default=None, repr=False)
-    _child_ns: int = field(default=0, repr=False)
 
     @property
     def end_ns(self) -> int:
@@ -267,19 +265,43 @@ def _arrays_bytes(values: Any) -> int:
     return _nbytes(tuple(values.shape), values.dtype) if _is_array(values) else 0
 
 
-def _signature(args: tuple, kwargs: dict) -> tuple:
-    """(shapes, dtypes, scalars) of a call: arrays by shape and dtype, small values as they are."""
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _raw_signature(args: tuple) -> tuple:
+    # What a hook keeps of a call, cheaply: (shape, dtype) per array, the value of a small scalar
+    # (an activation name, is_causal), None for anything else. _split makes the signature of it.
+    return tuple(
+        (v.shape, v.dtype)
+        if hasattr(v, "dtype") and hasattr(v, "shape")
+        else (v if type(v) in _SCALARS else None)
+        for v in args
+    )
+
+
+def _raw_bytes(raw: tuple) -> int:
+    """Bytes of the arrays in a raw signature (a result, or a tuple of gradients)."""
+    return sum(_nbytes(tuple(item[0]), item[1]) for item in raw if type(item) is tuple)
+
+
+def _split(raw: tuple) -> tuple:
+    """(shapes, dtypes, scalars) of a call from :func:`_raw_signature`."""
     shapes, dtypes, scalars = [], [], []
-    for v in (*args, *kwargs.values()):
-        if _is_array(v):
-            shapes.append(tuple(v.shape))
-            dtypes.append(str(v.dtype))
+    for item in raw:
+        if type(item) is tuple:
+            shapes.append(tuple(item[0]))
+            dtypes.append(item[1])
             scalars.append(None)
         else:
             shapes.append(None)
             dtypes.append(None)
-            scalars.append(v if isinstance(v, (bool, int, float, str, type(None))) else None)
+            scalars.append(item)
     return tuple(shapes), tuple(dtypes), tuple(scalars)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """(shapes, dtypes, scalars) of a call: arrays by shape and dtype, small values as they are."""
+    return _split(_raw_signature((*args, *kwargs.values())))
 
 
 _ARRAY_PARAMS: dict[str, list[str]] = {}
@@ -358,11 +380,25 @@ def _op_cost(name: str, sig: tuple, phase: str, out_bytes: int, needs_grad: tupl
     return _costs.elementwise(read, out_bytes)
 
 
+def _cost_of(name: str, phase: str, sig: tuple, out_bytes: int, needs_grad: tuple, grad_bytes: int) -> Cost:
+    """An op event's cost from what its hook kept (``_pending``); a backward without a formula
+    of its own reads the output's gradient and the forward's inputs and writes the gradients."""
+    if phase == "forward":
+        return _op_cost(name, sig, "forward", out_bytes)
+    op = name.removesuffix("_backward")
+    base = _op_cost(op, sig, "backward", 0, needs_grad)
+    if op in ("linear", "attention", "matmul"):
+        return base
+    return _costs.elementwise(base.bytes_moved + grad_bytes, out_bytes)
+
+
 def _state_bytes(state: Any) -> int:
     return sum(_arrays_bytes(v) for v in state if _is_array(v))
 
 
 # ----------------------------------------------------------------------------- the profiler
+
+_NO_BACKEND = ("", "", None)  # a range: no backend of its own, no device wait at its start
 
 
 class profile:
@@ -422,6 +458,10 @@ class profile:
         self._backends: dict[int, tuple[str, str, Callable | None]] = {}
         self._module_names: dict[int, tuple[Any, str]] = {}
         self._roots = 0
+        self._pool_raw: list[tuple] = []
+        self._raw: list[list] = []  # NOTE [ Raw records ]
+        self._done = 0
+        self._range_sync: Callable | None = None
 
     # -- lifetime
 
@@ -436,23 +476,54 @@ class profile:
         if _profile_hook.ACTIVE is not None:
             raise RuntimeError("profile: another taifuse profiler is already active (profiles do not nest)")
         self._tid = threading.get_ident()
-        self._sync_active()
+        # A range waits for the active backend's device at its end, so that it encloses its kernels.
+        self._range_sync = getattr(backends.active(), "sync", None) if self.sync else None
+        if self._range_sync is not None:
+            self._range_sync()
         self._t0 = time.perf_counter_ns()
         _profile_hook.ACTIVE = self
 
     def stop(self) -> None:
         if _profile_hook.ACTIVE is self:
-            self._sync_active()
+            if self._range_sync is not None:
+                self._range_sync()
             self.wall_ns = time.perf_counter_ns() - self._t0
             _profile_hook.ACTIVE = None
             self._module_names.clear()
 
-    def _sync_active(self) -> None:
-        if self.sync:
-            be = backends.active()
-            sync = getattr(be, "sync", None)
-            if sync is not None:
-                sync()
+    # NOTE [ Raw records ]
+    # The hooks keep each call as a short list (name, kind, backend info, start, time of the events
+    # inside it, depth, raw signature, module flag, what its cost needs, duration) and the pool's
+    # acquisitions as tuples; the ProfilerEvents, their costs and dtype names are made from them
+    # when the results are first read (events(), key_averages(), export_chrome_trace()), so that a
+    # profiled step holds as little of the profiler's own work as possible.
+
+    def _materialize(self) -> list[ProfilerEvent]:
+        for r in self._raw[self._done :]:
+            info, sig = r[2], r[6]
+            ev = ProfilerEvent(r[0], r[1], info[0], info[1], r[3], r[9], r[9] - r[4], depth=r[5])
+            split = _split(sig) if sig is not None else None
+            if split is not None and self.record_shapes:
+                ev.shapes, ev.dtypes = split[0], tuple(None if d is None else str(d) for d in split[1])
+            pending = r[8]
+            if type(pending) is Cost:
+                ev.cost = pending
+            elif pending is not None:
+                phase, out_raw, needs_grad, grad_raw, forward_sig = pending
+                op_sig = split if forward_sig is None else _split(forward_sig)
+                out_bytes = _raw_bytes(out_raw)
+                grad_bytes = 0 if grad_raw is None else _raw_bytes(grad_raw)
+                ev.cost = _cost_of(r[0], phase, op_sig, out_bytes, tuple(needs_grad), grad_bytes)
+            self._events.append(ev)
+        self._done = len(self._raw)
+        for now, on_host, shape, dtype, in_use, depth in self._pool_raw:
+            ev = ProfilerEvent("pool.acquire", "pool", "host" if on_host else "device", "", now, depth=depth)
+            if self.record_shapes:
+                ev.shapes, ev.dtypes = (tuple(shape),), (str(dtype),)
+            ev.pool_bytes_in_use, ev.cost = in_use, Cost(0, 0, 0)
+            self._events.append(ev)
+        self._pool_raw.clear()
+        return self._events
 
     # -- recording (called by the hooks: NOTE [ Profiler hooks ] in taifuse/_profile_hook.py)
 
@@ -465,162 +536,180 @@ class profile:
             info = self._backends[id(be)] = (name, str(arch), sync)
         return info
 
-    def _open(self, name: str, kind: str, be: ModuleType | None, sig: tuple | None) -> ProfilerEvent:
-        backend, arch, sync = self._backend(be) if be is not None else ("", "", None)
+    def _open(self, name: str, kind: str, info: tuple, sig: tuple | None, module: bool = False) -> list:
+        sync = info[2]
         if sync is not None:
             sync()
-        ev = ProfilerEvent(name, kind, backend, arch, 0, depth=len(self._stack), _signature=sig)
-        if sig is not None and self.record_shapes:
-            ev.shapes, ev.dtypes = sig[0], sig[1]
-        self._stack.append(ev)
-        ev.start_ns = time.perf_counter_ns() - self._t0
-        return ev
+        r = [name, kind, info, 0, 0, len(self._stack), sig, module, None, 0]
+        self._stack.append(r)
+        r[3] = time.perf_counter_ns() - self._t0
+        return r
 
-    def _close(self, ev: ProfilerEvent) -> None:
-        end = time.perf_counter_ns() - self._t0
-        ev.duration_ns = end - ev.start_ns
-        ev.self_ns = ev.duration_ns - ev._child_ns
-        self._stack.pop()
-        if self._stack:
-            self._stack[-1]._child_ns += ev.duration_ns
-        self._events.append(ev)
-
-    def _sync_after(self, ev: ProfilerEvent) -> None:
-        for name, _, sync in self._backends.values():
-            if name == ev.backend and sync is not None:
-                sync()
-                return
+    def _close(self, r: list, sync: Callable | None) -> None:
+        if sync is not None:
+            sync()
+        r[9] = dur = time.perf_counter_ns() - self._t0 - r[3]
+        stack = self._stack
+        stack.pop()
+        if stack:
+            stack[-1][4] += dur
+        self._raw.append(r)
 
     def _mine(self) -> bool:
         return threading.get_ident() == self._tid
 
+    # NOTE: forward, backward and module inline _open and _close: they run once per op or module
+    # call of a profiled step, and every Python call there is the step's time (goal: at most 10%).
+
     def forward(self, ctx: Any, arrays: tuple, kwargs: dict) -> Any:
-        if not self._mine():
+        if threading.get_ident() != self._tid:
             return ctx.forward(*arrays, **kwargs)
-        name = _op_name(type(ctx))
-        sig = _signature(arrays, kwargs)
-        ctx._profile_signature = sig
-        ev = self._open(name, "op", ctx.be, sig)
+        info = self._backends.get(id(ctx.be)) or self._backend(ctx.be)
+        sig = ctx._profile_signature = _raw_signature((*arrays, *kwargs.values()) if kwargs else arrays)
+        stack, sync = self._stack, info[2]
+        if sync is not None:
+            sync()
+        r = [_op_name(type(ctx)), "op", info, 0, 0, len(stack), sig, False, None, 0]
+        stack.append(r)
         self._in_op += 1
+        r[3] = start = time.perf_counter_ns()
         try:
             out = ctx.forward(*arrays, **kwargs)
         finally:
+            if sync is not None:
+                sync()
+            r[9] = dur = time.perf_counter_ns() - start
             self._in_op -= 1
-            self._sync_after(ev)
-            self._close(ev)
-        ev.cost = _op_cost(name, sig, "forward", _arrays_bytes(out))
+            stack.pop()
+            if stack:
+                stack[-1][4] += dur
+            r[3] = start - self._t0
+            self._raw.append(r)
+        r[8] = ("forward", _raw_signature((out,)), (), None, None)
         return out
 
     def backward(self, ctx: Any, grad: Any) -> tuple:
-        if not self._mine():
+        if threading.get_ident() != self._tid:
             return ctx.backward(grad)
-        name = _op_name(type(ctx))
-        forward_sig = getattr(ctx, "_profile_signature", None) or ((), (), ())
-        ev = self._open(name + "_backward", "backward", ctx.be, _signature((grad,), {}))
+        info = self._backends.get(id(ctx.be)) or self._backend(ctx.be)
+        stack, sync = self._stack, info[2]
+        if sync is not None:
+            sync()
+        r = [_op_name(type(ctx)) + "_backward", "backward", info, 0, 0, len(stack), None, False, None, 0]
+        stack.append(r)
         self._in_op += 1
+        r[3] = start = time.perf_counter_ns()
         try:
             grads = ctx.backward(grad)
         finally:
+            if sync is not None:
+                sync()
+            r[9] = dur = time.perf_counter_ns() - start
             self._in_op -= 1
-            self._sync_after(ev)
-            self._close(ev)
-        written = _arrays_bytes(tuple(g for g in grads if g is not None))
-        base = _op_cost(name, forward_sig, "backward", 0, tuple(ctx.needs_grad))
-        if name in ("linear", "attention", "matmul"):
-            ev.cost = base
-        else:  # read the output's gradient and the forward's inputs, write the gradients
-            read = base.bytes_moved + _arrays_bytes(grad)
-            ev.cost = _costs.elementwise(read, written)
+            stack.pop()
+            if stack:
+                stack[-1][4] += dur
+            r[3] = start - self._t0
+            self._raw.append(r)
+        r[6] = _raw_signature((grad,))
+        r[8] = (
+            "backward",
+            _raw_signature(grads),
+            ctx.needs_grad,
+            r[6],
+            getattr(ctx, "_profile_signature", ()),
+        )
         return grads
 
     def array_op(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if self._in_op or not self._mine():  # inside an autograd op: recorded there
+        if self._in_op or threading.get_ident() != self._tid:  # inside an autograd op: recorded there
             return fn(*args, **kwargs)
         be = backends.active()
-        sig = _signature(*_bind(fn, args, kwargs))
-        ev = self._open(name, "op", be, sig)
+        info = self._backends.get(id(be)) or self._backend(be)
+        r = self._open(name, "op", info, _raw_signature(_bind(fn, args, kwargs)[0]))
         self._in_op += 1
         try:
             out = fn(*args, **kwargs)
         finally:
             self._in_op -= 1
-            self._sync_after(ev)
-            self._close(ev)
-        ev.cost = _op_cost(name, sig, "forward", _arrays_bytes(out))
+            self._close(r, info[2])
+        r[8] = ("forward", _raw_signature((out,)), (), None, None)
         return out
 
     def step(self, optimizer: Any, update: Callable, args: tuple) -> Any:
-        if not self._mine():
+        if threading.get_ident() != self._tid:
             return update(*args)
         be, param, grad, state, _ = args
-        ev = self._open(f"{type(optimizer).__name__}.step", "optimizer", be, _signature((param, grad), {}))
+        info = self._backends.get(id(be)) or self._backend(be)
+        r = self._open(f"{type(optimizer).__name__}.step", "optimizer", info, _raw_signature((param, grad)))
         self._in_op += 1
         try:
             new = update(*args)
         finally:
             self._in_op -= 1
-            self._sync_after(ev)
-            self._close(ev)
-        ev.cost = _costs.optimizer_step(_arrays_bytes(param), _arrays_bytes(grad), _state_bytes(state))
+            self._close(r, info[2])
+        r[8] = _costs.optimizer_step(_arrays_bytes(param), _arrays_bytes(grad), _state_bytes(state))
         return new
 
     def acquired(self, pool: Any, out: Any, nbytes: int) -> Any:
-        if not self.profile_memory or not self._mine():
-            return out
-        now = time.perf_counter_ns() - self._t0
-        ev = ProfilerEvent(
-            "pool.acquire",
-            "pool",
-            "host" if pool._on_host else "device",
-            "",
-            now,
-            shapes=(tuple(out.shape),) if self.record_shapes else (),
-            dtypes=(str(out.dtype),) if self.record_shapes else (),
-            depth=len(self._stack),
-            pool_bytes_in_use=pool._bytes_in_use,
-            cost=Cost(0, 0, 0),
-        )
-        self._events.append(ev)
+        if self.profile_memory and threading.get_ident() == self._tid:
+            now = time.perf_counter_ns() - self._t0
+            self._pool_raw.append(
+                (now, pool._on_host, out.shape, out.dtype, pool._bytes_in_use, len(self._stack))
+            )
         return out
 
     def module(self, mod: Any, args: tuple, kwargs: dict) -> Any:
-        if not self._mine():
+        if threading.get_ident() != self._tid:
             return mod.forward(*args, **kwargs)
-        with self.range(self._module_name(mod)):
+        known = self._module_names.get(id(mod))
+        name = known[1] if known is not None and known[0] is mod else self._module_name(mod)
+        stack = self._stack
+        r = [name, "range", _NO_BACKEND, 0, 0, len(stack), None, True, None, 0]
+        stack.append(r)
+        r[3] = start = time.perf_counter_ns()
+        try:
             return mod.forward(*args, **kwargs)
+        finally:
+            if self._range_sync is not None:
+                self._range_sync()
+            r[9] = dur = time.perf_counter_ns() - start
+            stack.pop()
+            if stack:
+                stack[-1][4] += dur
+            r[3] = start - self._t0
+            self._raw.append(r)
 
     def _module_name(self, mod: Any) -> str:
-        known = self._module_names.get(id(mod))
-        if known is not None and known[0] is mod:
-            return known[1]
-        parent = next(
-            (e.name for e in reversed(self._stack) if e.kind == "range" and e._signature == "module"), None
-        )
+        parent = next((r[0] for r in reversed(self._stack) if r[1] == "range" and r[7]), None)
         if parent is None:  # a root: name it and everything under it from named_modules
             prefix = "model" if self._roots == 0 else f"model{self._roots}"
             self._roots += 1
             for name, sub in mod.named_modules(prefix):
                 self._module_names.setdefault(id(sub), (sub, name))
+            known = self._module_names[id(mod)]
+            if known[0] is mod:
+                return known[1]
+            self._module_names[id(mod)] = (mod, prefix)
             return prefix
         name = f"{parent}.{type(mod).__name__}"  # a module outside the root's tree
         self._module_names[id(mod)] = (mod, name)
         return name
 
     @contextlib.contextmanager
-    def range(self, name: str, module: bool = True) -> Iterator[None]:
-        """A range named ``name`` around the block (a module's call; :func:`record_function`)."""
-        ev = self._open(name, "range", None, "module" if module else None)
+    def range(self, name: str) -> Iterator[None]:
+        """A range named ``name`` around the block (:func:`record_function`)."""
+        r = self._open(name, "range", _NO_BACKEND, None)
         try:
             yield
         finally:
-            self._sync_active()
-            self._close(ev)
+            self._close(r, self._range_sync)
 
     # -- results
 
     def events(self) -> list[ProfilerEvent]:
         """Every recorded event, in the order they started (a range before the ops inside it)."""
-        return sorted(self._events, key=lambda e: (e.start_ns, e.depth))
+        return sorted(self._materialize(), key=lambda e: (e.start_ns, e.depth))
 
     @property
     def ceilings(self) -> Ceilings:
@@ -639,7 +728,7 @@ class profile:
         if group_by_input_shape and not self.record_shapes:
             raise ValueError("key_averages: group_by_input_shape=True needs profile(record_shapes=True)")
         groups: dict[tuple, EventAverage] = {}
-        for ev in sorted(self._events, key=lambda e: e.start_ns):
+        for ev in sorted(self._materialize(), key=lambda e: e.start_ns):
             key = (ev.name, ev.kind, ev.shapes if group_by_input_shape else None)
             avg = groups.get(key)
             if avg is None:
@@ -658,7 +747,7 @@ class profile:
         trace: list[dict] = [
             {"name": "process_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": "taifuse"}},
         ]
-        for ev in sorted(self._events, key=lambda e: (e.start_ns, -e.duration_ns)):
+        for ev in sorted(self._materialize(), key=lambda e: (e.start_ns, -e.duration_ns)):
             if ev.kind == "pool":
                 trace.append(
                     {
@@ -896,7 +985,7 @@ class record_function(contextlib.ContextDecorator):
     def __enter__(self) -> Self:
         rec = _profile_hook.ACTIVE
         if rec is not None and rec._mine():
-            cm = rec.range(self.name, module=False)
+            cm = rec.range(self.name)
             cm.__enter__()
             self._ranges.append(cm)
         else:

@@ -19,6 +19,7 @@ SUITES = {
     "training": "taifuse.bench.suites.training",
     "pool": "taifuse.bench.suites.pool",
     "transformer": "taifuse.bench.suites.transformer",
+    "profiler": "taifuse.bench.suites.profiler",
 }
 
 

@@ -1,0 +1,60 @@
+"""The profiler suite's baseline: the hooked functions rebuilt without their hook lines."""
+
+from __future__ import annotations
+
+import dis
+import importlib
+
+import numpy as np
+import pytest
+
+import taifuse
+from taifuse import _array_ops, backends, pool
+from taifuse.bench.suites import profiler as suite
+from taifuse.nn import module
+from taifuse.optim import optimizer
+
+tensor = importlib.import_module("taifuse.tensor")  # the module (taifuse.tensor is also a function)
+
+
+def _reads_active(fn) -> bool:
+    return any(ins.argval == "ACTIVE" for ins in dis.get_instructions(fn))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [tensor.Function.apply.__func__, tensor._run_backward, pool.BufferPool.acquire, module.Module.__call__,
+     optimizer.Optimizer.step],
+    ids=lambda f: f.__qualname__,
+)  # fmt: skip
+def test_strip_hooks_removes_the_hook_and_nothing_else(fn):
+    assert _reads_active(fn)
+    stripped = suite.strip_hooks(fn)
+    assert not _reads_active(stripped)
+    assert stripped.__name__ == fn.__name__ and stripped.__globals__ is fn.__globals__
+    with pytest.raises(ValueError, match="no profiler hook"):
+        suite.strip_hooks(tensor.is_grad_enabled)
+
+
+def test_hook_switch_swaps_every_hooked_function_and_back():
+    switch = suite.hook_switch()
+    try:
+        switch.use(False)
+        assert not _reads_active(tensor.Function.__dict__["apply"].__func__)
+        assert not _reads_active(tensor._run_backward)
+        assert all(not hasattr(getattr(_array_ops, n), "__wrapped__") for n in _array_ops.PROFILED_OPS)
+    finally:
+        switch.use(True)
+    assert _reads_active(tensor.Function.__dict__["apply"].__func__)
+    assert all(hasattr(getattr(_array_ops, n), "__wrapped__") for n in _array_ops.PROFILED_OPS)
+
+
+def test_both_variants_compute_the_same_step():
+    with backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        for case in suite.cases():
+            inputs = case.setup(0)
+            got = case.candidate.build(inputs)().numpy()
+            want = case.baselines[0].build(inputs)().numpy()
+            np.testing.assert_array_equal(got, want)
+        suite.hook_switch().use(True)
