@@ -133,6 +133,18 @@ def test_linear_cost_is_hand_computed():
     assert next(e for e in prof2.events() if e.name == "linear").cost == fwd.cost
 
 
+def test_a_passed_through_gradient_costs_nothing():
+    taifuse.set_backend("numpy")
+    a = taifuse.tensor(np.ones((4, 8), np.float32), requires_grad=True)
+    b = taifuse.tensor(np.ones((4, 8), np.float32), requires_grad=True)
+    with profile(ceilings=CEILINGS) as prof:
+        (a * b + a).sum().backward()
+    costs = {e.name: e.cost for e in prof.events() if e.kind == "backward"}
+    assert costs["add_backward"] == (0, 0, 0)  # add hands its gradient on as it came
+    # mul reads the gradient and both inputs, writes both gradients.
+    assert costs["mul_backward"] == (4 * 32 * 5, 4 * 32 * 2, 0)
+
+
 def test_attention_cost_is_hand_computed():
     taifuse.set_backend("numpy")
     rng = np.random.default_rng(3)

@@ -389,6 +389,8 @@ def _cost_of(name: str, phase: str, sig: tuple, out_bytes: int, needs_grad: tupl
     base = _op_cost(op, sig, "backward", 0, needs_grad)
     if op in ("linear", "attention", "matmul"):
         return base
+    if not out_bytes:  # every gradient passed through: no kernel ran
+        return Cost(0, 0, 0)
     return _costs.elementwise(base.bytes_moved + grad_bytes, out_bytes)
 
 
@@ -614,7 +616,8 @@ class profile:
         r[6] = _raw_signature((grad,))
         r[8] = (
             "backward",
-            _raw_signature(grads),
+            # A gradient passed through as it came (add's) is neither read nor written.
+            _raw_signature(tuple(x for x in grads if x is not None and x is not grad)),
             ctx.needs_grad,
             r[6],
             getattr(ctx, "_profile_signature", ()),
