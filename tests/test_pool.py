@@ -33,6 +33,28 @@ def _held(p: pool.BufferPool) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- size classes and counters
 
 
+def test_a_host_block_serves_any_dtype_of_its_class():
+    # Host memory is bytes: a float32 block freed by a forward serves autocast's float16 and the
+    # optimizer's float64 requests of the same class, instead of the pool growing by one per dtype.
+    p = _pool()
+    a = p.acquire((256,), F32)  # 1024 B: miss
+    address = a.__array_interface__["data"][0]
+    del a
+    b = p.acquire((16, 32), F16)  # 1024 B of float16: hit, the same memory
+    assert (b.dtype, b.shape) == (F16, (16, 32)) and b.__array_interface__["data"][0] == address
+    b[...] = 0.5
+    assert float(b.astype(F32).sum()) == 256.0
+    del b
+    c = p.acquire((128,), F64)  # hit
+    c[...] = np.arange(128)
+    assert c[-1] == 127.0 and c.dtype == F64
+    d = p.acquire((256,), F32)  # c is live: miss
+    assert not np.shares_memory(c, d)
+    s = p.stats()
+    assert (s.allocations, s.reuses) == (2, 2)
+    assert (s.bytes_in_use, s.bytes_pooled) == (2048, 0)
+
+
 def test_size_classes():
     assert [pool.size_class(n) for n in (1, 255, 256)] == [256, 256, 256]
     assert [pool.size_class(n) for n in (257, 320, 321, 1024, 1025, 3000)] == [
@@ -55,7 +77,7 @@ def test_scripted_sequence_exact_counts():
     assert not np.shares_memory(a, b)
     del a  # back to the pool
     c = p.acquire((8, 32), F32)  # 1024 B: hit
-    d = p.acquire((256,), F16)  # another dtype: miss
+    d = p.acquire((256,), F16)  # 512 B, another class: miss
     e = p.acquire((250,), F32)  # 1000 B -> class 1024: miss (nothing free)
     del b, e
     f = p.acquire((4, 64), F32)  # hit (e's block, the most recently returned)

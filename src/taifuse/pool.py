@@ -2,10 +2,10 @@
 
 Every result a kernel writes (functional ops, autograd intermediates and gradients, tensor
 arithmetic, kernel scratch, optimizer scratch) is allocated through :func:`empty`, which takes a
-buffer of the right dtype and size class from its memory space's :class:`BufferPool` or, on a
-miss, from that space's :class:`Allocator`. A buffer goes back to the pool when nothing refers to
-it any more (NOTE [ Buffer ownership ]), so a training step that repeats the same shapes stops
-allocating after its first step.
+free buffer of the request's size class (host; any dtype) or dtype and length (device) from its
+memory space's :class:`BufferPool` or, on a miss, from that space's :class:`Allocator`. A buffer
+goes back to the pool when nothing refers to it any more (NOTE [ Buffer ownership ]), so a
+training step that repeats the same shapes stops allocating after its first step.
 
 The pool is the policy (size classes, free lists, the LRU and byte cap, statistics, the returns
 queue) and knows no backend: each backend's table exports an ``ALLOCATOR`` that makes blocks of
@@ -216,11 +216,12 @@ class _Block:
 
 
 class BufferPool:
-    """Free buffers of one memory space, handed out by dtype and size class.
+    """Free buffers of one memory space, handed out by size class (host) or dtype and length (device).
 
     Host pools (the ``numpy`` and ``numba`` backends share one: both hold ``numpy.ndarray``)
-    round requests up to :func:`size_class`. Device pools key blocks by exact element count
-    (see :attr:`Allocator.ON_HOST`).
+    round requests up to :func:`size_class` and hand a free block to a request of any dtype in
+    its class. Device pools key blocks by dtype and exact element count (see
+    :attr:`Allocator.ON_HOST`).
 
     Args:
         name: for messages and ``repr``.
@@ -342,7 +343,9 @@ class BufferPool:
                 allocator.fill(out, 0)
             return out
         nbytes = size * dtype.itemsize
-        key = (dtype, size_class(nbytes)) if self._on_host else (dtype, size)
+        # Host memory is bytes: a block serves any dtype of its size class (a float32 block the
+        # forward freed, a float16 request under autocast); a device array's dtype is fixed.
+        key = (size_class(nbytes),) if self._on_host else (dtype, size)
         with self._lock:
             if self._returns:
                 self._drain()
@@ -410,7 +413,7 @@ class BufferPool:
 
     def _new_block(self, key: tuple, dtype: np.dtype, nbytes: int) -> _Block:
         if self._on_host:
-            nbytes = key[1]  # the whole size class, so any request of the class fits
+            nbytes = key[0]  # the whole size class, so any request of the class fits
         storage, address = self.allocator.new_block(nbytes // dtype.itemsize, dtype)
         return _Block(key, storage, nbytes, dtype, address)
 
