@@ -249,34 +249,30 @@ def _op_name(cls: type) -> str:
     return "matmul" if name == "MatMul" else _CAMEL.sub("_", name).lower()
 
 
-def _is_array(v: Any) -> bool:
-    return hasattr(v, "shape") and hasattr(v, "dtype")
-
-
 def _nbytes(shape: tuple, dtype: Any) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _arrays_bytes(values: Any) -> int:
-    if values is None:
-        return 0
-    if isinstance(values, (tuple, list)):
-        return sum(_arrays_bytes(v) for v in values)
-    return _nbytes(tuple(values.shape), values.dtype) if _is_array(values) else 0
+_SCALARS = frozenset((bool, int, float, str, type(None)))
 
 
-_SCALARS = (bool, int, float, str, type(None))
+_ARRAY_TYPES: set[type] = {np.ndarray}  # and the backends' array types, as they are seen
 
 
 def _raw_signature(args: tuple) -> tuple:
     # What a hook keeps of a call, cheaply: (shape, dtype) per array, the value of a small scalar
     # (an activation name, is_causal), None for anything else. _split makes the signature of it.
     return tuple(
-        (v.shape, v.dtype)
-        if hasattr(v, "dtype") and hasattr(v, "shape")
-        else (v if type(v) in _SCALARS else None)
+        (v.shape, v.dtype) if type(v) in _ARRAY_TYPES else v if type(v) in _SCALARS else _other(v)
         for v in args
     )
+
+
+def _other(v: Any) -> Any:
+    if hasattr(v, "dtype") and hasattr(v, "shape") and not isinstance(v, np.generic):
+        _ARRAY_TYPES.add(type(v))  # a backend's array type (Taichi's DeviceArray), seen once
+        return (v.shape, v.dtype)
+    return None
 
 
 def _raw_bytes(raw: tuple) -> int:
@@ -297,11 +293,6 @@ def _split(raw: tuple) -> tuple:
             dtypes.append(None)
             scalars.append(item)
     return tuple(shapes), tuple(dtypes), tuple(scalars)
-
-
-def _signature(args: tuple, kwargs: dict) -> tuple:
-    """(shapes, dtypes, scalars) of a call: arrays by shape and dtype, small values as they are."""
-    return _split(_raw_signature((*args, *kwargs.values())))
 
 
 _ARRAY_PARAMS: dict[str, list[str]] = {}
@@ -394,8 +385,9 @@ def _cost_of(name: str, phase: str, sig: tuple, out_bytes: int, needs_grad: tupl
     return _costs.elementwise(base.bytes_moved + grad_bytes, out_bytes)
 
 
-def _state_bytes(state: Any) -> int:
-    return sum(_arrays_bytes(v) for v in state if _is_array(v))
+@functools.cache
+def _step_name(cls: type) -> str:
+    return f"{cls.__name__}.step"
 
 
 # ----------------------------------------------------------------------------- the profiler
@@ -508,8 +500,11 @@ class profile:
             if split is not None and self.record_shapes:
                 ev.shapes, ev.dtypes = split[0], tuple(None if d is None else str(d) for d in split[1])
             pending = r[8]
-            if type(pending) is Cost:
-                ev.cost = pending
+            if (
+                pending is not None and pending[0] == "optimizer"
+            ):  # read param, grad, state; write param, state
+                param_bytes, grad_bytes = (_raw_bytes((item,)) for item in sig)
+                ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, _raw_bytes(pending[1]))
             elif pending is not None:
                 phase, out_raw, needs_grad, grad_raw, forward_sig = pending
                 op_sig = split if forward_sig is None else _split(forward_sig)
@@ -644,14 +639,14 @@ class profile:
             return update(*args)
         be, param, grad, state, _ = args
         info = self._backends.get(id(be)) or self._backend(be)
-        r = self._open(f"{type(optimizer).__name__}.step", "optimizer", info, _raw_signature((param, grad)))
+        r = self._open(_step_name(type(optimizer)), "optimizer", info, _raw_signature((param, grad)))
         self._in_op += 1
         try:
             new = update(*args)
         finally:
             self._in_op -= 1
             self._close(r, info[2])
-        r[8] = _costs.optimizer_step(_arrays_bytes(param), _arrays_bytes(grad), _state_bytes(state))
+        r[8] = ("optimizer", _raw_signature(tuple(state)))
         return new
 
     def acquired(self, pool: Any, out: Any, nbytes: int) -> Any:
