@@ -261,6 +261,7 @@ def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
         )
     )
     out.append(_past_last_cache_case())
+    out.extend(_half_storage_case(*op) for op in _HALF_STORAGE_OPS)
     return out
 
 
@@ -280,4 +281,56 @@ def _past_last_cache_case() -> Case:
         shape=f"({n},)",
         bytes_moved=2 * 4 * n,
         bytes_written=4 * n,
+    )
+
+
+# float16 storage against float32 storage of the same op at a DRAM size (issue 17's goal: at least
+# 1.6x): the op's name, its call on `x` (and `y`), and whether it reads a second array. relu is
+# memory-bound in both dtypes; exact gelu's float32 arithmetic costs about as much as moving its
+# float32 bytes on a 2-core machine, so halving the bytes gains less there (docs/amp.md).
+_HALF_STORAGE_OPS = (
+    ("relu", "F.relu(x, out=out)", False),
+    ("gelu(approximate='none')", "F.gelu(x, out=out)", False),
+)
+# The float32 side's output, rounded to float16 for the correctness check only: ``to_host`` calls
+# ``.numpy()`` on the first call's result, outside the timing, so the timed calls round nothing.
+_ROUNDED_FOR_CHECK = "rounded = types.SimpleNamespace(numpy=lambda: out.astype(np.float16))"
+
+
+def _half_storage_inputs(seed: int, n: int, binary: bool) -> dict:
+    rng = np.random.default_rng(seed)
+    inputs = {"x": rng.standard_normal(n, dtype=np.float32).astype(np.float16)}
+    if binary:
+        inputs["y"] = rng.standard_normal(n, dtype=np.float32).astype(np.float16)
+    return inputs
+
+
+def _half_storage_case(name: str, call: str, binary: bool) -> Case:
+    """``name`` on float16 arrays (taifuse) against the same call on float32 copies of them."""
+    n = max(dram_elements(), 16 * 2**20)  # at least 64 MiB of float32 input
+    arrays = ("x", "y") if binary else ("x",)
+    widen = "\n".join(f"{a} = {a}.astype(np.float32)" for a in arrays)
+    draw = "; ".join(f"{a} = rng.standard_normal({n}, dtype=np.float32).astype(np.float16)" for a in arrays)
+    return Case(
+        suite=SUITE,
+        name=f"{name}, float16 storage against float32, {n // 2**20}M elements",
+        setup=functools.partial(_half_storage_inputs, n=n, binary=binary),
+        setup_code=f"rng = np.random.default_rng(seed); {draw}",
+        candidate=Variant("taifuse float16", call, prepare=_OUT, imports=_TAIFUSE),
+        baselines=(
+            Variant(
+                "taifuse float32",
+                call,
+                result="rounded",
+                prepare=f"{widen}\n{_OUT}\n{_ROUNDED_FOR_CHECK}",
+                imports=(*_TAIFUSE, "types"),
+                note="the same taifuse op on float32 copies of the inputs: twice the bytes moved",
+            ),
+        ),
+        dtype="float16",
+        shape=f"({n},)" + (f" + ({n},)" if binary else ""),
+        bytes_moved=(len(arrays) + 1) * 2 * n,
+        bytes_written=2 * n,
+        rtol=2.0**-10,  # one float16 rounding of either side's float32 result
+        atol=2.0**-24,
     )
