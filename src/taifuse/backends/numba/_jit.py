@@ -32,7 +32,10 @@ from taifuse.backends._spec import Activation
 # ``_narrow`` stores with ``fptrunc`` (round to nearest even, bit-identical to NumPy's
 # ``astype(np.float16)``, checked by the tests). Both compile to the hardware conversions
 # (F16C / AVX512-FP16 on x86-64, FCVT on arm64), so no float32 copy of an array is made; the
-# matrix products convert blocks instead (NOTE [ float16 products in blocks ]).
+# matrix products convert blocks instead (NOTE [ float16 products in blocks ]). The memory-bound
+# kernels then run at up to twice their float32 speed from DRAM; the transcendental ones (gelu,
+# silu, ...) are compute-bound in float32 already on a 2-core x86 machine and gain nothing, the
+# conversions adding ~0.05 ns per element to their vector work (measured figures in docs/amp.md).
 
 # NOTE [ float16 products in blocks ]
 # BLAS has no float16 product, and NumPy's own float16 matmul is a scalar loop. So a float16
