@@ -1,6 +1,8 @@
-"""float16 matrix products on the host backends: float32 BLAS on blocks converted in cache, never
+"""float16 on the host backends: matrix products in float32 BLAS on blocks converted in cache, never
 on a float32 copy of a whole operand (NOTE [ float16 products in blocks ] in
-backends/numba/_jit.py). ``linear_act``'s blocks are tested in test_numba_kernels.py."""
+backends/numba/_jit.py; ``linear_act``'s blocks are tested in test_numba_kernels.py), the block
+conversions themselves, and Tensor arithmetic on float32 blocks (NOTE [ float16 arithmetic on the
+host ] in _tensor_math.py)."""
 
 from __future__ import annotations
 
@@ -83,3 +85,37 @@ def test_numba_block_conversion_rounds_as_numpy():
     with np.errstate(over="ignore"):
         want = values.astype(np.float16)
     np.testing.assert_array_equal(back[:, 1::2].view(np.uint16), want.view(np.uint16))
+
+
+_BINARY_SHAPES = [
+    ((1000,), (1000,)),
+    ((300_001,), (300_001,)),
+    ((4, 5, 6), (6,)),
+    ((4, 1, 6), (1, 5, 1)),
+    ((7,), ()),
+]
+
+
+@pytest.mark.parametrize("ufunc", sorted(tm._HALF_UFUNCS, key=lambda u: u.__name__), ids=lambda u: u.__name__)
+def test_float16_arithmetic_on_float32_blocks_is_numpys_bit_for_bit(ufunc):
+    # NOTE [ float16 arithmetic on the host ]: with the Numba backend loaded, float16 (and mixed
+    # float16/float32) Tensor arithmetic runs on float32 blocks (the second shape is larger than
+    # one block) and gives NumPy's float16 loops' result to the bit, NaN, inf, broadcasting and
+    # Python scalars (cast to float16 first, as NumPy does) included.
+    pytest.importorskip("taifuse.backends.numba._jit")
+    rng = np.random.default_rng(7)
+
+    def draw(shape, dtype):
+        a = (rng.standard_normal(shape) * 300).astype(dtype)
+        a.reshape(-1)[:3] = [np.inf, np.nan, 0.0][: a.size]
+        return a
+
+    pairs = [(np.float16, np.float16), (np.float16, np.float32), (np.float32, np.float16)]
+    cases = [(draw(sa, da), draw(sb, db)) for (sa, sb) in _BINARY_SHAPES for (da, db) in pairs]
+    half = draw((1000,), np.float16)
+    cases += [(half, s) for s in (0.1, 3, 1e-8, 70000.0)] + [(-2.5, half)]
+    with np.errstate(all="ignore"):
+        for a, b in cases:
+            got, want = tm._binary(ufunc, a, b), ufunc(a, b)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
