@@ -516,7 +516,8 @@ def _linear_backward_half(x, w, pre, grad_out, op, grad_x, grad_w, grad_b) -> No
             _jit._convert(w32, w)
     if grad_w is not None and whole:
         gw = scratch.acquire((m, k), np.float32)
-        gw_part = scratch.acquire((m, k), np.float32)
+        # The second chunk's product, added to the first's: only when there are chunks to sum.
+        gw_part = scratch.acquire((m, k), np.float32) if chunk < rows else None
     for lo in range(0, rows, chunk):
         hi = min(lo + chunk, rows)
         n = hi - lo
@@ -556,7 +557,7 @@ def _weight_grad_half_blocks(x, pre, grad_out, op, grad_w, wrows, chunk, gp, x32
     m = grad_w.shape[0]
     scratch = pool.host_pool()
     gw = scratch.acquire((wrows, k), np.float32)
-    gw_part = scratch.acquire((wrows, k), np.float32)
+    gw_part = scratch.acquire((wrows, k), np.float32) if chunk < rows else None
     # A tile of pre and grad_out is gathered contiguous (float16, half the size of gp's tile) so
     # that the epilogue kernels see the layout they were compiled for.
     tiles = [None if a is None else scratch.acquire((chunk * wrows,), np.float16) for a in (pre, grad_out)]
