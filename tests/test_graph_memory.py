@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
 import taifuse
 import taifuse.functional as F
@@ -102,3 +103,53 @@ def test_retain_graph_still_backwards_twice_and_a_third_time_refuses(backend):
         assert "second time" in str(e)
     else:
         raise AssertionError("a third backward through a freed graph should raise")
+
+
+def _count_acquired(monkeypatch, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The buffers of ``shape`` any pool hands out from now on (their shapes, one per request)."""
+    seen: list[tuple[int, ...]] = []
+    acquire = pool.BufferPool.acquire
+
+    def counting(self, shp, dtype, *, zero=False):
+        if tuple(map(int, shp)) == shape:
+            seen.append(tuple(shp))
+        return acquire(self, shp, dtype, zero=zero)
+
+    monkeypatch.setattr(pool.BufferPool, "acquire", counting)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_split_gradients_are_summed_into_one_buffer(backend, monkeypatch, dtype):
+    # NOTE [ Gradients summed in place ]: CausalSelfAttention's q, k, v = c_attn(x).split(...).
+    # Before, each piece's backward scattered into a zeroed array of the input's shape and the
+    # engine summed those pairwise: 3 full arrays and 2 sums; now one array takes all three.
+    shape = (4, 6, 3 * 8)
+    rng = np.random.default_rng(6)
+    xv = rng.standard_normal(shape).astype(dtype)
+    weights = [rng.standard_normal((4, 6, 8)).astype(dtype) for _ in range(3)]
+    x = taifuse.tensor(xv, requires_grad=True)
+    h = x * 2.0  # a non-leaf: its gradient is summed by the engine before its node's backward
+    q, k, v = h.split(8, dim=2)
+    out = sum((p * taifuse.tensor(wv)).sum() for p, wv in zip((q, k, v), weights))
+    del h, q, k, v
+    seen = _count_acquired(monkeypatch, shape)
+    out.backward()
+    # One for the three pieces' gradients, one for h's backward (2 * g) and the leaf's copy of
+    # it (mul does not own its gradients); 7 before (3 zeroed arrays and 2 sums in place of 1).
+    assert len(seen) == 3, seen
+    want = 2.0 * np.concatenate([w.astype(np.float32) for w in weights], axis=2)
+    np.testing.assert_array_equal(x.grad.numpy().astype(np.float32), want.astype(dtype).astype(np.float32))
+
+
+def test_a_piece_and_the_whole_read_together_get_their_gradients_summed(backend):
+    # The in-place sum must add to what other readers contributed, in either order.
+    x = _leaf(7, (6, 8))
+    h = x * 1.0
+    a, b = h.split([3, 5], dim=1)
+    out = (h * 2.0).sum() + (a * 3.0).sum() + (h * h).sum() + (b * 5.0).sum()
+    del h, a, b
+    out.backward()
+    xv = x.numpy()
+    want = 2.0 + 2 * xv + np.concatenate([np.full((6, 3), 3.0), np.full((6, 5), 5.0)], axis=1)
+    np.testing.assert_allclose(x.grad.numpy(), want.astype(np.float32), rtol=1e-6, atol=1e-6)

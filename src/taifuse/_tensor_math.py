@@ -318,7 +318,8 @@ class HostMath:
     @staticmethod
     def add_(acc: np.ndarray, a: Any) -> None:
         """acc += a, in place (gradient accumulation into a leaf's ``.grad``, optimizer steps)."""
-        np.add(acc, a, out=acc)
+        if not _half_binary(np.add, acc, a, acc):
+            np.add(acc, a, out=acc)
 
     @staticmethod
     def sub_(acc: np.ndarray, a: Any) -> None:
@@ -356,6 +357,28 @@ class HostMath:
         positions must not overlap (the inverse of :meth:`as_strided` without repeats)."""
         if src.size:
             np.copyto(_strided_view(out, src.shape, strides, offset), src)
+
+    @staticmethod
+    def scatter_add_strided_(out: np.ndarray, src: np.ndarray, strides: tuple[int, ...], offset: int) -> None:
+        """out.flat[offset + index . strides] += src[index], in place; positions as in :meth:`scatter_strided_`."""
+        if not src.size:
+            return
+        view = _strided_view(out, src.shape, strides, offset)
+        if out.dtype != np.float16 or src.dtype != np.float16 or src.ndim == 0:
+            np.add(view, src, out=view)
+            return
+        # NumPy's float16 add is software (NOTE [ float16 arithmetic on the host ]): blocks of the
+        # view are gathered contiguous, added on the float32 path and written back.
+        src = np.ascontiguousarray(src)
+        step = max(1, _HALF_CHUNK // (src.size // src.shape[0]))
+        tmp = _buffer((min(step, src.shape[0]), *src.shape[1:]), src.dtype)
+        for lo in range(0, src.shape[0], step):
+            hi = min(lo + step, src.shape[0])
+            t = tmp[: hi - lo]
+            np.copyto(t, view[lo:hi])
+            if not _half_binary(np.add, t, src[lo:hi], t):
+                np.add(t, src[lo:hi], out=t)
+            np.copyto(view[lo:hi], t)
 
     @staticmethod
     def take(a: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:

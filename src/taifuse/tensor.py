@@ -130,6 +130,10 @@ class Function:
     # True when backward returns freshly allocated arrays, none of them shared with another
     # input, an output or saved state: a leaf's first gradient then takes the array, not a copy.
     owns_grads: bool = False
+    # True when backward can add its one input's gradient into a buffer the engine hands it in
+    # ``accumulate_into`` (NOTE [ Gradients summed in place ]).
+    accumulates: bool = False
+    accumulate_into: Any = None
 
     def __init__(self) -> None:
         # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
@@ -1281,6 +1285,9 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
         return
     order = _graph_order(root._ctx)
     pending: dict[int, Any] = {id(root._ctx): grad}
+    # The ids in `pending` whose gradient is an array the engine may add into in place (NOTE
+    # [ Gradients summed in place ]).
+    summable: set[int] = set()
     del root, grad
     for i in range(len(order) - 1, -1, -1):
         # NOTE: each node leaves `order` as it runs, and no local outlives its iteration, so that
@@ -1289,12 +1296,16 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
         # `order`, so ids stay unique.
         ctx, order[i] = order[i], None
         g = pending.pop(id(ctx), None)
+        summable.discard(id(ctx))
         if g is None:
             continue
         if ctx.released:
             raise RuntimeError(_SECOND_BACKWARD)
+        acc = _summed_so_far(ctx, g, pending, summable)
+        ctx.accumulate_into = acc
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
         grads = ctx.backward(g) if rec is None else rec.backward(ctx, g)
+        ctx.accumulate_into = None
         parents = ctx.parents
         if not retain_graph:
             ctx.release()
@@ -1305,10 +1316,44 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
             if creator is None:
                 _accumulate_leaf(parent, pg, m, owned=ctx.owns_grads)  # type: ignore[arg-type]
             elif id(creator) in pending:
-                pending[id(creator)] = m.add(pending[id(creator)], pg)
+                so_far = pending[id(creator)]
+                if pg is so_far:  # added in place by ctx.backward (acc)
+                    continue
+                if id(creator) in summable and _same_layout(so_far, pg):
+                    m.add_(so_far, pg)
+                else:
+                    pending[id(creator)] = m.add(so_far, pg)
+                    summable.add(id(creator))
             else:
                 pending[id(creator)] = pg
-        g = grads = parents = parent = creator = pg = ctx = None
+                if ctx.accumulates:  # a fresh array of the input's shape (owns_grads)
+                    summable.add(id(creator))
+        g = grads = parents = parent = creator = pg = ctx = acc = so_far = None
+
+
+# NOTE [ Gradients summed in place ]
+# A tensor read by several ops gets one gradient from each, summed before its creator's backward
+# runs. The engine sums into the first array it made itself (a sum, or a Function's fresh
+# ``accumulates`` gradient) in place instead of allocating a sum per contribution, and a Function
+# that ``accumulates`` (a strided gather: indexing, ``split``) adds its slice's gradient straight
+# into that sum instead of scattering into a zeroed array of its input's shape first. So
+# CausalSelfAttention's q, k, v split of c_attn's output builds one gradient of that output, not
+# three full ones and their sums (the GPT step's peak: the transformer suite's memory row).
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _summed_so_far(ctx: Function, g: Any, pending: dict[int, Any], summable: set[int]) -> Any:
+    """The gradient of ctx's input summed so far, when ctx may add into it in place; else None."""
+    if not ctx.accumulates or not ctx.parents or not ctx.needs_grad[0]:
+        return None
+    creator = _creator(ctx.parents[0])
+    if creator is None or id(creator) not in summable:
+        return None
+    acc = pending[id(creator)]
+    return acc if acc.dtype == g.dtype else None
 
 
 # ----------------------------------------------------------------------------- arithmetic nodes
@@ -1725,15 +1770,21 @@ def _getitem(t: Tensor, index: Any) -> Tensor:
 
 
 class _Strided(Function):
-    """A gather through strides (basic indexing, split); the backward scatters into zeros."""
+    """A gather through strides (basic indexing, split); the backward scatters into zeros, or adds
+    into the input's gradient summed so far (NOTE [ Gradients summed in place ])."""
 
     owns_grads = True
+    accumulates = True
 
     def forward(self, a: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
         self.in_shape, self.strides, self.offset = _shape(a), strides, offset
         return self.m.as_strided(a, shape, strides, offset)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
+        out = self.accumulate_into
+        if out is not None:
+            self.m.scatter_add_strided_(out, g, self.strides, self.offset)
+            return out, None, None, None
         out = self.m.full(self.in_shape, 0.0, g.dtype)
         self.m.scatter_strided_(out, g, self.strides, self.offset)
         return out, None, None, None

@@ -279,6 +279,13 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             out[offset + _offset(i, shape, so)] = src[i]
 
     @ti.kernel
+    def scatter_add_at(src: X, out: X, n: ti.i32, offset: ti.i32, shape: V, so: V):
+        # As scatter_at: distinct positions, so a plain read-modify-write (no float atomics).
+        for i in range(n):
+            j = offset + _offset(i, shape, so)
+            out[j] = out[j] + src[i]
+
+    @ti.kernel
     def take(a: X, index: I32, out: X, n: ti.i32, k_len: ti.i32, inner: ti.i32, size: ti.i32):
         # out (outer, k_len, inner) = a (outer, size, inner) at index[k]; NaN out of range
         # (a device index is not range-checked: NOTE [ Class indices on the device ]).
@@ -396,6 +403,7 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         matmul=matmul,
         gather_at=gather_at,
         scatter_at=scatter_at,
+        scatter_add_at=scatter_add_at,
         take=take,
         take_backward=take_backward,
         masked_fill=masked_fill,
@@ -800,6 +808,16 @@ class TaichiMath:
         if src.size:
             geo = _merge(tuple(src.shape), tuple(strides))
             kernels_for(out.dtype).scatter_at(_nd(src), _nd(out), src.size, int(offset), *geo)
+
+    @staticmethod
+    def scatter_add_strided_(out: Any, src: Any, strides: tuple[int, ...], offset: int) -> None:
+        """out's flat storage at ``offset + index . strides`` += src[index], in place (no overlaps)."""
+        _require_float("scatter", ("tensor updated", out), ("operand", src))
+        if src.dtype != out.dtype:
+            raise TypeError(f"scatter: operand has dtype {src.dtype}, the array {out.dtype}")
+        if src.size:
+            geo = _merge(tuple(src.shape), tuple(strides))
+            kernels_for(out.dtype).scatter_add_at(_nd(src), _nd(out), src.size, int(offset), *geo)
 
     @staticmethod
     def take(a: Any, index: Any, axis: int) -> Any:
