@@ -272,6 +272,49 @@ def test_record_function_as_decorator_and_context_manager():
         record_function(3)
 
 
+def test_a_failing_op_is_recorded_and_nesting_recovers():
+    taifuse.set_backend("numpy")
+    x = np.ones((2, 3), np.float32)
+    with profile(ceilings=CEILINGS) as prof, record_function("outer"):
+        with pytest.raises(ValueError):
+            F.linear(x, np.ones((4, 5), np.float32))  # in_features mismatch: raises in the op
+        F.relu(x)
+    events = [e for e in prof.events() if e.kind != "pool"]
+    assert [(e.name, e.depth) for e in events] == [("outer", 0), ("linear", 1), ("relu", 1)]
+    outer, failed, relu = events
+    assert failed.cost is None and relu.cost is not None
+    assert outer.self_ns == outer.duration_ns - failed.duration_ns - relu.duration_ns
+
+
+def test_other_threads_are_not_recorded():
+    import threading
+
+    taifuse.set_backend("numpy")
+    x = np.ones(8, np.float32)
+    with profile(ceilings=CEILINGS) as prof:
+        worker = threading.Thread(target=lambda: [F.gelu(x), F.gelu(taifuse.tensor(x, requires_grad=True))])
+        worker.start()
+        worker.join()
+        F.relu(x)
+    assert [e.name for e in prof.events() if e.kind != "pool"] == ["relu"]
+
+
+def test_events_read_inside_an_open_range_then_after():
+    taifuse.set_backend("numpy")
+    x = np.ones(8, np.float32)
+    with profile(ceilings=CEILINGS) as prof:
+        F.relu(x)  # a closed top-level event before the open range
+        with record_function("outer"):
+            F.gelu(x)
+            inside = [(e.name, e.depth, e.self_ns == e.duration_ns) for e in prof.events() if e.kind == "op"]
+        F.gelu(x)
+    assert inside == [("relu", 0, True), ("gelu", 1, True)]  # the gelu is not taken off the relu
+    events = {(e.name, e.depth): e for e in prof.events() if e.kind != "pool"}
+    outer, relu = events[("outer", 0)], events[("relu", 0)]
+    assert outer.self_ns == outer.duration_ns - events[("gelu", 1)].duration_ns
+    assert relu.self_ns == relu.duration_ns
+
+
 def test_profiles_do_not_nest():
     taifuse.set_backend("numpy")
     with profile(ceilings=CEILINGS), pytest.raises(RuntimeError, match="already active"):

@@ -41,7 +41,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -392,7 +392,35 @@ def _step_name(cls: type) -> str:
 
 # ----------------------------------------------------------------------------- the profiler
 
-_NO_BACKEND = ("", "", None)  # a range: no backend of its own, no device wait at its start
+
+class _SyncOf(dict):
+    """Backend module -> its ``sync`` (a device wait) when the profile synchronizes, else None."""
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def __missing__(self, be: Any) -> Callable | None:
+        sync = self[be] = getattr(be, "sync", None) if self.enabled else None
+        return sync
+
+
+_SYNCS = {True: _SyncOf(True), False: _SyncOf(False)}  # by profile(sync=...)
+_HOOKS = ("forward", "backward", "array_op", "step", "acquired", "module", "_range")
+
+
+def _self_times(events: list[ProfilerEvent]) -> None:
+    """Each timed event's ``self_ns``: its duration less those of the events directly inside it,
+    found from the nesting (start, end, depth) when the results are read (NOTE [ Raw records ])."""
+    timed = sorted((e for e in events if e.kind != "pool"), key=lambda e: (e.start_ns, e.depth))
+    stack: list[ProfilerEvent] = []
+    for ev in timed:
+        ev.self_ns = ev.duration_ns
+        while stack and (stack[-1].depth >= ev.depth or ev.start_ns > stack[-1].end_ns):
+            stack.pop()
+        if stack and stack[-1].depth == ev.depth - 1:
+            stack[-1].self_ns -= ev.duration_ns
+        stack.append(ev)
 
 
 class profile:
@@ -444,8 +472,6 @@ class profile:
         self.sync = bool(sync)
         self._ceilings_arg = ceilings
         self._events: list[ProfilerEvent] = []
-        self._stack: list[ProfilerEvent] = []
-        self._in_op = 0
         self._tid: int | None = None
         self._t0 = 0
         self.wall_ns = 0
@@ -453,7 +479,7 @@ class profile:
         self._module_names: dict[int, tuple[Any, str]] = {}
         self._roots = 0
         self._pool_raw: list[tuple] = []
-        self._raw: list[list] = []  # NOTE [ Raw records ]
+        self._raw: list[tuple] = []  # NOTE [ Raw records ]
         self._done = 0
         self._range_sync: Callable | None = None
 
@@ -471,10 +497,11 @@ class profile:
             raise RuntimeError("profile: another taifuse profiler is already active (profiles do not nest)")
         self._tid = threading.get_ident()
         # A range waits for the active backend's device at its end, so that it encloses its kernels.
-        self._range_sync = getattr(backends.active(), "sync", None) if self.sync else None
+        self._range_sync = _SYNCS[self.sync][backends.active()]
         if self._range_sync is not None:
             self._range_sync()
         self._t0 = time.perf_counter_ns()
+        self.__dict__.update(zip(_HOOKS, self._hooks()))
         _profile_hook.ACTIVE = self
 
     def stop(self) -> None:
@@ -484,33 +511,51 @@ class profile:
             self.wall_ns = time.perf_counter_ns() - self._t0
             _profile_hook.ACTIVE = None
             self._module_names.clear()
+            for name in _HOOKS:  # the hooks hold the profile (a cycle): drop them
+                self.__dict__.pop(name, None)
 
     # NOTE [ Raw records ]
-    # The hooks keep each call as a short list (name, kind, backend info, start, time of the events
-    # inside it, depth, raw signature, module flag, what its cost needs, duration) and the pool's
-    # acquisitions as tuples; the ProfilerEvents, their costs and dtype names are made from them
-    # when the results are first read (events(), key_averages(), export_chrome_trace()), so that a
-    # profiled step holds as little of the profiler's own work as possible.
+    # While a profile runs, each op, backward, optimizer update and range is one tuple appended to
+    # the profile when it ends: (kind, op class or name, backend module, start, duration, depth,
+    # then what its cost needs: the raw signatures of its arrays, (shape, dtype) pairs), and each
+    # pool acquisition a tuple (time, host?, shape, dtype, bytes in use, depth). Nothing else is
+    # done during the step: op names, backend names, dtype names, ProfilerEvents, costs and self
+    # times (from the nesting: a parent's duration less its direct children's) are made when the
+    # results are first read (events(), key_averages(), export_chrome_trace()), so that a profiled
+    # step holds as little of the profiler's own work as possible. The hooks are closures built
+    # in start() over the profile's state (NOTE [ Profiler hooks ]): they read locals, not
+    # attributes, and mutate no record once appended.
 
     def _materialize(self) -> list[ProfilerEvent]:
+        new = self._done < len(self._raw)
         for r in self._raw[self._done :]:
-            info, sig = r[2], r[6]
-            ev = ProfilerEvent(r[0], r[1], info[0], info[1], r[3], r[9], r[9] - r[4], depth=r[5])
+            kind, who, be, start, dur, depth = r[:6]
+            if kind == "range":
+                self._events.append(ProfilerEvent(who, kind, "", "", start, dur, depth=depth))
+                continue
+            info = self._backends.get(id(be)) or self._backend(be)
+            sig = r[6]
+            if kind == "optimizer":
+                name = _step_name(who)
+            else:
+                name = who if type(who) is str else _op_name(who)
+                if kind == "backward":
+                    name += "_backward"
+            ev = ProfilerEvent(name, kind, info[0], info[1], start, dur, depth=depth)
             split = _split(sig) if sig is not None else None
             if split is not None and self.record_shapes:
                 ev.shapes, ev.dtypes = split[0], tuple(None if d is None else str(d) for d in split[1])
-            pending = r[8]
-            if (
-                pending is not None and pending[0] == "optimizer"
-            ):  # read param, grad, state; write param, state
+            if kind == "optimizer":  # read param, grad, state; write param, state
                 param_bytes, grad_bytes = (_raw_bytes((item,)) for item in sig)
-                ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, _raw_bytes(pending[1]))
-            elif pending is not None:
-                phase, out_raw, needs_grad, grad_raw, forward_sig = pending
-                op_sig = split if forward_sig is None else _split(forward_sig)
-                out_bytes = _raw_bytes(out_raw)
-                grad_bytes = 0 if grad_raw is None else _raw_bytes(grad_raw)
-                ev.cost = _cost_of(r[0], phase, op_sig, out_bytes, tuple(needs_grad), grad_bytes)
+                ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, _raw_bytes(r[7]))
+            elif kind == "op" and r[7] is not False:
+                ev.cost = _cost_of(name, "forward", split, _raw_bytes((r[7],)), (), 0)
+            elif kind == "backward" and r[7] is not None:
+                grads_raw, needs_grad, forward_sig = r[7:10]
+                out_bytes, grad_bytes = _raw_bytes(grads_raw), _raw_bytes(sig)
+                ev.cost = _cost_of(
+                    name, "backward", _split(forward_sig), out_bytes, tuple(needs_grad), grad_bytes
+                )
             self._events.append(ev)
         self._done = len(self._raw)
         for now, on_host, shape, dtype, in_use, depth in self._pool_raw:
@@ -520,6 +565,8 @@ class profile:
             ev.pool_bytes_in_use, ev.cost = in_use, Cost(0, 0, 0)
             self._events.append(ev)
         self._pool_raw.clear()
+        if new:
+            _self_times(self._events)
         return self._events
 
     # -- recording (called by the hooks: NOTE [ Profiler hooks ] in taifuse/_profile_hook.py)
@@ -533,175 +580,226 @@ class profile:
             info = self._backends[id(be)] = (name, str(arch), sync)
         return info
 
-    def _open(self, name: str, kind: str, info: tuple, sig: tuple | None, module: bool = False) -> list:
-        sync = info[2]
-        if sync is not None:
-            sync()
-        r = [name, kind, info, 0, 0, len(self._stack), sig, module, None, 0]
-        self._stack.append(r)
-        r[3] = time.perf_counter_ns() - self._t0
-        return r
-
-    def _close(self, r: list, sync: Callable | None) -> None:
-        if sync is not None:
-            sync()
-        r[9] = dur = time.perf_counter_ns() - self._t0 - r[3]
-        stack = self._stack
-        stack.pop()
-        if stack:
-            stack[-1][4] += dur
-        self._raw.append(r)
-
     def _mine(self) -> bool:
         return threading.get_ident() == self._tid
 
-    # NOTE: forward, backward and module inline _open and _close: they run once per op or module
-    # call of a profiled step, and every Python call there is the step's time (goal: at most 10%).
+    def _hooks(self) -> tuple:
+        """The hooks of this profile, in :data:`_HOOKS`'s order: closures over its state.
 
-    def forward(self, ctx: Any, arrays: tuple, kwargs: dict) -> Any:
-        if threading.get_ident() != self._tid:
-            return ctx.forward(*arrays, **kwargs)
-        info = self._backends.get(id(ctx.be)) or self._backend(ctx.be)
-        sig = ctx._profile_signature = _raw_signature((*arrays, *kwargs.values()) if kwargs else arrays)
-        stack, sync = self._stack, info[2]
-        if sync is not None:
-            sync()
-        r = [_op_name(type(ctx)), "op", info, 0, 0, len(stack), sig, False, None, 0]
-        stack.append(r)
-        self._in_op += 1
-        r[3] = start = time.perf_counter_ns()
-        try:
-            out = ctx.forward(*arrays, **kwargs)
-        finally:
+        NOTE: they run once per op, range or acquisition of a profiled step, and every Python
+        operation in them is the step's time (goal: at most 10% on the MLP step): no attribute
+        reads of the profile, no bound methods, one tuple appended per event, nothing updated
+        after (NOTE [ Raw records ]).
+        """
+        append, pool_append = self._raw.append, self._pool_raw.append
+        get_ident, tid, pc, t0 = threading.get_ident, self._tid, time.perf_counter_ns, self._t0
+        syncs, range_sync, active = _SYNCS[self.sync], self._range_sync, backends.active
+        array_types, scalars, other = _ARRAY_TYPES, _SCALARS, _other
+        names, module_stack, module_name = self._module_names, [], self._module_name
+        depth, op_open = 0, False  # nesting of the open events; an op (or backward, update) is open
+
+        # NOTE: the inner functions carry no annotations: each one costs its creation (every
+        # start()) about 0.15 us. A signature is a list (no tuple() copy), never changed once made.
+        def signature(args):  # _raw_signature, with this profile's locals
+            sig = []
+            for v in args:
+                t = type(v)
+                sig.append((v.shape, v.dtype) if t in array_types else v if t in scalars else other(v))
+            return sig
+
+        def forward(ctx, arrays, kwargs):
+            nonlocal depth, op_open
+            if get_ident() != tid:
+                return ctx.forward(*arrays, **kwargs)
+            be = ctx.be
+            sig = ctx._profile_signature = signature((*arrays, *kwargs.values()) if kwargs else arrays)
+            sync = syncs[be]
             if sync is not None:
                 sync()
-            r[9] = dur = time.perf_counter_ns() - start
-            self._in_op -= 1
-            stack.pop()
-            if stack:
-                stack[-1][4] += dur
-            r[3] = start - self._t0
-            self._raw.append(r)
-        r[8] = ("forward", _raw_signature((out,)), (), None, None)
-        return out
-
-    def backward(self, ctx: Any, grad: Any) -> tuple:
-        if threading.get_ident() != self._tid:
-            return ctx.backward(grad)
-        info = self._backends.get(id(ctx.be)) or self._backend(ctx.be)
-        stack, sync = self._stack, info[2]
-        if sync is not None:
-            sync()
-        r = [_op_name(type(ctx)) + "_backward", "backward", info, 0, 0, len(stack), None, False, None, 0]
-        stack.append(r)
-        self._in_op += 1
-        r[3] = start = time.perf_counter_ns()
-        try:
-            grads = ctx.backward(grad)
-        finally:
+            d, outer = depth, op_open
+            depth, op_open = d + 1, True
+            start = pc()
+            try:
+                out = ctx.forward(*arrays, **kwargs)
+            except BaseException:
+                depth, op_open = d, outer
+                append(("op", type(ctx), be, start - t0, pc() - start, d, sig, False))
+                raise
             if sync is not None:
                 sync()
-            r[9] = dur = time.perf_counter_ns() - start
-            self._in_op -= 1
-            stack.pop()
-            if stack:
-                stack[-1][4] += dur
-            r[3] = start - self._t0
-            self._raw.append(r)
-        r[6] = _raw_signature((grad,))
-        r[8] = (
-            "backward",
-            # A gradient passed through as it came (add's) is neither read nor written.
-            _raw_signature(tuple(x for x in grads if x is not None and x is not grad)),
-            ctx.needs_grad,
-            r[6],
-            getattr(ctx, "_profile_signature", ()),
-        )
-        return grads
+            end = pc()
+            depth, op_open = d, outer
+            osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
+            append(("op", type(ctx), be, start - t0, end - start, d, sig, osig))
+            return out
 
-    def array_op(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if self._in_op or threading.get_ident() != self._tid:  # inside an autograd op: recorded there
-            return fn(*args, **kwargs)
-        be = backends.active()
-        info = self._backends.get(id(be)) or self._backend(be)
-        r = self._open(name, "op", info, _raw_signature(_bind(fn, args, kwargs)[0]))
-        self._in_op += 1
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            self._in_op -= 1
-            self._close(r, info[2])
-        r[8] = ("forward", _raw_signature((out,)), (), None, None)
-        return out
-
-    def step(self, optimizer: Any, update: Callable, args: tuple) -> Any:
-        if threading.get_ident() != self._tid:
-            return update(*args)
-        be, param, grad, state, _ = args
-        info = self._backends.get(id(be)) or self._backend(be)
-        r = self._open(_step_name(type(optimizer)), "optimizer", info, _raw_signature((param, grad)))
-        self._in_op += 1
-        try:
-            new = update(*args)
-        finally:
-            self._in_op -= 1
-            self._close(r, info[2])
-        r[8] = ("optimizer", _raw_signature(tuple(state)))
-        return new
-
-    def acquired(self, pool: Any, out: Any, nbytes: int) -> Any:
-        if self.profile_memory and threading.get_ident() == self._tid:
-            now = time.perf_counter_ns() - self._t0
-            self._pool_raw.append(
-                (now, pool._on_host, out.shape, out.dtype, pool._bytes_in_use, len(self._stack))
+        def backward(ctx, grad):
+            nonlocal depth, op_open
+            if get_ident() != tid:
+                return ctx.backward(grad)
+            be = ctx.be
+            sync = syncs[be]
+            if sync is not None:
+                sync()
+            d, outer = depth, op_open
+            depth, op_open = d + 1, True
+            start = pc()
+            try:
+                grads = ctx.backward(grad)
+            except BaseException:
+                depth, op_open = d, outer
+                append(("backward", type(ctx), be, start - t0, pc() - start, d, None, None))
+                raise
+            if sync is not None:
+                sync()
+            end = pc()
+            depth, op_open = d, outer
+            written = []  # a gradient passed through as it came (add's) is neither read nor written
+            for x in grads:
+                if x is not None and x is not grad:
+                    written.append((x.shape, x.dtype) if type(x) in array_types else other(x))
+            gsig = ((grad.shape, grad.dtype) if type(grad) in array_types else other(grad),)
+            fsig = getattr(ctx, "_profile_signature", ())
+            append(
+                ("backward", type(ctx), be, start - t0, end - start, d, gsig, written, ctx.needs_grad, fsig)
             )
-        return out
+            return grads
 
-    def module(self, mod: Any, args: tuple, kwargs: dict) -> Any:
-        if threading.get_ident() != self._tid:
-            return mod.forward(*args, **kwargs)
-        known = self._module_names.get(id(mod))
-        name = known[1] if known is not None and known[0] is mod else self._module_name(mod)
-        stack = self._stack
-        r = [name, "range", _NO_BACKEND, 0, 0, len(stack), None, True, None, 0]
-        stack.append(r)
-        r[3] = start = time.perf_counter_ns()
-        try:
-            return mod.forward(*args, **kwargs)
-        finally:
-            if self._range_sync is not None:
-                self._range_sync()
-            r[9] = dur = time.perf_counter_ns() - start
-            stack.pop()
-            if stack:
-                stack[-1][4] += dur
-            r[3] = start - self._t0
-            self._raw.append(r)
+        def array_op(name, fn, args, kwargs):
+            nonlocal depth, op_open
+            if op_open or get_ident() != tid:  # inside an autograd op: recorded there
+                return fn(*args, **kwargs)
+            be = active()
+            sig = signature(_bind(fn, args, kwargs)[0])
+            sync = syncs[be]
+            if sync is not None:
+                sync()
+            d, depth, op_open = depth, depth + 1, True
+            start = pc()
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException:
+                depth, op_open = d, False
+                append(("op", name, be, start - t0, pc() - start, d, sig, False))
+                raise
+            if sync is not None:
+                sync()
+            end = pc()
+            depth, op_open = d, False
+            osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
+            append(("op", name, be, start - t0, end - start, d, sig, osig))
+            return out
 
-    def _module_name(self, mod: Any) -> str:
-        parent = next((r[0] for r in reversed(self._stack) if r[1] == "range" and r[7]), None)
-        if parent is None:  # a root: name it and everything under it from named_modules
-            prefix = "model" if self._roots == 0 else f"model{self._roots}"
+        def step(optimizer, update, args):
+            nonlocal depth, op_open
+            if get_ident() != tid:
+                return update(*args)
+            be, param, grad, state, _ = args
+            sync = syncs[be]
+            if sync is not None:
+                sync()
+            d, outer = depth, op_open
+            depth, op_open = d + 1, True
+            start = pc()
+            try:
+                new = update(*args)
+            finally:
+                if sync is not None:
+                    sync()
+                end = pc()
+                depth, op_open = d, outer
+            append(
+                (
+                    "optimizer",
+                    type(optimizer),
+                    be,
+                    start - t0,
+                    end - start,
+                    d,
+                    signature((param, grad)),
+                    signature(tuple(state)),
+                )
+            )
+            return new
+
+        def acquired(pool, out, nbytes):
+            if get_ident() == tid:
+                pool_append((pc() - t0, pool._on_host, out.shape, out.dtype, pool._bytes_in_use, depth))
+            return out
+
+        def not_acquired(pool, out, nbytes):
+            return out
+
+        def module(mod, args, kwargs):
+            nonlocal depth
+            if get_ident() != tid:
+                return mod.forward(*args, **kwargs)
+            known = names.get(id(mod))
+            if known is None or known[0] is not mod:
+                known = module_name(mod, module_stack)
+            name = known[1]
+            d = depth
+            depth = d + 1
+            module_stack.append(known)
+            start = pc()
+            try:
+                return mod.forward(*args, **kwargs)
+            finally:
+                if range_sync is not None:
+                    range_sync()
+                end = pc()
+                depth = d
+                module_stack.pop()
+                append(("range", name, None, start - t0, end - start, d))
+
+        def range_(name):  # a generator: range() makes it a context manager
+            nonlocal depth
+            d = depth
+            depth = d + 1
+            start = pc()
+            try:
+                yield
+            finally:
+                if range_sync is not None:
+                    range_sync()
+                end = pc()
+                depth = d
+                append(("range", name, None, start - t0, end - start, d))
+
+        return (
+            forward,
+            backward,
+            array_op,
+            step,
+            acquired if self.profile_memory else not_acquired,
+            module,
+            range_,
+        )
+
+    def _module_name(self, mod: Any, module_stack: list[tuple[Any, str]]) -> tuple[Any, str]:
+        """The ``(module, name)`` entry of a module first seen in this profile. A root (called
+        from no module) is ``model`` (``model1``, ... for later roots); a module called from
+        another is named by its path from that one: its attribute name among the caller's
+        children, else its dotted path in the caller's tree (a block of a ModuleList the caller
+        indexes), else the caller's name and its type's. Only the caller's children are looked
+        at first: walking a whole tree on every profile cost the MLP step about 4 us."""
+        if not module_stack:
+            name = "model" if self._roots == 0 else f"model{self._roots}"
             self._roots += 1
-            for name, sub in mod.named_modules(prefix):
-                self._module_names.setdefault(id(sub), (sub, name))
-            known = self._module_names[id(mod)]
-            if known[0] is mod:
-                return known[1]
-            self._module_names[id(mod)] = (mod, prefix)
-            return prefix
-        name = f"{parent}.{type(mod).__name__}"  # a module outside the root's tree
-        self._module_names[id(mod)] = (mod, name)
-        return name
+        else:
+            parent, parent_name = module_stack[-1]
+            name = next((f"{parent_name}.{key}" for key, sub in parent.named_children() if sub is mod), None)
+            if name is None:
+                name = next(
+                    (path for path, sub in parent.named_modules(parent_name) if sub is mod),
+                    f"{parent_name}.{type(mod).__name__}",
+                )
+        entry = self._module_names[id(mod)] = (mod, name)
+        return entry
 
-    @contextlib.contextmanager
-    def range(self, name: str) -> Iterator[None]:
-        """A range named ``name`` around the block (:func:`record_function`)."""
-        r = self._open(name, "range", _NO_BACKEND, None)
-        try:
-            yield
-        finally:
-            self._close(r, self._range_sync)
+    def range(self, name: str) -> contextlib.AbstractContextManager:
+        """A range named ``name`` around the block (:func:`record_function`), while active."""
+        return contextlib.contextmanager(self._range)(name)
 
     # -- results
 
