@@ -907,6 +907,36 @@ def test_clip_grad_norm_matches_torch(grad_backend, norm_type, max_norm):
         np.testing.assert_allclose(p.grad.numpy(), tp.grad.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend_name", ["numpy", "numba"])
+def test_clip_grad_norm_sums_squares_in_float64_blocks(monkeypatch, backend_name):
+    # The host backends accumulate in float64; a float64 copy of each gradient (and its square)
+    # took 4x its float32 bytes at the GPT step's peak. Blocks of clip._SQUARES_BLOCK elements now.
+    from taifuse import pool
+    from taifuse.optim import clip
+
+    if backend_name not in taifuse.available_backends():
+        pytest.skip(f"{backend_name} is not installed")
+    shapes = [(3 * clip._SQUARES_BLOCK + 5,), (7, 3), (1,)]
+    rng = np.random.default_rng(4)
+    grads = [(rng.standard_normal(s) * 1e3).astype(np.float32) for s in shapes]
+    requests = []
+    acquire = pool.BufferPool.acquire
+
+    def recording(self, shape, dtype, *, zero=False):
+        requests.append((math.prod(shape), np.dtype(dtype)))
+        return acquire(self, shape, dtype, zero=zero)
+
+    with taifuse.use_backend(backend_name):
+        params = [taifuse.tensor(np.zeros(s, np.float32), requires_grad=True) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = taifuse.tensor(g)
+        monkeypatch.setattr(pool.BufferPool, "acquire", recording)
+        total = optim.clip_grad_norm_(params, 1.0)
+    assert max(n for n, dt in requests if dt == np.float64) <= clip._SQUARES_BLOCK
+    want = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads))
+    assert total.item() == np.float32(want)
+
+
 @needs_torch
 @pytest.mark.parametrize("norm_type", [float("inf"), 2.0, 1.0])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
