@@ -105,14 +105,14 @@ def test_retain_graph_still_backwards_twice_and_a_third_time_refuses(backend):
         raise AssertionError("a third backward through a freed graph should raise")
 
 
-def _count_acquired(monkeypatch, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The buffers of ``shape`` any pool hands out from now on (their shapes, one per request)."""
-    seen: list[tuple[int, ...]] = []
+def _count_acquired(monkeypatch, shape: tuple[int, ...]) -> list[np.dtype]:
+    """The buffers of ``shape`` any pool hands out from now on (their dtypes, one per request)."""
+    seen: list[np.dtype] = []
     acquire = pool.BufferPool.acquire
 
     def counting(self, shp, dtype, *, zero=False):
         if tuple(map(int, shp)) == shape:
-            seen.append(tuple(shp))
+            seen.append(np.dtype(dtype))
         return acquire(self, shp, dtype, zero=zero)
 
     monkeypatch.setattr(pool.BufferPool, "acquire", counting)
@@ -153,3 +153,36 @@ def test_a_piece_and_the_whole_read_together_get_their_gradients_summed(backend)
     xv = x.numpy()
     want = 2.0 + 2 * xv + np.concatenate([np.full((6, 3), 3.0), np.full((6, 5), 5.0)], axis=1)
     np.testing.assert_allclose(x.grad.numpy(), want.astype(np.float32), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_linear_backward_takes_grad_pre_scratch_only_where_its_kernel_writes_it(
+    grad_backend, monkeypatch, dtype, activation
+):
+    # The autograd op passes grad_pre=None; before it handed every backend an (N, M) array that
+    # numba leaves unwritten without an activation and on its float16 path (the GPT step's
+    # c_attn: 3 MiB in float32). The gradients are those of the kernels given the scratch.
+    rows, k, m = 48, 16, 40
+    rng = np.random.default_rng(8)
+    x = taifuse.tensor(rng.standard_normal((rows, k)).astype(dtype), requires_grad=True)
+    w = taifuse.tensor((rng.standard_normal((m, k)) / 4).astype(dtype), requires_grad=True)
+    b = taifuse.tensor(rng.standard_normal(m).astype(dtype), requires_grad=True)
+    g = taifuse.tensor(rng.standard_normal((rows, m)).astype(dtype))
+    y = F.linear(x, w, b, activation=activation)
+    seen = _count_acquired(monkeypatch, (rows, m))
+    y.backward(g)
+    seen = [d for d in seen if d == np.dtype(dtype)]  # numba's float16 blocks are float32 scratch
+    writes = grad_backend.param.startswith("taichi") or (
+        grad_backend.param == "numba" and activation is not None and dtype == np.float32
+    )
+    assert len(seen) == int(writes), seen
+    from taifuse.backends import reference as ref
+
+    wide = [a.numpy().astype(np.float64) for a in (x, w, b, g)]
+    pre = wide[0] @ wide[1].T + wide[2]
+    want = [np.empty((rows, k)), np.empty((m, k)), np.empty(m)]
+    ref.linear_act_backward(wide[0], wide[1], pre, wide[3], activation, None, *want)
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    for got, expect in zip((x.grad, w.grad, b.grad), want):
+        np.testing.assert_allclose(got.numpy().astype(np.float64), expect, rtol=tol, atol=tol)

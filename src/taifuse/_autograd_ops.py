@@ -322,7 +322,7 @@ class _Linear(_Op):
             None if self.pre is None else self.pre.reshape(rows, out_features),
             g.reshape(rows, out_features),
             self.activation,
-            _empty(be, (rows, out_features), x.dtype),
+            None,  # grad_pre: the kernel takes scratch where it needs it (none on numba's float16 path)
             None if gx is None else gx.reshape(rows, in_features),
             gw,
             gb,

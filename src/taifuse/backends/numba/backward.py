@@ -452,7 +452,7 @@ def linear_act_backward(
     pre: np.ndarray | None,
     grad_out: np.ndarray,
     activation: str | None,
-    grad_pre: np.ndarray,
+    grad_pre: np.ndarray | None,
     grad_x: np.ndarray | None,
     grad_w: np.ndarray | None,
     grad_b: np.ndarray | None,
@@ -462,7 +462,8 @@ def linear_act_backward(
     float16: grad_pre is formed in float32 a row chunk at a time and the products run in float32
     on blocks of ``x`` and ``w`` converted in scratch from the host pool (NOTE [ float16 products
     in blocks ]), and ``grad_pre`` is not written. With ``activation=None`` grad_pre is grad_out
-    itself and ``grad_pre`` is left untouched.
+    itself and ``grad_pre`` is left untouched. ``grad_pre=None``: scratch from the pool only where
+    it is written.
     """
     op = int(activation_code(activation))
     if x.dtype == np.float16:
@@ -471,6 +472,8 @@ def linear_act_backward(
     gp = grad_pre
     if op == _IDENTITY:
         gp = grad_out
+    elif gp is None:
+        gp = pool.host_pool().acquire(grad_out.shape, grad_out.dtype)
     par = _jit._epilogue_parallel(grad_out.size)  # NOTE [ Serial epilogue between BLAS calls ] in _jit.py
     if op != _IDENTITY:
         epilogue = _linear_epilogue_parallel if par else _linear_epilogue_serial

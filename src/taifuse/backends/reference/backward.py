@@ -164,7 +164,7 @@ def linear_act_backward(
     pre: np.ndarray | None,
     grad_out: np.ndarray,
     activation: str | None,
-    grad_pre: np.ndarray,
+    grad_pre: np.ndarray | None,
     grad_x: np.ndarray | None,
     grad_w: np.ndarray | None,
     grad_b: np.ndarray | None,
@@ -175,13 +175,15 @@ def linear_act_backward(
     grad_b[m] = sum_n grad_pre[n, m]; then two matrix products give grad_x = grad_pre @ w
     ``(N, K)`` and grad_w = grad_pre.T @ x ``(M, K)``. ``pre`` may be ``None`` when ``activation``
     is ``None``; for ``'relu'`` it may be the forward output. ``grad_pre`` ``(N, M)`` (dtype of
-    ``x``) is scratch the caller provides for that intermediate; its content afterwards is
-    unspecified (here it holds grad_pre; the products use the unrounded float64 values).
+    ``x``) is scratch the caller may provide for that intermediate, or ``None``: the kernel then
+    takes what scratch it needs from the pool (none where it has no use for it: no activation, or
+    numba's float16 blocks). Its content afterwards is unspecified (here it holds grad_pre; the
+    products use the unrounded float64 values).
     """
     g = _f64(grad_out)
     if activation is not None:
         g = g * _activation_grad(_f64(pre), activation)
-    _store(grad_pre, g)
+    _store_opt(grad_pre, g)
     _store_opt(grad_b, g.sum(axis=0))
     _store_opt(grad_x, g @ _f64(w))
     _store_opt(grad_w, g.T @ _f64(x))

@@ -645,6 +645,8 @@ def linear_act_backward(
 ) -> None:
     rows, cols = grad_out.shape
     chunks = _chunks(rows)
+    if grad_pre is None:
+        grad_pre = _new((rows, cols), x.dtype)
     partial = _new((chunks, cols), np.float32) if grad_b is not None else None
     kernels_for(x.dtype).bias_act_backward(
         _optional(pre, x.dtype),
