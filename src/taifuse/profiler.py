@@ -406,7 +406,6 @@ class _SyncOf(dict):
 
 
 _SYNCS = {True: _SyncOf(True), False: _SyncOf(False)}  # by profile(sync=...)
-_HOOKS = ("forward", "backward", "array_op", "step", "acquired", "module", "_range")
 
 
 def _self_times(events: list[ProfilerEvent]) -> None:
@@ -421,6 +420,245 @@ def _self_times(events: list[ProfilerEvent]) -> None:
         if stack and stack[-1].depth == ev.depth - 1:
             stack[-1].self_ns -= ev.duration_ns
         stack.append(ev)
+
+
+class _Recorder:
+    """What the hook sites call while a profile runs (NOTE [ Profiler hooks ]): the value of
+    ``_profile_hook.ACTIVE``. One per process (profiles do not nest), bound to the running
+    profile by :meth:`profile.start` and unbound by :meth:`profile.stop`."""
+
+    __slots__ = (
+        "_mine",
+        "acquired",
+        "array_op",
+        "backward",
+        "bind",
+        "forward",
+        "module",
+        "profile",
+        "range",
+        "step",
+    )
+
+
+@functools.cache
+def _recorder() -> _Recorder:
+    """The process's recorder: closures over one set of state that ``bind`` points at a profile.
+
+    NOTE: they run once per op, range or acquisition of a profiled step, and every Python
+    operation in them is the step's time (goal: at most 10% on the MLP step): they read closure
+    cells, not attributes; one tuple is appended per event and nothing is updated after (NOTE
+    [ Raw records ]). They are made once per process, not per profile: making them cost a
+    profile's start about 1.4 us, and the bench enters a profile around every step.
+    """
+    get_ident, pc, active = threading.get_ident, time.perf_counter_ns, backends.active
+    array_types, scalars, other = _ARRAY_TYPES, _SCALARS, _other
+    # The bound profile's state; tid None (unbound) makes every hook pass its call through.
+    tid: int | None = None
+    append: Callable = _discard
+    pool_append: Callable = _discard
+    syncs: dict = {}
+    range_sync: Callable | None = None
+    names: dict = {}
+    module_stack: list = []
+    module_name: Callable | None = None
+    depth, op_open = 0, False  # nesting of the open events; an op (or backward, update) is open
+
+    def bind(prof):
+        nonlocal tid, append, pool_append, syncs, range_sync, names, module_stack, module_name
+        nonlocal depth, op_open
+        rec.profile = prof
+        depth, op_open, module_stack = 0, False, []
+        if prof is None:
+            tid, append, pool_append, names, module_name = None, _discard, _discard, {}, None
+            rec.acquired = not_acquired
+            return
+        tid, append, pool_append = prof._tid, prof._raw.append, prof._pool_raw.append
+        syncs, range_sync = _SYNCS[prof.sync], prof._range_sync
+        names, module_name = prof._module_names, prof._module_name
+        rec.acquired = acquired if prof.profile_memory else not_acquired
+
+    def mine():
+        return get_ident() == tid
+
+    def signature(args):  # _raw_signature with locals; a list (no tuple() copy), never changed
+        sig = []
+        for v in args:
+            t = type(v)
+            sig.append((v.shape, v.dtype) if t in array_types else v if t in scalars else other(v))
+        return sig
+
+    def forward(ctx, arrays, kwargs):
+        nonlocal depth, op_open
+        if get_ident() != tid:
+            return ctx.forward(*arrays, **kwargs)
+        be = ctx.be
+        sig = []  # signature(), inlined: the hook that runs most often
+        for v in (*arrays, *kwargs.values()) if kwargs else arrays:
+            t = type(v)
+            sig.append((v.shape, v.dtype) if t in array_types else v if t in scalars else other(v))
+        ctx._profile_signature = sig
+        sync = syncs[be]
+        if sync is not None:
+            sync()
+        d, outer = depth, op_open
+        depth, op_open = d + 1, True
+        start = pc()
+        try:
+            out = ctx.forward(*arrays, **kwargs)
+        except BaseException:
+            depth, op_open = d, outer
+            append(("op", type(ctx), be, start, pc() - start, d, sig, False))
+            raise
+        if sync is not None:
+            sync()
+        end = pc()
+        depth, op_open = d, outer
+        osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
+        append(("op", type(ctx), be, start, end - start, d, sig, osig))
+        return out
+
+    def backward(ctx, grad):
+        nonlocal depth, op_open
+        if get_ident() != tid:
+            return ctx.backward(grad)
+        be = ctx.be
+        sync = syncs[be]
+        if sync is not None:
+            sync()
+        d, outer = depth, op_open
+        depth, op_open = d + 1, True
+        start = pc()
+        try:
+            grads = ctx.backward(grad)
+        except BaseException:
+            depth, op_open = d, outer
+            append(("backward", type(ctx), be, start, pc() - start, d, None, None))
+            raise
+        if sync is not None:
+            sync()
+        end = pc()
+        depth, op_open = d, outer
+        written = []  # a gradient passed through as it came (add's) is neither read nor written
+        for x in grads:
+            if x is not None and x is not grad:
+                written.append((x.shape, x.dtype) if type(x) in array_types else other(x))
+        gsig = ((grad.shape, grad.dtype) if type(grad) in array_types else other(grad),)
+        fsig = getattr(ctx, "_profile_signature", ())
+        append(("backward", type(ctx), be, start, end - start, d, gsig, written, ctx.needs_grad, fsig))
+        return grads
+
+    def array_op(name, fn, args, kwargs):
+        nonlocal depth, op_open
+        if op_open or get_ident() != tid:  # inside an autograd op: recorded there
+            return fn(*args, **kwargs)
+        be = active()
+        sig = signature(_bind(fn, args, kwargs)[0])
+        sync = syncs[be]
+        if sync is not None:
+            sync()
+        d, depth, op_open = depth, depth + 1, True
+        start = pc()
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            depth, op_open = d, False
+            append(("op", name, be, start, pc() - start, d, sig, False))
+            raise
+        if sync is not None:
+            sync()
+        end = pc()
+        depth, op_open = d, False
+        osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
+        append(("op", name, be, start, end - start, d, sig, osig))
+        return out
+
+    def step(optimizer, update, args):
+        nonlocal depth, op_open
+        if get_ident() != tid:
+            return update(*args)
+        be, param, grad, state, _ = args
+        sync = syncs[be]
+        if sync is not None:
+            sync()
+        d, outer = depth, op_open
+        depth, op_open = d + 1, True
+        start = pc()
+        try:
+            new = update(*args)
+        finally:
+            if sync is not None:
+                sync()
+            end = pc()
+            depth, op_open = d, outer
+        append(
+            (
+                "optimizer",
+                type(optimizer),
+                be,
+                start,
+                end - start,
+                d,
+                signature((param, grad)),
+                signature(tuple(state)),
+            )
+        )
+        return new
+
+    def acquired(pool, out, nbytes):
+        if get_ident() == tid:
+            pool_append((pc(), pool, out.shape, out.dtype, pool._bytes_in_use, depth))
+        return out
+
+    def not_acquired(pool, out, nbytes):
+        return out
+
+    def module(mod, args, kwargs):
+        nonlocal depth
+        if get_ident() != tid:
+            return mod.forward(*args, **kwargs)
+        known = names.get(id(mod))
+        if known is None or known[0] is not mod:
+            known = module_name(mod, module_stack)
+        name = known[1]
+        d = depth
+        depth = d + 1
+        module_stack.append(known)
+        start = pc()
+        try:
+            return mod.forward(*args, **kwargs)
+        finally:
+            if range_sync is not None:
+                range_sync()
+            end = pc()
+            depth = d
+            module_stack.pop()
+            append(("range", name, None, start, end - start, d))
+
+    def range_(name):  # a generator: range() makes it a context manager
+        nonlocal depth
+        d = depth
+        depth = d + 1
+        start = pc()
+        try:
+            yield
+        finally:
+            if range_sync is not None:
+                range_sync()
+            end = pc()
+            depth = d
+            append(("range", name, None, start, end - start, d))
+
+    rec = _Recorder()
+    rec.forward, rec.backward, rec.array_op, rec.step = forward, backward, array_op, step
+    rec.module, rec._mine, rec.bind = module, mine, bind
+    rec.range = lambda name: contextlib.contextmanager(range_)(name)
+    bind(None)
+    return rec
+
+
+def _discard(record: Any) -> None:
+    pass
 
 
 class profile:
@@ -501,35 +739,39 @@ class profile:
         if self._range_sync is not None:
             self._range_sync()
         self._t0 = time.perf_counter_ns()
-        self.__dict__.update(zip(_HOOKS, self._hooks()))
-        _profile_hook.ACTIVE = self
+        rec = _recorder()
+        rec.bind(self)
+        _profile_hook.ACTIVE = rec
 
     def stop(self) -> None:
-        if _profile_hook.ACTIVE is self:
+        rec = _profile_hook.ACTIVE
+        if rec is not None and rec.profile is self:
             if self._range_sync is not None:
                 self._range_sync()
             self.wall_ns = time.perf_counter_ns() - self._t0
             _profile_hook.ACTIVE = None
+            rec.bind(None)
             self._module_names.clear()
-            for name in _HOOKS:  # the hooks hold the profile (a cycle): drop them
-                self.__dict__.pop(name, None)
 
     # NOTE [ Raw records ]
     # While a profile runs, each op, backward, optimizer update and range is one tuple appended to
     # the profile when it ends: (kind, op class or name, backend module, start, duration, depth,
     # then what its cost needs: the raw signatures of its arrays, (shape, dtype) pairs), and each
-    # pool acquisition a tuple (time, host?, shape, dtype, bytes in use, depth). Nothing else is
-    # done during the step: op names, backend names, dtype names, ProfilerEvents, costs and self
-    # times (from the nesting: a parent's duration less its direct children's) are made when the
-    # results are first read (events(), key_averages(), export_chrome_trace()), so that a profiled
-    # step holds as little of the profiler's own work as possible. The hooks are closures built
-    # in start() over the profile's state (NOTE [ Profiler hooks ]): they read locals, not
-    # attributes, and mutate no record once appended.
+    # pool acquisition a tuple (time, the pool, shape, dtype, bytes in use, depth); times are raw
+    # perf_counter_ns readings. Nothing else is done during the step: times from the profile's
+    # start, op names, backend names, dtype names, ProfilerEvents, costs and self times (from the
+    # nesting: a parent's duration less its direct children's) are made when the results are
+    # first read (events(), key_averages(), export_chrome_trace()), so that a profiled step holds
+    # as little of the profiler's own work as possible. The hooks are closures built in start()
+    # over the profile's state (NOTE [ Profiler hooks ]): they read locals, not attributes, and
+    # change no record once appended. Records are tuples, not lists: nothing updates them, and a
+    # tuple is smaller and quicker to build.
 
     def _materialize(self) -> list[ProfilerEvent]:
         new = self._done < len(self._raw)
         for r in self._raw[self._done :]:
             kind, who, be, start, dur, depth = r[:6]
+            start -= self._t0
             if kind == "range":
                 self._events.append(ProfilerEvent(who, kind, "", "", start, dur, depth=depth))
                 continue
@@ -558,8 +800,9 @@ class profile:
                 )
             self._events.append(ev)
         self._done = len(self._raw)
-        for now, on_host, shape, dtype, in_use, depth in self._pool_raw:
-            ev = ProfilerEvent("pool.acquire", "pool", "host" if on_host else "device", "", now, depth=depth)
+        for now, pool, shape, dtype, in_use, depth in self._pool_raw:
+            where = "host" if pool._on_host else "device"
+            ev = ProfilerEvent("pool.acquire", "pool", where, "", now - self._t0, depth=depth)
             if self.record_shapes:
                 ev.shapes, ev.dtypes = (tuple(shape),), (str(dtype),)
             ev.pool_bytes_in_use, ev.cost = in_use, Cost(0, 0, 0)
@@ -580,202 +823,6 @@ class profile:
             info = self._backends[id(be)] = (name, str(arch), sync)
         return info
 
-    def _mine(self) -> bool:
-        return threading.get_ident() == self._tid
-
-    def _hooks(self) -> tuple:
-        """The hooks of this profile, in :data:`_HOOKS`'s order: closures over its state.
-
-        NOTE: they run once per op, range or acquisition of a profiled step, and every Python
-        operation in them is the step's time (goal: at most 10% on the MLP step): no attribute
-        reads of the profile, no bound methods, one tuple appended per event, nothing updated
-        after (NOTE [ Raw records ]).
-        """
-        append, pool_append = self._raw.append, self._pool_raw.append
-        get_ident, tid, pc, t0 = threading.get_ident, self._tid, time.perf_counter_ns, self._t0
-        syncs, range_sync, active = _SYNCS[self.sync], self._range_sync, backends.active
-        array_types, scalars, other = _ARRAY_TYPES, _SCALARS, _other
-        names, module_stack, module_name = self._module_names, [], self._module_name
-        depth, op_open = 0, False  # nesting of the open events; an op (or backward, update) is open
-
-        # NOTE: the inner functions carry no annotations: each one costs its creation (every
-        # start()) about 0.15 us. A signature is a list (no tuple() copy), never changed once made.
-        def signature(args):  # _raw_signature, with this profile's locals
-            sig = []
-            for v in args:
-                t = type(v)
-                sig.append((v.shape, v.dtype) if t in array_types else v if t in scalars else other(v))
-            return sig
-
-        def forward(ctx, arrays, kwargs):
-            nonlocal depth, op_open
-            if get_ident() != tid:
-                return ctx.forward(*arrays, **kwargs)
-            be = ctx.be
-            sig = ctx._profile_signature = signature((*arrays, *kwargs.values()) if kwargs else arrays)
-            sync = syncs[be]
-            if sync is not None:
-                sync()
-            d, outer = depth, op_open
-            depth, op_open = d + 1, True
-            start = pc()
-            try:
-                out = ctx.forward(*arrays, **kwargs)
-            except BaseException:
-                depth, op_open = d, outer
-                append(("op", type(ctx), be, start - t0, pc() - start, d, sig, False))
-                raise
-            if sync is not None:
-                sync()
-            end = pc()
-            depth, op_open = d, outer
-            osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
-            append(("op", type(ctx), be, start - t0, end - start, d, sig, osig))
-            return out
-
-        def backward(ctx, grad):
-            nonlocal depth, op_open
-            if get_ident() != tid:
-                return ctx.backward(grad)
-            be = ctx.be
-            sync = syncs[be]
-            if sync is not None:
-                sync()
-            d, outer = depth, op_open
-            depth, op_open = d + 1, True
-            start = pc()
-            try:
-                grads = ctx.backward(grad)
-            except BaseException:
-                depth, op_open = d, outer
-                append(("backward", type(ctx), be, start - t0, pc() - start, d, None, None))
-                raise
-            if sync is not None:
-                sync()
-            end = pc()
-            depth, op_open = d, outer
-            written = []  # a gradient passed through as it came (add's) is neither read nor written
-            for x in grads:
-                if x is not None and x is not grad:
-                    written.append((x.shape, x.dtype) if type(x) in array_types else other(x))
-            gsig = ((grad.shape, grad.dtype) if type(grad) in array_types else other(grad),)
-            fsig = getattr(ctx, "_profile_signature", ())
-            append(
-                ("backward", type(ctx), be, start - t0, end - start, d, gsig, written, ctx.needs_grad, fsig)
-            )
-            return grads
-
-        def array_op(name, fn, args, kwargs):
-            nonlocal depth, op_open
-            if op_open or get_ident() != tid:  # inside an autograd op: recorded there
-                return fn(*args, **kwargs)
-            be = active()
-            sig = signature(_bind(fn, args, kwargs)[0])
-            sync = syncs[be]
-            if sync is not None:
-                sync()
-            d, depth, op_open = depth, depth + 1, True
-            start = pc()
-            try:
-                out = fn(*args, **kwargs)
-            except BaseException:
-                depth, op_open = d, False
-                append(("op", name, be, start - t0, pc() - start, d, sig, False))
-                raise
-            if sync is not None:
-                sync()
-            end = pc()
-            depth, op_open = d, False
-            osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
-            append(("op", name, be, start - t0, end - start, d, sig, osig))
-            return out
-
-        def step(optimizer, update, args):
-            nonlocal depth, op_open
-            if get_ident() != tid:
-                return update(*args)
-            be, param, grad, state, _ = args
-            sync = syncs[be]
-            if sync is not None:
-                sync()
-            d, outer = depth, op_open
-            depth, op_open = d + 1, True
-            start = pc()
-            try:
-                new = update(*args)
-            finally:
-                if sync is not None:
-                    sync()
-                end = pc()
-                depth, op_open = d, outer
-            append(
-                (
-                    "optimizer",
-                    type(optimizer),
-                    be,
-                    start - t0,
-                    end - start,
-                    d,
-                    signature((param, grad)),
-                    signature(tuple(state)),
-                )
-            )
-            return new
-
-        def acquired(pool, out, nbytes):
-            if get_ident() == tid:
-                pool_append((pc() - t0, pool._on_host, out.shape, out.dtype, pool._bytes_in_use, depth))
-            return out
-
-        def not_acquired(pool, out, nbytes):
-            return out
-
-        def module(mod, args, kwargs):
-            nonlocal depth
-            if get_ident() != tid:
-                return mod.forward(*args, **kwargs)
-            known = names.get(id(mod))
-            if known is None or known[0] is not mod:
-                known = module_name(mod, module_stack)
-            name = known[1]
-            d = depth
-            depth = d + 1
-            module_stack.append(known)
-            start = pc()
-            try:
-                return mod.forward(*args, **kwargs)
-            finally:
-                if range_sync is not None:
-                    range_sync()
-                end = pc()
-                depth = d
-                module_stack.pop()
-                append(("range", name, None, start - t0, end - start, d))
-
-        def range_(name):  # a generator: range() makes it a context manager
-            nonlocal depth
-            d = depth
-            depth = d + 1
-            start = pc()
-            try:
-                yield
-            finally:
-                if range_sync is not None:
-                    range_sync()
-                end = pc()
-                depth = d
-                append(("range", name, None, start - t0, end - start, d))
-
-        return (
-            forward,
-            backward,
-            array_op,
-            step,
-            acquired if self.profile_memory else not_acquired,
-            module,
-            range_,
-        )
-
     def _module_name(self, mod: Any, module_stack: list[tuple[Any, str]]) -> tuple[Any, str]:
         """The ``(module, name)`` entry of a module first seen in this profile. A root (called
         from no module) is ``model`` (``model1``, ... for later roots); a module called from
@@ -788,7 +835,11 @@ class profile:
             self._roots += 1
         else:
             parent, parent_name = module_stack[-1]
-            name = next((f"{parent_name}.{key}" for key, sub in parent.named_children() if sub is mod), None)
+            name = None
+            for key, sub in parent._modules.items():  # named_children(), without its generator
+                if sub is mod:
+                    name = f"{parent_name}.{key}"
+                    break
             if name is None:
                 name = next(
                     (path for path, sub in parent.named_modules(parent_name) if sub is mod),
@@ -799,7 +850,8 @@ class profile:
 
     def range(self, name: str) -> contextlib.AbstractContextManager:
         """A range named ``name`` around the block (:func:`record_function`), while active."""
-        return contextlib.contextmanager(self._range)(name)
+        rec = _profile_hook.ACTIVE
+        return rec.range(name) if rec is not None and rec.profile is self else contextlib.nullcontext()
 
     # -- results
 
