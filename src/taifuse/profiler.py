@@ -460,15 +460,15 @@ def _recorder() -> _Recorder:
     syncs: dict = {}
     range_sync: Callable | None = None
     names: dict = {}
-    module_stack: list = []
+    caller: tuple | None = None  # the (module, name) entry of the innermost module call open
     module_name: Callable | None = None
     depth, op_open = 0, False  # nesting of the open events; an op (or backward, update) is open
 
     def bind(prof):
-        nonlocal tid, append, pool_append, syncs, range_sync, names, module_stack, module_name
+        nonlocal tid, append, pool_append, syncs, range_sync, names, caller, module_name
         nonlocal depth, op_open
         rec.profile = prof
-        depth, op_open, module_stack = 0, False, []
+        depth, op_open, caller = 0, False, None
         if prof is None:
             tid, append, pool_append, names, module_name = None, _discard, _discard, {}, None
             rec.acquired = not_acquired
@@ -614,16 +614,15 @@ def _recorder() -> _Recorder:
         return out
 
     def module(mod, args, kwargs):
-        nonlocal depth
+        nonlocal depth, caller
         if get_ident() != tid:
             return mod.forward(*args, **kwargs)
         known = names.get(id(mod))
         if known is None or known[0] is not mod:
-            known = module_name(mod, module_stack)
+            known = module_name(mod, caller)
         name = known[1]
-        d = depth
-        depth = d + 1
-        module_stack.append(known)
+        d, outer = depth, caller
+        depth, caller = d + 1, known
         start = pc()
         try:
             return mod.forward(*args, **kwargs)
@@ -631,8 +630,7 @@ def _recorder() -> _Recorder:
             if range_sync is not None:
                 range_sync()
             end = pc()
-            depth = d
-            module_stack.pop()
+            depth, caller = d, outer
             append(("range", name, None, start, end - start, d))
 
     def range_(name):  # a generator: range() makes it a context manager
@@ -823,18 +821,18 @@ class profile:
             info = self._backends[id(be)] = (name, str(arch), sync)
         return info
 
-    def _module_name(self, mod: Any, module_stack: list[tuple[Any, str]]) -> tuple[Any, str]:
+    def _module_name(self, mod: Any, caller: tuple[Any, str] | None) -> tuple[Any, str]:
         """The ``(module, name)`` entry of a module first seen in this profile. A root (called
         from no module) is ``model`` (``model1``, ... for later roots); a module called from
         another is named by its path from that one: its attribute name among the caller's
         children, else its dotted path in the caller's tree (a block of a ModuleList the caller
         indexes), else the caller's name and its type's. Only the caller's children are looked
         at first: walking a whole tree on every profile cost the MLP step about 4 us."""
-        if not module_stack:
+        if caller is None:
             name = "model" if self._roots == 0 else f"model{self._roots}"
             self._roots += 1
         else:
-            parent, parent_name = module_stack[-1]
+            parent, parent_name = caller
             name = None
             for key, sub in parent._modules.items():  # named_children(), without its generator
                 if sub is mod:
