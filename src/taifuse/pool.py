@@ -365,7 +365,7 @@ class BufferPool:
         elif self.fill_on_reuse is not None:
             allocator.fill(out, self.fill_on_reuse)
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
-        return out if rec is None else rec.acquired(self, out, block.nbytes)
+        return out if rec is None else rec.acquired(self, out, shape, dtype)
 
     # -- internals (called with the lock held unless said otherwise)
 

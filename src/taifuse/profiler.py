@@ -514,8 +514,9 @@ def _recorder() -> _Recorder:
             sync()
         end = pc()
         depth, op_open = d, outer
-        osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
-        append(("op", type(ctx), be, start, end - start, d, sig, osig))
+        # What it wrote: bytes, not a signature (one attribute read, no tuples).
+        written = out.nbytes if type(out) in array_types else _raw_bytes((other(out),))
+        append(("op", type(ctx), be, start, end - start, d, sig, written))
         return out
 
     def backward(ctx, grad):
@@ -539,10 +540,10 @@ def _recorder() -> _Recorder:
             sync()
         end = pc()
         depth, op_open = d, outer
-        written = []  # a gradient passed through as it came (add's) is neither read nor written
+        written = 0  # bytes; a gradient passed through as it came (add's) is neither read nor written
         for x in grads:
             if x is not None and x is not grad:
-                written.append((x.shape, x.dtype) if type(x) in array_types else other(x))
+                written += x.nbytes if type(x) in array_types else _raw_bytes((other(x),))
         gsig = ((grad.shape, grad.dtype) if type(grad) in array_types else other(grad),)
         fsig = getattr(ctx, "_profile_signature", ())
         append(("backward", type(ctx), be, start, end - start, d, gsig, written, ctx.needs_grad, fsig))
@@ -569,8 +570,8 @@ def _recorder() -> _Recorder:
             sync()
         end = pc()
         depth, op_open = d, False
-        osig = (out.shape, out.dtype) if type(out) in array_types else other(out)
-        append(("op", name, be, start, end - start, d, sig, osig))
+        written = out.nbytes if type(out) in array_types else _raw_bytes((other(out),))
+        append(("op", name, be, start, end - start, d, sig, written))
         return out
 
     def step(optimizer, update, args):
@@ -599,18 +600,17 @@ def _recorder() -> _Recorder:
                 start,
                 end - start,
                 d,
-                signature((param, grad)),
-                signature(tuple(state)),
+                signature((param, grad, *state)),  # param, grad, then the state's fields
             )
         )
         return new
 
-    def acquired(pool, out, nbytes):
+    def acquired(pool, out, shape, dtype):  # shape and dtype as the pool normalized them
         if get_ident() == tid:
-            pool_append((pc(), pool, out.shape, out.dtype, pool._bytes_in_use, depth))
+            pool_append((pc(), pool, shape, dtype, pool._bytes_in_use, depth))
         return out
 
-    def not_acquired(pool, out, nbytes):
+    def not_acquired(pool, out, shape, dtype):
         return out
 
     def module(mod, args, kwargs):
@@ -754,8 +754,9 @@ class profile:
     # NOTE [ Raw records ]
     # While a profile runs, each op, backward, optimizer update and range is one tuple appended to
     # the profile when it ends: (kind, op class or name, backend module, start, duration, depth,
-    # then what its cost needs: the raw signatures of its arrays, (shape, dtype) pairs), and each
-    # pool acquisition a tuple (time, the pool, shape, dtype, bytes in use, depth); times are raw
+    # then what its cost needs: the raw signatures of its inputs, (shape, dtype) pairs, and the
+    # bytes it wrote, an int read off its results), and each pool acquisition a tuple (time, the
+    # pool, shape, dtype as the pool normalized them, bytes in use, depth); times are raw
     # perf_counter_ns readings. Nothing else is done during the step: times from the profile's
     # start, op names, backend names, dtype names, ProfilerEvents, costs and self times (from the
     # nesting: a parent's duration less its direct children's) are made when the results are
@@ -777,6 +778,7 @@ class profile:
             sig = r[6]
             if kind == "optimizer":
                 name = _step_name(who)
+                sig, state_raw = sig[:2], sig[2:]
             else:
                 name = who if type(who) is str else _op_name(who)
                 if kind == "backward":
@@ -787,14 +789,13 @@ class profile:
                 ev.shapes, ev.dtypes = split[0], tuple(None if d is None else str(d) for d in split[1])
             if kind == "optimizer":  # read param, grad, state; write param, state
                 param_bytes, grad_bytes = (_raw_bytes((item,)) for item in sig)
-                ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, _raw_bytes(r[7]))
+                ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, _raw_bytes(state_raw))
             elif kind == "op" and r[7] is not False:
-                ev.cost = _cost_of(name, "forward", split, _raw_bytes((r[7],)), (), 0)
+                ev.cost = _cost_of(name, "forward", split, r[7], (), 0)
             elif kind == "backward" and r[7] is not None:
-                grads_raw, needs_grad, forward_sig = r[7:10]
-                out_bytes, grad_bytes = _raw_bytes(grads_raw), _raw_bytes(sig)
+                out_bytes, needs_grad, forward_sig = r[7:10]
                 ev.cost = _cost_of(
-                    name, "backward", _split(forward_sig), out_bytes, tuple(needs_grad), grad_bytes
+                    name, "backward", _split(forward_sig), out_bytes, tuple(needs_grad), _raw_bytes(sig)
                 )
             self._events.append(ev)
         self._done = len(self._raw)
