@@ -508,7 +508,7 @@ def _recorder() -> _Recorder:
             out = ctx.forward(*arrays, **kwargs)
         except BaseException:
             depth, op_open = d, outer
-            append(("op", type(ctx), be, start, pc() - start, d, sig, False))
+            append(("op", type(ctx), be, start, pc(), d, sig, False))
             raise
         if sync is not None:
             sync()
@@ -516,7 +516,7 @@ def _recorder() -> _Recorder:
         depth, op_open = d, outer
         # What it wrote: bytes, not a signature (one attribute read, no tuples).
         written = out.nbytes if type(out) in array_types else _raw_bytes((other(out),))
-        append(("op", type(ctx), be, start, end - start, d, sig, written))
+        append(("op", type(ctx), be, start, end, d, sig, written))
         return out
 
     def backward(ctx, grad):
@@ -534,7 +534,7 @@ def _recorder() -> _Recorder:
             grads = ctx.backward(grad)
         except BaseException:
             depth, op_open = d, outer
-            append(("backward", type(ctx), be, start, pc() - start, d, None, None))
+            append(("backward", type(ctx), be, start, pc(), d, None, None))
             raise
         if sync is not None:
             sync()
@@ -546,7 +546,7 @@ def _recorder() -> _Recorder:
                 written += x.nbytes if type(x) in array_types else _raw_bytes((other(x),))
         gsig = ((grad.shape, grad.dtype) if type(grad) in array_types else other(grad),)
         fsig = getattr(ctx, "_profile_signature", ())
-        append(("backward", type(ctx), be, start, end - start, d, gsig, written, ctx.needs_grad, fsig))
+        append(("backward", type(ctx), be, start, end, d, gsig, written, ctx.needs_grad, fsig))
         return grads
 
     def array_op(name, fn, args, kwargs):
@@ -564,14 +564,14 @@ def _recorder() -> _Recorder:
             out = fn(*args, **kwargs)
         except BaseException:
             depth, op_open = d, False
-            append(("op", name, be, start, pc() - start, d, sig, False))
+            append(("op", name, be, start, pc(), d, sig, False))
             raise
         if sync is not None:
             sync()
         end = pc()
         depth, op_open = d, False
         written = out.nbytes if type(out) in array_types else _raw_bytes((other(out),))
-        append(("op", name, be, start, end - start, d, sig, written))
+        append(("op", name, be, start, end, d, sig, written))
         return out
 
     def step(optimizer, update, args):
@@ -598,7 +598,7 @@ def _recorder() -> _Recorder:
                 type(optimizer),
                 be,
                 start,
-                end - start,
+                end,
                 d,
                 signature((param, grad, *state)),  # param, grad, then the state's fields
             )
@@ -631,7 +631,7 @@ def _recorder() -> _Recorder:
                 range_sync()
             end = pc()
             depth, caller = d, outer
-            append(("range", name, None, start, end - start, d))
+            append(("range", name, None, start, end, d))
 
     def range_(name):  # a generator: range() makes it a context manager
         nonlocal depth
@@ -645,7 +645,7 @@ def _recorder() -> _Recorder:
                 range_sync()
             end = pc()
             depth = d
-            append(("range", name, None, start, end - start, d))
+            append(("range", name, None, start, end, d))
 
     rec = _Recorder()
     rec.forward, rec.backward, rec.array_op, rec.step = forward, backward, array_op, step
@@ -753,7 +753,7 @@ class profile:
 
     # NOTE [ Raw records ]
     # While a profile runs, each op, backward, optimizer update and range is one tuple appended to
-    # the profile when it ends: (kind, op class or name, backend module, start, duration, depth,
+    # the profile when it ends: (kind, op class or name, backend module, start, end, depth,
     # then what its cost needs: the raw signatures of its inputs, (shape, dtype) pairs, and the
     # bytes it wrote, an int read off its results), and each pool acquisition a tuple (time, the
     # pool, shape, dtype as the pool normalized them, bytes in use, depth); times are raw
@@ -769,8 +769,8 @@ class profile:
     def _materialize(self) -> list[ProfilerEvent]:
         new = self._done < len(self._raw)
         for r in self._raw[self._done :]:
-            kind, who, be, start, dur, depth = r[:6]
-            start -= self._t0
+            kind, who, be, start, end, depth = r[:6]
+            start, dur = start - self._t0, end - start
             if kind == "range":
                 self._events.append(ProfilerEvent(who, kind, "", "", start, dur, depth=depth))
                 continue
