@@ -57,12 +57,13 @@ _F16_MIN_ROWS = 64
 
 def _f16_rows(rows: int, width: int) -> int:
     """Rows per float16 chunk of a product whose widest float32 row has ``width`` elements."""
-    return max(1, min(rows, max(_F16_MIN_ROWS, _F16_BLOCK_BYTES // (4 * width))))
+    # max(width, 1): a product with no input features (K = 0) has rows of zero width.
+    return max(1, min(rows, max(_F16_MIN_ROWS, _F16_BLOCK_BYTES // (4 * max(width, 1)))))
 
 
 def _f16_weight_rows(rows: int, cols: int) -> int:
     """Rows of a ``(rows, cols)`` float16 weight per float32 block (all of them if it fits)."""
-    return max(1, min(rows, _F16_BLOCK_BYTES // (4 * cols)))
+    return max(1, min(rows, _F16_BLOCK_BYTES // (4 * max(cols, 1))))
 
 
 # NOTE [ Serial and parallel kernels ]
