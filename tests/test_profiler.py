@@ -315,6 +315,20 @@ def test_events_read_inside_an_open_range_then_after():
     assert relu.self_ns == relu.duration_ns
 
 
+def test_a_restarted_profile_times_each_run_from_its_own_start():
+    taifuse.set_backend("numpy")
+    x = np.ones(8, np.float32)
+    prof = profile(ceilings=CEILINGS)
+    for _ in range(2):
+        prof.start()
+        F.relu(x)
+        prof.stop()
+    ops = [e for e in prof.events() if e.kind == "op"]
+    assert len(ops) == 2
+    # Each from its own run's start: the first is not timed from the second run's start (negative).
+    assert all(0 <= e.start_ns <= e.end_ns for e in ops)
+
+
 def test_profiles_do_not_nest():
     taifuse.set_backend("numpy")
     with profile(ceilings=CEILINGS), pytest.raises(RuntimeError, match="already active"):

@@ -731,6 +731,8 @@ class profile:
     def start(self) -> None:
         if _profile_hook.ACTIVE is not None:
             raise RuntimeError("profile: another taifuse profiler is already active (profiles do not nest)")
+        if self._done < len(self._raw) or self._pool_raw:  # a restart: times of the last run from its start
+            self._materialize()
         self._tid = threading.get_ident()
         # A range waits for the active backend's device at its end, so that it encloses its kernels.
         self._range_sync = _SYNCS[self.sync][backends.active()]
