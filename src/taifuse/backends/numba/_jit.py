@@ -48,8 +48,13 @@ from taifuse.backends._spec import Activation
 # the float16 outputs once. A weight gradient larger than the budget is summed one block of its
 # rows at a time over all the chunks, so x is converted once per block. Cost: the conversions
 # are elementwise passes over blocks that sit in cache, beside products of O(K) flops per element
-# (measured figures in docs/amp.md).
-_F16_BLOCK_BYTES = 4 * 1024 * 1024
+# (measured figures in docs/amp.md). The budget is sized for cache, not for whole tensors: at
+# 4 MiB the example GPT's operands (2048 x 512 at most) were one block each, so its autocast step
+# held a float32 copy of every operand it multiplied. 1 MiB took 9.9 MiB off that step's peak at
+# the same step time within noise; a large product pays for the shorter BLAS panels (4096 x 1024 x
+# 1024 forward and backward: 1.08-1.13x on one thread, more on two threads of a loaded machine).
+# Figures and method: docs/amp.md 'Activation memory'.
+_F16_BLOCK_BYTES = 1024 * 1024
 # The fewest rows per chunk, so that a very wide weight (a vocabulary head) still gives BLAS
 # products of useful height; its scratch then exceeds the budget, still a fraction of the whole.
 _F16_MIN_ROWS = 64
