@@ -84,7 +84,7 @@ class ProfilerEvent:
             or the range (``"model.blocks.0.attn"``, a :func:`record_function` name).
         kind: ``"op"`` (an op's forward), ``"backward"``, ``"optimizer"``, ``"range"`` or ``"pool"``.
         backend, arch: where it ran (arch is the Taichi arch, or the backend's name).
-        start_ns, duration_ns: wall time from the profile's start (``time.perf_counter_ns``).
+        start_ns, duration_ns: wall time from the profile's start (``time.perf_counter``, in ns).
         self_ns: ``duration_ns`` less the time of the events directly inside it.
         shapes, dtypes: of the array arguments (empty with ``record_shapes=False``).
         cost: bytes it must move and flops it must do (``taifuse._costs.Cost``), None for ranges.
@@ -451,7 +451,9 @@ def _recorder() -> _Recorder:
     [ Raw records ]). They are made once per process, not per profile: making them cost a
     profile's start about 1.4 us, and the bench enters a profile around every step.
     """
-    get_ident, pc, active = threading.get_ident, time.perf_counter_ns, backends.active
+    # NOTE: time.perf_counter, not perf_counter_ns: a float comes from a free list, a large int is
+    # allocated (about 15 ns a reading here); the records are made integer nanoseconds when read.
+    get_ident, pc, active = threading.get_ident, time.perf_counter, backends.active
     array_types, scalars, other = _ARRAY_TYPES, _SCALARS, _other
     # The bound profile's state; tid None (unbound) makes every hook pass its call through.
     tid: int | None = None
@@ -709,7 +711,7 @@ class profile:
         self._ceilings_arg = ceilings
         self._events: list[ProfilerEvent] = []
         self._tid: int | None = None
-        self._t0 = 0
+        self._t0 = 0.0  # time.perf_counter() at start
         self.wall_ns = 0
         self._backends: dict[int, tuple[str, str, Callable | None]] = {}
         self._module_names: dict[int, tuple[Any, str]] = {}
@@ -738,7 +740,7 @@ class profile:
         self._range_sync = _SYNCS[self.sync][backends.active()]
         if self._range_sync is not None:
             self._range_sync()
-        self._t0 = time.perf_counter_ns()
+        self._t0 = time.perf_counter()
         rec = _recorder()
         rec.bind(self)
         _profile_hook.ACTIVE = rec
@@ -748,7 +750,7 @@ class profile:
         if rec is not None and rec.profile is self:
             if self._range_sync is not None:
                 self._range_sync()
-            self.wall_ns = time.perf_counter_ns() - self._t0
+            self.wall_ns = round((time.perf_counter() - self._t0) * 1e9)
             _profile_hook.ACTIVE = None
             rec.bind(None)
             self._module_names.clear()
@@ -759,20 +761,22 @@ class profile:
     # then what its cost needs: the raw signatures of its inputs, (shape, dtype) pairs, and the
     # bytes it wrote, an int read off its results), and each pool acquisition a tuple (time, the
     # pool, shape, dtype as the pool normalized them, bytes in use, depth); times are raw
-    # perf_counter_ns readings. Nothing else is done during the step: times from the profile's
+    # perf_counter readings. Nothing else is done during the step: times from the profile's
     # start, op names, backend names, dtype names, ProfilerEvents, costs and self times (from the
     # nesting: a parent's duration less its direct children's) are made when the results are
     # first read (events(), key_averages(), export_chrome_trace()), so that a profiled step holds
-    # as little of the profiler's own work as possible. The hooks are closures built in start()
-    # over the profile's state (NOTE [ Profiler hooks ]): they read locals, not attributes, and
-    # change no record once appended. Records are tuples, not lists: nothing updates them, and a
+    # as little of the profiler's own work as possible. The hooks are closures made once per
+    # process and bound to the running profile by start() (NOTE [ Profiler hooks ]): they read
+    # closure cells, not attributes, and change no record once appended. perf_counter's float
+    # keeps nanoseconds while the clock (seconds since boot) is below 2**22 s, about 48 days,
+    # and steps of at most 8 ns for 2**25 s, about a year. Records are tuples, not lists: nothing updates them, and a
     # tuple is smaller and quicker to build.
 
     def _materialize(self) -> list[ProfilerEvent]:
         new = self._done < len(self._raw)
         for r in self._raw[self._done :]:
             kind, who, be, start, end, depth = r[:6]
-            start, dur = start - self._t0, end - start
+            start, dur = round((start - self._t0) * 1e9), round((end - start) * 1e9)
             if kind == "range":
                 self._events.append(ProfilerEvent(who, kind, "", "", start, dur, depth=depth))
                 continue
@@ -803,7 +807,7 @@ class profile:
         self._done = len(self._raw)
         for now, pool, shape, dtype, in_use, depth in self._pool_raw:
             where = "host" if pool._on_host else "device"
-            ev = ProfilerEvent("pool.acquire", "pool", where, "", now - self._t0, depth=depth)
+            ev = ProfilerEvent("pool.acquire", "pool", where, "", round((now - self._t0) * 1e9), depth=depth)
             if self.record_shapes:
                 ev.shapes, ev.dtypes = (tuple(shape),), (str(dtype),)
             ev.pool_bytes_in_use, ev.cost = in_use, Cost(0, 0, 0)
