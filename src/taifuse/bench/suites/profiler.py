@@ -20,14 +20,11 @@ import __future__
 import functools
 import importlib
 import inspect
-import itertools
-import math
 import textwrap
 from typing import Any
 
-import numpy as np
-
 from taifuse.bench.case import Case, Variant
+from taifuse.bench.suites.training import mlp_inputs
 
 SUITE = "profiler"
 BATCH = 64
@@ -99,19 +96,6 @@ def hook_switch() -> HookSwitch:
     return HookSwitch()
 
 
-def _inputs(seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    inputs = {
-        "x": rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32),
-        "y": rng.integers(0, SIZES[-1], size=BATCH, dtype=np.int64),
-    }
-    for i, (n_in, n_out) in enumerate(itertools.pairwise(SIZES), start=1):
-        bound = 1.0 / math.sqrt(n_in)
-        inputs[f"w{i}"] = rng.uniform(-bound, bound, size=(n_out, n_in)).astype(np.float32)
-        inputs[f"b{i}"] = rng.uniform(-bound, bound, size=n_out).astype(np.float32)
-    return inputs
-
-
 _SETUP = (
     f"rng = np.random.default_rng(seed); x = rng.standard_normal(({BATCH}, {SIZES[0]}), dtype=np.float32); "
     f"y = rng.integers(0, {SIZES[-1]}, size={BATCH}); per layer (in, out): w, b ~ U(-1/sqrt(in), 1/sqrt(in))"
@@ -166,7 +150,7 @@ def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
     shape = "-".join(str(n) for n in SIZES)
     common = {
         "suite": SUITE,
-        "setup": _inputs,
+        "setup": functools.partial(mlp_inputs, batch=BATCH, sizes=SIZES),
         "setup_code": _SETUP,
         "dtype": "float32",
         "shape": f"MLP {shape} (GELU hidden layers), batch {BATCH}, cross entropy, AdamW step",

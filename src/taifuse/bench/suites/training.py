@@ -40,14 +40,15 @@ class StepOutput:
         return np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1) for a in self._read()])
 
 
-def _inputs(seed: int) -> dict:
+def mlp_inputs(seed: int, batch: int = BATCH, sizes: Sequence[int] = SIZES) -> dict:
+    """An MLP step's batch (``x``, ``y``) and its layers' ``w{i}``, ``b{i}`` from ``seed``."""
     rng = np.random.default_rng(seed)
     inputs = {
-        "x": rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32),
-        "y": rng.integers(0, SIZES[-1], size=BATCH, dtype=np.int64),
+        "x": rng.standard_normal((batch, sizes[0]), dtype=np.float32),
+        "y": rng.integers(0, sizes[-1], size=batch, dtype=np.int64),
     }
     # torch.nn.Linear's initialization: weight and bias ~ U(-1/sqrt(in), 1/sqrt(in)).
-    for i, (n_in, n_out) in enumerate(_LAYERS, start=1):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes), start=1):
         bound = 1.0 / math.sqrt(n_in)
         inputs[f"w{i}"] = rng.uniform(-bound, bound, size=(n_out, n_in)).astype(np.float32)
         inputs[f"b{i}"] = rng.uniform(-bound, bound, size=n_out).astype(np.float32)
@@ -169,7 +170,7 @@ def _case(compare_torch: bool) -> Case:
     return Case(
         suite=SUITE,
         name=f"mlp_step({shape}, gelu, batch={BATCH})",
-        setup=_inputs,
+        setup=mlp_inputs,
         setup_code=_SETUP,
         candidate=Variant(
             "taifuse",
