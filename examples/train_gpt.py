@@ -36,15 +36,15 @@ the same ``--steps`` sees what an uninterrupted one would; with a larger ``--ste
 the longer schedule (whose lr at the saved step is higher than the finished one's).
 
 The default config (GPT_DEFAULTS, BATCH_SIZE, STEPS, LEARNING_RATE): 2 layers, 4 heads, width 128
-(429,824 parameters), context 64, batch 32, 300 steps (614,400 training tokens), peak lr 6e-3 after
-30 warm-up steps. Measured on this project's 2-core x86-64 machine with the numba backend while it
-was shared with other jobs (load average 5 to 7), two runs of that config: validation loss 1.9884
-both times (bigram 2.4236, unigram entropy 3.1423 nats/char); 2,700 tokens/s and 248 s wall time
-alone, 1,401 tokens/s and 520 s beside a second training run. TARGET_VAL_LOSS leaves 0.2 nats of
+(429,824 parameters), context 64, batch 32, 300 steps (614,400 training tokens), peak lr 4e-3 after
+30 warm-up steps. Measured on this project's 2-core x86-64 machine with the numba backend, nothing
+else running, at 1d202df: validation loss 1.9884 (bigram 2.4236, unigram entropy 3.1423
+nats/char), 32,458 tokens/s, 21.4 s wall time (earlier runs on the shared machine gave the same
+loss). TARGET_VAL_LOSS leaves 0.2 nats of
 room above the loss reached and stays below the bigram baseline, so passing needs more context
 than one character. With ``--amp`` (same config and seed, numba, the same shared machine): validation
-loss 1.9881, 0.015% below the float32 run's, at 0.4 to 0.85x its tokens/s (numba stores float16
-but computes in float32; docs/amp.md has the runs).
+loss 1.9877, 0.035% below the float32 run's, at 22,174 tokens/s, 0.68x float32's (numba stores
+float16 but computes in float32; docs/amp.md has the runs).
 
     python examples/train_gpt.py                          # the default config on the active backend
     python examples/train_gpt.py --backend numpy --steps 50 --n-layer 1

@@ -15,7 +15,7 @@ stay float32), the backward through ``taifuse.amp.GradScaler`` (scale the loss, 
 update; a step whose gradients overflowed is skipped and the scale backs off). The evaluation runs
 under autocast too. It needs an optimizer for the scaler to step (AdamW, the default). Measured
 (numba, default config): held-out loss 0.1128 against float32's 0.1139 with seed 0, and within
-1.1% of float32's for each of seeds 0 to 4, at the same accuracy (docs/amp.md).
+1.2% of float32's for each of seeds 0 to 4, at the same accuracy (docs/amp.md).
 
 The script states its result and checks it: held-out accuracy of at least TARGET_ACCURACY
 (93%), with either optimizer. It prints the loss per epoch, then the held-out loss (mean cross
