@@ -24,7 +24,7 @@ import textwrap
 from typing import Any
 
 from taifuse.bench.case import Case, Variant
-from taifuse.bench.suites.training import mlp_inputs
+from taifuse.bench.suites.training import mlp_inputs, mlp_model_code, mlp_setup_code
 
 SUITE = "profiler"
 BATCH = 64
@@ -96,26 +96,17 @@ def hook_switch() -> HookSwitch:
     return HookSwitch()
 
 
-_SETUP = (
-    f"rng = np.random.default_rng(seed); x = rng.standard_normal(({BATCH}, {SIZES[0]}), dtype=np.float32); "
-    f"y = rng.integers(0, {SIZES[-1]}, size={BATCH}); per layer (in, out): w, b ~ U(-1/sqrt(in), 1/sqrt(in))"
-)
+_SETUP = mlp_setup_code(BATCH, SIZES)
 
-_PREPARE = f"""
-model = nn.Sequential(
-    nn.Linear({SIZES[0]}, {SIZES[1]}, activation='gelu'),
-    nn.Linear({SIZES[1]}, {SIZES[2]}, activation='gelu'),
-    nn.Linear({SIZES[2]}, {SIZES[3]}),
-)
-model.load_state_dict({{f'{{i}}.{{k}}': v for i, (w, b) in enumerate(((w1, b1), (w2, b2), (w3, b3)))
-                       for k, v in (('weight', w), ('bias', b))}})
-params = list(model.parameters())
-opt = optim.AdamW(params, lr=1e-3)
+_PREPARE = (
+    mlp_model_code(SIZES)
+    + """opt = optim.AdamW(params, lr=1e-3)
 xt = taifuse.tensor(x)
 hooks = suite.hook_switch()
 loss = None
 step = training.StepOutput(lambda: [loss.numpy()] + [p.numpy() for p in params])
 """
+)
 
 _STEP = """
 opt.zero_grad()

@@ -55,26 +55,43 @@ def mlp_inputs(seed: int, batch: int = BATCH, sizes: Sequence[int] = SIZES) -> d
     return inputs
 
 
-_SETUP = (
-    f"rng = np.random.default_rng(seed); x = rng.standard_normal(({BATCH}, {SIZES[0]}), dtype=np.float32); "
-    f"y = rng.integers(0, {SIZES[-1]}, size={BATCH}, dtype=np.int64); then per layer (in, out) in "
-    f"{list(_LAYERS)}: w = rng.uniform(-1/sqrt(in), 1/sqrt(in), (out, in)), b = rng.uniform(same, out), "
-    "as float32"
-)
+def mlp_setup_code(batch: int = BATCH, sizes: Sequence[int] = SIZES) -> str:
+    """What :func:`mlp_inputs` makes, in words, for the report's inputs line."""
+    return (
+        f"rng = np.random.default_rng(seed); x = rng.standard_normal(({batch}, {sizes[0]}), dtype=np.float32); "
+        f"y = rng.integers(0, {sizes[-1]}, size={batch}, dtype=np.int64); then per layer (in, out) in "
+        f"{list(itertools.pairwise(sizes))}: w = rng.uniform(-1/sqrt(in), 1/sqrt(in), (out, in)), "
+        "b = rng.uniform(same, out), as float32"
+    )
 
-_TAIFUSE_PREPARE = f"""
-model = nn.Sequential(
-    nn.Linear({SIZES[0]}, {SIZES[1]}, activation='gelu'),
-    nn.Linear({SIZES[1]}, {SIZES[2]}, activation='gelu'),
-    nn.Linear({SIZES[2]}, {SIZES[3]}),
-)
-model.load_state_dict({{f'{{i}}.{{k}}': v for i, (w, b) in enumerate(((w1, b1), (w2, b2), (w3, b3)))
-                       for k, v in (('weight', w), ('bias', b))}})
-params = list(model.parameters())
-xt = taifuse.tensor(x)
+
+def mlp_model_code(sizes: Sequence[int] = SIZES) -> str:
+    """The taifuse model of an MLP step's variants: Linear layers (GELU but the last) loaded with
+    :func:`mlp_inputs`'s ``w{i}``, ``b{i}``, and ``params``."""
+    layers = len(sizes) - 1
+    gelu = ", activation='gelu'"
+    lines = [
+        f"    nn.Linear({n_in}, {n_out}{gelu if i < layers else ''}),"
+        for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes), start=1)
+    ]
+    pairs = ", ".join(f"(w{i}, b{i})" for i in range(1, layers + 1)) + ("," if layers == 1 else "")
+    return (
+        "\nmodel = nn.Sequential(\n" + "\n".join(lines) + "\n)\n"
+        f"model.load_state_dict({{f'{{i}}.{{k}}': v for i, (w, b) in enumerate(({pairs}))\n"
+        "                       for k, v in (('weight', w), ('bias', b))})\n"
+        "params = list(model.parameters())\n"
+    )
+
+
+_SETUP = mlp_setup_code()
+
+_TAIFUSE_PREPARE = (
+    mlp_model_code()
+    + """xt = taifuse.tensor(x)
 loss = None
 step = suite.StepOutput(lambda: [loss.numpy()] + [p.grad.numpy() for p in params])
 """
+)
 
 _TAIFUSE_STEP = """
 model.zero_grad()
