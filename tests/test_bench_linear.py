@@ -3,12 +3,15 @@ the weight gradient the NumPy reference does (and PyTorch's, when installed) on 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import warnings
 
 import numpy as np
 import pytest
 
 import taifuse
+from taifuse import backends
 from taifuse.backends import reference
 from taifuse.bench.case import check_outputs
 from taifuse.bench.suites import linear, load_cases
@@ -16,12 +19,37 @@ from taifuse.bench.suites import linear, load_cases
 BACKWARD = "linear/linear backward(activation='gelu')"
 
 
+@contextlib.contextmanager
+def _on_numba():
+    """Numba in this thread for the block; the process's choice (backend and Taichi arch) untouched.
+
+    Not ``set_backend("numba")`` then ``set_backend(previous)``: ``get_backend()`` names no arch, so
+    after a taichi-vulkan test that put Taichi back on the default arch (and, before it was the best
+    arch here, failed to start Metal on Linux and fell back to numba with a warning).
+    """
+    with taifuse.use_backend("numba"):
+        yield
+
+
 @pytest.fixture
 def numba_backend():
-    previous = taifuse.get_backend()
-    taifuse.set_backend("numba")
-    yield
-    taifuse.set_backend(previous)
+    with _on_numba():
+        yield
+
+
+@pytest.mark.vulkan
+def test_numba_fixture_leaves_the_backend_and_taichi_arch_as_they_were():
+    pytest.importorskip("taichi")
+    with backends.preserved_choice(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        taifuse.set_backend("taichi", arch="vulkan")
+        if backends.active().describe()["arch"] != "vulkan":
+            pytest.skip("taichi-vulkan unavailable")
+        with _on_numba():
+            assert taifuse.get_backend() == "numba"
+        assert taifuse.get_backend() == "taichi"
+        assert backends.active().describe()["arch"] == "vulkan"
+    assert [str(w.message) for w in caught if "taifuse" in str(w.message)] == []
 
 
 def _backward_case(compare_torch: bool = False):

@@ -4,6 +4,7 @@ above the tables, the roofline column, and the results.json keys that ``--baseli
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -339,3 +340,195 @@ def test_peers_and_the_optimizer_candidate_in_the_real_suites():
     checked = next(b for b in adamw.baselines if b.label == "taifuse, finite check")
     assert "check_finite=True" in checked.prepare and not checked.peer
     assert next(b for b in adamw.baselines if b.label == "torch fused").peer
+
+
+# ----------------------------------------------------------------------------- charts
+
+
+class _KeepFigures:
+    """pyplot, except that ``close`` keeps each figure for the test to inspect."""
+
+    def __init__(self):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        self.plt, self.figures = plt, []
+
+    def __getattr__(self, name):
+        return getattr(self.plt, name)
+
+    def close(self, fig):
+        self.figures.append(fig)
+
+
+# The longest case name of the real suites, and a CPU name of the usual length.
+LONG_CASE = "attention forward+backward(B=8, H=8, L=S=512, E=64, causal)"
+LONG_CPU = "AMD EPYC 7B13 64-Core Processor"
+
+
+def _renamed(result: dict) -> dict:
+    """``result`` with the gelu case under the real suites' longest name, as a run would label it."""
+
+    def rename(row: dict) -> dict:
+        if not row["id"].startswith("synthetic/gelu/"):
+            return row
+        return dict(
+            row,
+            id=row["id"].replace("gelu", LONG_CASE, 1),
+            case=LONG_CASE,
+            label=row["label"].replace("gelu", LONG_CASE, 1),
+        )
+
+    env = dict(result["environment"], cpu_model=LONG_CPU)
+    return dict(result, environment=env, rows=[rename(r) for r in result["rows"]])
+
+
+def _figures(result: dict, tmp_path) -> dict[str, object]:
+    """Every chart ``write`` draws for ``result``, by file name, left open."""
+    keep = _KeepFigures()
+    report.draw_chart(result, tmp_path / report.CHART, keep)
+    names = [p.name for p in report._plots(result, tmp_path, keep)]
+    return dict(zip([report.CHART, *names], keep.figures))
+
+
+def _points(ax) -> list[tuple[float, str, str]]:
+    """Each plotted point as (value, colour, face colour), top row first."""
+    from matplotlib.colors import to_hex
+
+    points = []
+    for container in ax.containers:
+        line = container.lines[0]
+        for x, y in zip(line.get_xdata(), line.get_ydata()):
+            top = ax.transData.transform((x, y))[1]
+            points.append((top, float(x), to_hex(line.get_color()), to_hex(line.get_markerfacecolor())))
+    return [p[1:] for p in sorted(points, key=lambda p: -p[0])]
+
+
+def _tick_labels(ax) -> list:
+    """The x tick labels drawn inside the axis' view, major and minor, that show any text."""
+    low, high = ax.get_xlim()
+    out = []
+    for minor in (False, True):
+        for loc, label in zip(ax.get_xticks(minor=minor), ax.get_xticklabels(minor=minor)):
+            if low <= loc <= high and label.get_visible() and label.get_text():
+                out.append(label)
+    return out
+
+
+def _check_ticks(fig, ax):
+    renderer = fig.canvas.get_renderer()
+    labels = _tick_labels(ax)
+    assert len(labels) >= 3, [t.get_text() for t in labels]
+    for label in labels:
+        assert re.fullmatch(r"\d+(\.\d+)?x", label.get_text()), label.get_text()
+    boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+    for left, right in itertools.pairwise(boxes):
+        assert left.x1 < right.x0, "tick labels overlap"
+
+
+def test_charts_fit_their_figure_and_leave_the_data_most_of_the_width(result, tmp_path):
+    # speedups.png was drawn with each row's whole label (the case name, both sides, the method):
+    # the longest pushed the axes right until the title and x label ran off the figure's edge.
+    pytest.importorskip("matplotlib")
+    figures = _figures(_renamed(result), tmp_path)
+    assert set(figures) == {report.CHART, "synthetic.png"}
+    for name, fig in figures.items():
+        fig.canvas.draw()
+        width, height = fig.get_size_inches()
+        drawn = fig.get_tightbbox(fig.canvas.get_renderer())  # inches, everything drawn
+        assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01, (name, drawn)
+        assert drawn.x1 <= width + 0.01 and drawn.y1 <= height + 0.01, (name, drawn)
+        (ax,) = fig.axes
+        assert ax.get_position().width >= 0.55, name  # the data, not the labels, has the width
+        for text in ax.texts:
+            assert all(len(line) <= report.DETAIL_WIDTH for line in text.get_text().splitlines()), name
+    (ax,) = figures[report.CHART].axes
+    labels = [t.get_text() for t in ax.texts]
+    assert "attention forward+backward vs numpy" in labels
+    assert "B=8, H=8, L=S=512, E=64, causal" in labels  # the size on its own line
+
+
+def test_suite_chart_has_a_title_colours_by_verdict_and_keeps_the_table_order(result, tmp_path):
+    pytest.importorskip("matplotlib")
+    fig = _figures(result, tmp_path)["synthetic.png"]
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    assert "synthetic" in fig.get_suptitle()
+    rows = [
+        r for r in result["rows"] if r.get("suite") == "synthetic" and r["kind"] in ("compare", "control")
+    ]
+    points = _points(ax)
+    assert [p[0] for p in points] == pytest.approx([r["value"] for r in rows])  # top to bottom
+    verdicts = [r["verdict"] for r in rows]
+    assert len(set(verdicts)) >= 2
+    for (_, colour_a, _), a in zip(points, verdicts):
+        for (_, colour_b, _), b in zip(points, verdicts):
+            assert (colour_a == colour_b) == (a == b), (a, b)
+    (legend,) = fig.legends
+    shown = {t.get_text() for t in legend.get_texts()}
+    assert set(verdicts) <= shown
+    # Bounds say so in their label, with a hollow marker the legend explains.
+    bounds = [r for r in rows if not r["baseline"]["same_result"]]
+    assert {r["baseline"]["label"] for r in bounds} == {"copy bound", "np.empty"}
+    labels = [t.get_text() for t in ax.texts]
+    for r in rows:
+        head = report.chart_label(r)[0]
+        assert head in labels and head.endswith(" (bound)") == (r in bounds)
+    for (_, colour, face), r in zip(points, rows):
+        assert (face == "#ffffff") == (r in bounds)
+    assert any("not a speedup" in text for text in shown)
+    _check_ticks(fig, ax)
+
+
+def test_chart_ticks_are_plain_and_apart_over_a_narrow_range(result, tmp_path):
+    # Over less than a decade matplotlib's log axis labels minor ticks as 1.2x10^0, on top of each other.
+    pytest.importorskip("matplotlib")
+    narrow = [
+        dict(r, value=1.0 + 0.02 * i, low=0.95 + 0.02 * i, high=1.1 + 0.02 * i)
+        if r["kind"] in ("compare", "control") and r["value"] is not None
+        else r
+        for i, r in enumerate(result["rows"])
+    ]
+    for fig in _figures(dict(result, rows=narrow), tmp_path).values():
+        fig.canvas.draw()
+        _check_ticks(fig, fig.axes[0])
+
+
+def test_log_ticks_are_round_and_few():
+    assert report.log_ticks(0.9, 1.2) == [0.9, 1.0, 1.1, 1.2]
+    assert report.log_ticks(0.5, 2500) == [1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0]
+    assert report.log_ticks(0.4, 50) == [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
+    assert report.log_ticks(0.93, 1.08) == [0.95, 1.0, 1.05]  # finer steps only when needed
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("silu", ("silu", "")),
+        ("gelu(approximate='tanh')", ("gelu(approximate='tanh')", "")),
+        ("SGD step, 10x(1000, 512)", ("SGD step", "10x(1000, 512)")),
+        ("mlp_step(784-1024-1024-10, gelu, batch=256)", ("mlp_step", "784-1024-1024-10, gelu, batch=256")),
+        ("mlp training step: pool on vs off", ("mlp training step", "")),
+        (
+            "mlp_step(2-64-64-3, batch=64), profiler off: hooks vs hooks stripped",
+            ("mlp_step", "2-64-64-3, batch=64; profiler off"),
+        ),
+    ],
+)
+def test_chart_labels_name_the_operation_and_put_the_size_apart(case, expected):
+    assert report._split_case(case) == expected
+
+
+def test_chart_label_of_each_kind_of_row(result):
+    rows = _by_id(result)
+    assert report.chart_label(rows["synthetic/gelu/numpy"]) == ("gelu vs numpy", "(n,)")
+    assert report.chart_label(rows["synthetic/gelu/copy bound"])[0] == "gelu vs copy bound (bound)"
+    assert report.chart_label(rows["synthetic/gelu/control"])[0] == "gelu: A/A control"
+    isolated = report.chart_label(rows["synthetic/gelu/control-isolated"])[0]
+    assert isolated == "gelu: A/A control (isolated processes)"
+    assert report.chart_label({"label": "a row from elsewhere", "kind": "compare"}) == (
+        "a row from elsewhere",
+        "",
+    )

@@ -5,11 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from taifuse import backends
 from taifuse.bench import harness, stats
 from taifuse.bench.case import Case, Variant, check_outputs
 from taifuse.bench.worker import measure_case
 
 PROCESSES, PAIRS = 5, 30
+
+
+@pytest.fixture(autouse=True)
+def _numpy_backend():
+    """measure_case records the active backend, which starts whatever the process chose last (a
+    Taichi re-initialisation, or a fallback warning when an earlier test left a bad choice): these
+    cases run NumPy code only, so this thread uses the numpy backend, which starts nothing."""
+    with backends.use_backend("numpy"):
+        yield
 
 
 def synthetic_times(ratio: float, *, noise: float = 0.03, process_noise: float = 0.10, seed: int = 0):

@@ -10,6 +10,7 @@ import os
 import pkgutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,8 @@ def test_info_prints_the_active_backend(backend, capsys):
     assert cli.main(["info"]) == 0
     printed = capsys.readouterr().out
     assert f"active backend: {backend.name}" in printed
-    assert "backends installed: " + ", ".join(taifuse.available_backends()) in printed
+    versions = ", ".join(f"{name} {metadata.version(name)}" for name in taifuse.available_backends())
+    assert f"backends installed: {versions}" in printed  # every backend's version, active or not
     assert f"taifuse {taifuse.__version__}" in printed
     if backend.arch is not None:
         described = backends.active().describe()

@@ -17,9 +17,13 @@ def _info(args: argparse.Namespace) -> int:
     print(f"taifuse {taifuse.__version__}")
     print(f"python {platform.python_version()} on {platform.system()} {platform.machine()} ({os.cpu_count()} CPUs)")
     print(f"numpy {np.__version__}")
-    print(f"backends installed: {', '.join(backends.available_backends())}")
+    versions = backends.versions()  # every backend's, not only the active one's: nothing is started
+    print(f"backends installed: {', '.join(f'{name} {version}' for name, version in versions.items())}")
     print(f"TAIFUSE_BACKEND={os.environ.get('TAIFUSE_BACKEND', '(unset: auto)')}")
-    print(f"TAIFUSE_TAICHI_ARCH={os.environ.get('TAIFUSE_TAICHI_ARCH', '(unset: metal)')}")
+    arch = os.environ.get("TAIFUSE_TAICHI_ARCH")
+    if arch is None:  # the arch Taichi would start on, asked of the drivers (Taichi is not started)
+        arch = f"(unset: the best arch here, {backends.best_taichi_arch()})" if "taichi" in versions else "(unset)"
+    print(f"TAIFUSE_TAICHI_ARCH={arch}")
     try:
         active = backends.active()
     except ValueError as exc:

@@ -8,7 +8,8 @@ Selection, in order of precedence: :func:`use_backend` in the current thread, th
 :func:`set_backend` (for the whole process), then the environment variable ``TAIFUSE_BACKEND``
 (``numpy``, ``numba``, ``taichi`` or ``auto``), then ``auto``: Taichi on Metal when this is a Mac
 with Metal, else Numba, else NumPy. ``TAIFUSE_TAICHI_ARCH`` (``metal``, ``vulkan``, ``cuda``,
-``cpu``) picks Taichi's arch. A backend that fails to start falls back to the next one in
+``cpu``) picks Taichi's arch; unset, Taichi starts on the best arch the machine has
+(:func:`best_taichi_arch`). A backend that fails to start falls back to the next one in
 ``taichi -> numba -> numpy`` with one warning that says why.
 """
 
@@ -75,6 +76,29 @@ def available_backends() -> list[str]:
     return [name for name in BACKENDS if _installed(name)]
 
 
+def versions() -> dict[str, str]:
+    """The installed version of each backend's package (``numpy``, ``numba``, ``taichi``): read
+    from the packages' metadata, so nothing is imported or started."""
+    from importlib import metadata
+
+    out = {}
+    for name in available_backends():
+        try:
+            out[name] = metadata.version(_REQUIRES[name])
+        except metadata.PackageNotFoundError:  # importable without metadata (a source checkout)
+            out[name] = "version unknown"
+    return out
+
+
+def best_taichi_arch() -> str:
+    """The arch the taichi backend starts on when none is asked for: ``'metal'`` on a Mac with
+    Apple silicon, else ``'cuda'`` with an NVIDIA GPU, else ``'vulkan'`` with a Vulkan GPU, else
+    ``'cpu'`` (a CPU Vulkan driver such as lavapipe does not count). Taichi is not started."""
+    from taifuse.backends.taichi._runtime import best_arch
+
+    return best_arch()
+
+
 def _metal_possible() -> bool:
     return sys.platform == "darwin" and platform.machine() in ("arm64", "aarch64")
 
@@ -98,7 +122,7 @@ def _start(name: str, arch: str | None) -> ModuleType:
         # runtime): that is a fallback with a warning, exactly like a failed init().
         module = importlib.import_module(_MODULES[name])
         if name == "taichi":
-            module.init(arch=arch or "metal")
+            module.init(arch=arch)
         else:
             module.init()
     except Exception as exc:  # a runtime that fails to start is a fallback, not a crash
@@ -116,6 +140,8 @@ def _resolve(override: str | None, override_arch: str | None) -> ModuleType:
             name = "numba"
         else:
             name = "numpy"
+    if name == "taichi" and arch is None and _installed("taichi"):
+        arch = best_taichi_arch()
     while True:
         try:
             module = _start(name, arch)
@@ -124,7 +150,7 @@ def _resolve(override: str | None, override_arch: str | None) -> ModuleType:
             nxt = _FALLBACK.get(name)
             if nxt is None:
                 raise
-            label = f"taichi (arch={arch or 'metal'})" if name == "taichi" else name
+            label = f"taichi (arch={arch})" if name == "taichi" else name
             warnings.warn(
                 f"taifuse: backend {label} could not start ({exc}); falling back to {nxt}",
                 RuntimeWarning,

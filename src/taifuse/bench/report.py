@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -164,7 +165,7 @@ def markdown(result: dict, charts: Sequence[str] = (), *, matplotlib: bool = Tru
         for r in srows:
             cand_ms = r.get("candidate_ms", {}).get("median") if r.get("candidate_ms") else None
             base_ms = r.get("baseline_ms", {}).get("median") if r.get("baseline_ms") else None
-            bound = " (bound)" if r.get("baseline") and not r["baseline"]["same_result"] else ""
+            bound = " (bound)" if is_bound(r) else ""
             table.append(
                 (
                     number[r["id"]],
@@ -305,7 +306,7 @@ def _row_details(num: int, r: dict) -> list[str]:
     if r.get("note"):
         out.append(f"{r['note']}.")
     check = r.get("check")
-    if r.get("baseline") and not r["baseline"]["same_result"]:
+    if is_bound(r):
         out.append(f"Bound, not checked: {r['baseline']['note']}.")
     elif check:
         errs = (
@@ -452,6 +453,7 @@ def _pyplot():
 
 
 def _plots(result: dict, out: Path, plt) -> list[Path]:
+    """One ``<suite>.png`` per suite: its timed rows (comparisons, controls, bounds) in table order."""
     paths = []
     for suite in dict.fromkeys(r["suite"] for r in result["rows"] if r["kind"] != "roofline"):
         rows = [
@@ -461,24 +463,207 @@ def _plots(result: dict, out: Path, plt) -> list[Path]:
         ]
         if not rows:
             continue
-        fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-        y = range(len(rows))
-        ax.errorbar(
-            [r["value"] for r in rows],
-            list(y),
-            fmt="o",
-            xerr=[[r["value"] - r["low"] for r in rows], [r["high"] - r["value"] for r in rows]],
+        fig = _ratio_figure(
+            plt,
+            rows,
+            title=f"Suite {suite}: each candidate against its baselines",
+            subtitle=_run_line(result),
+            xlabel="baseline's time / candidate's time (above 1: candidate faster)",
         )
-        ax.axvline(1.0, color="grey", lw=0.8)
-        ax.set_yticks(list(y), [r["label"] for r in rows], fontsize=7)
-        ax.set_xscale("log")
-        ax.set_xlabel("speedup (baseline time / taifuse time), 95% CI")
-        fig.tight_layout()
         path = out / f"{suite}.png"
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=CHART_DPI)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def is_bound(row: dict) -> bool:
+    """Whether a row's baseline is a bound: it computes something else on purpose (a bare product, a
+    copy of the same bytes), so the ratio is the distance to a floor, not a speedup."""
+    return bool(row.get("baseline")) and not row["baseline"]["same_result"]
+
+
+# NOTE [ Chart layout ]
+# The charts are read at their drawn size (README shows speedups.png 1080 px wide): a row's label is
+# the operation and the two sides only, at most LABEL_WIDTH characters a line, with the size on a
+# smaller grey line under it, so the data keeps most of the width. The layout engine
+# ("constrained") fits the labels, title, axis label and legend inside the figure; nothing is cut.
+# The verdict is the marker's colour, the kind of row its shape (a bound hollow: not a speedup), and
+# the rows run top to bottom in the table's order.
+CHART_WIDTH_IN = 9.0
+CHART_DPI = 120
+LABEL_WIDTH = 50
+DETAIL_WIDTH = 60
+VERDICT_COLOURS = {
+    "faster": "tab:green",
+    "slower": "tab:red",
+    "no measurable difference": "tab:blue",
+    "inconclusive": "tab:gray",
+    "unstable": "tab:orange",
+}
+_MARKERS = {  # kind of row: (marker, filled, legend text)
+    "compare": ("o", True, "comparison"),
+    "control": ("D", True, "A/A control"),
+    "bound": ("s", False, "bound: a floor, not a speedup"),
+}
+
+
+def _split_case(name: str) -> tuple[str, str]:
+    """A case name as (operation, detail): the detail is what follows the first top-level ", " and any
+    parenthesised arguments holding numbers (sizes: ``mlp_step(784-1024-1024-10, ...)``); arguments
+    without numbers name the operation and stay (``gelu(approximate='tanh')``). What follows a
+    top-level ": " names the two sides (``pool on vs off``), which the label says anyway: dropped."""
+    cuts, depth = {}, 0
+    for i, ch in enumerate(name):
+        depth += (ch in "([") - (ch in ")]")
+        if depth == 0 and name.startswith((", ", ": "), i):
+            cuts.setdefault(ch, i)
+    name = name[: cuts.get(":", len(name))]
+    comma = cuts.get(",", len(name))
+    head, rest = name[:comma], name[comma + 2 :]
+    op, paren, args = head.partition("(")
+    if paren and head.endswith(")") and any(ch.isdigit() for ch in args):
+        head, rest = op.rstrip(), "; ".join(part for part in (args[:-1], rest) if part)
+    return head, rest
+
+
+def chart_label(row: dict) -> tuple[str, str]:
+    """A row's label on a chart, as (operation and sides, size): ``("silu vs torch", "(4194304,)")``.
+
+    Rows that do not name their case and sides (written by something else) keep their whole label."""
+    case = row.get("case")
+    cand = (row.get("candidate") or {}).get("label")
+    base = (row.get("baseline") or {}).get("label")
+    if not (case and cand and base):
+        return row["label"], ""
+    op, detail = _split_case(case)
+    if row["kind"] == "control":
+        isolated = str(row["id"]).endswith("-isolated")
+        line = f"{op}: A/A control{' (isolated processes)' if isolated else ''}"
+    elif cand == "taifuse":
+        line = f"{op} vs {base}"
+    else:
+        line = f"{op}: {cand} vs {base}"
+    return line + (" (bound)" if is_bound(row) else ""), detail or str(row.get("size") or "")
+
+
+def log_ticks(low: float, high: float, most: int = 9) -> list[float]:
+    """Round ratios to mark on a log axis from ``low`` to ``high``: at most about ``most``, spaced
+    evenly enough that their labels cannot overlap; 1 first, then 2 and 5 of each decade, then finer
+    steps (0.9, 1.1, 1.2) where there is room, and 0.95 and 1.05 only when too few fit otherwise."""
+    gap = (math.log10(high) - math.log10(low)) / most
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    ticks: list[float] = []
+    for ranks in (_TICK_STEPS, {**_TICK_STEPS, 1.05: 5, 9.5: 5}):
+        ticks = []
+        for _rank, _distance, v in sorted(
+            (rank, abs(e + math.log10(m)), float(f"{m * 10.0**e:.3g}"))
+            for e in decades
+            for m, rank in ranks.items()
+        ):
+            if low <= v <= high and all(abs(math.log10(v / t)) >= gap for t in ticks):
+                ticks.append(v)
+        if len(ticks) >= 3:
+            break
+    return sorted(ticks)
+
+
+# The mantissas a tick may have, by preference (lower first).
+_TICK_STEPS = {1: 0, 2: 1, 5: 1, 1.5: 2, 3: 2, 1.2: 3, 4: 3, 7: 3, 1.1: 4, 1.3: 4, 2.5: 4, 6: 4, 8: 4, 9: 4}
+
+
+def _run_line(result: dict) -> str:
+    env = result["environment"]
+    return f"{env.get('backend')} backend, {env.get('cpu_model')}, {result['date']}"
+
+
+def _ratio_figure(plt, rows: list[dict], *, title: str, subtitle: str, xlabel: str):
+    """A figure of ``rows``' ratios with their 95% intervals (NOTE [ Chart layout ])."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, NullFormatter
+
+    labels = [chart_label(r) for r in rows]
+    heads = [textwrap.wrap(head, LABEL_WIDTH) or [""] for head, _ in labels]
+    details = [textwrap.wrap(d, DETAIL_WIDTH, max_lines=2, placeholder=" ...") for _, d in labels]
+    # Each row as tall as its label (a line of 8 pt, a detail line of 6.5 pt, 0.5 line between rows).
+    spans = [max(1.6, len(h) + 0.8 * len(d)) + 0.5 for h, d in zip(heads, details)]
+    ys = [sum(spans[:i]) + span / 2 for i, span in enumerate(spans)]
+    fig, ax = plt.subplots(figsize=(CHART_WIDTH_IN, 0.15 * sum(spans) + 1.9), layout="constrained")
+    kinds = {}
+    for y, r in zip(ys, rows):
+        kind = "bound" if is_bound(r) else r["kind"]
+        marker, filled, _ = kinds.setdefault(kind, _MARKERS.get(kind, _MARKERS["compare"]))
+        colour = VERDICT_COLOURS.get(r["verdict"], "tab:gray")
+        ax.errorbar(
+            r["value"],
+            y,
+            xerr=[[r["value"] - r["low"]], [r["high"] - r["value"]]],
+            fmt=marker,
+            color=colour,
+            mfc=colour if filled else "white",
+            ms=5,
+            capsize=3,
+        )
+    ax.set_ylim(sum(spans), 0)  # first row on top, as in the table
+    ax.set_yticks(ys)
+    ax.tick_params(axis="y", labelleft=False, length=0)
+    to_the_left = ax.get_yaxis_transform()  # x in axes fractions, y in rows
+    for y, head, detail in zip(ys, heads, details):
+        common = {"xy": (0, y), "xycoords": to_the_left, "textcoords": "offset points", "ha": "right"}
+        ax.annotate(
+            "\n".join(head),
+            xytext=(-6, 1 if detail else 0),
+            va="bottom" if detail else "center",
+            fontsize=8,
+            annotation_clip=False,
+            **common,
+        )
+        if detail:
+            ax.annotate(
+                "\n".join(detail),
+                xytext=(-6, -1),
+                va="top",
+                fontsize=6.5,
+                color="dimgray",
+                annotation_clip=False,
+                **common,
+            )
+
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    low = min(min(r["low"] for r in rows), 1.0)
+    high = max(max(r["high"] for r in rows), 1.0)
+    pad = max(1.08, (high / low) ** 0.06)
+    ax.set_xlim(low / pad, high * pad)
+    ax.xaxis.set_major_locator(FixedLocator(log_ticks(low / pad, high * pad)))
+    ax.xaxis.set_major_formatter(lambda v, _pos: f"{v:g}x")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", which="major", lw=0.5, alpha=0.6)
+    ax.grid(axis="x", which="minor", lw=0.3, alpha=0.3)
+    ax.set_xlabel(xlabel + ", 95% interval", fontsize=8.5)
+    width = int(CHART_WIDTH_IN * 72 / (9 * 0.6))  # characters of a 9 pt line across the figure
+    fig.suptitle(
+        "\n".join([*textwrap.wrap(title, width), *textwrap.wrap(subtitle, int(width * 1.2))]), fontsize=9
+    )
+    verdicts = [
+        Line2D([], [], ls="", marker="o", color=colour, label=verdict)
+        for verdict, colour in VERDICT_COLOURS.items()
+        if any(r["verdict"] == verdict for r in rows)
+    ]
+    shapes = [
+        Line2D([], [], ls="", marker=marker, color="black", mfc="black" if filled else "white", label=text)
+        for marker, filled, text in kinds.values()
+    ]
+    if set(kinds) == {"compare"}:  # the marker's shape says something only where it varies
+        shapes = []
+    # One line of verdicts over one line of shapes: the legend fills its columns top to bottom.
+    columns = max(len(verdicts), len(shapes))
+    blank = Line2D([], [], ls="", label=" ")
+    lines = [verdicts + [blank] * (columns - len(verdicts)), shapes + [blank] * (columns - len(shapes))]
+    handles = [h for pair in zip(*lines) for h in pair if shapes or h is not blank]
+    fig.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize=7, frameon=False)
+    return fig
 
 
 # ----------------------------------------------------------------------------- summary
@@ -552,41 +737,21 @@ def summary_markdown(result: dict, *, chart: str | None = None, drawn: bool = Tr
 
 
 def draw_chart(result: dict, path: Path, plt=None) -> Path | None:
-    """Draw each peer comparison's speedup with its 95% interval (log x axis, a line at 1) into
-    ``path``; None when no such row has a value. ``plt``: pyplot (imported when None)."""
+    """Draw each peer comparison's speedup with its 95% interval (log x axis, a line at 1, colour by
+    verdict, NOTE [ Chart layout ]) into ``path``; None when no such row has a value.
+    ``plt``: pyplot (imported when None)."""
     rows = [r for r in peer_rows(result) if r["unit"] == "x speedup" and r["value"] is not None]
     if not rows:
         return None
     plt = plt or _pyplot()
-    colour = {"faster": "tab:green", "slower": "tab:red"}
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.6))
-    for y, r in enumerate(rows):
-        ax.errorbar(
-            r["value"],
-            y,
-            xerr=[[r["value"] - r["low"]], [r["high"] - r["value"]]],
-            fmt="o",
-            color=colour.get(r["verdict"], "tab:gray"),
-            capsize=3,
-        )
-    ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(lambda v, _pos: f"{v:g}x")
-    low = min(min(r["low"] for r in rows), 1.0)
-    high = max(max(r["high"] for r in rows), 1.0)
-    ax.set_xlim(low / 1.3, high * 1.3)
-    ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
-    ax.invert_yaxis()  # first row on top, as in the table
-    ax.set_xlabel("speedup = peer's time / taifuse's time (above 1: taifuse faster), 95% interval")
-    env = result["environment"]
-    ax.set_title(
-        f"taifuse against peers: {env.get('backend')} backend, {env.get('cpu_model')}, {result['date']}\n"
-        "green: faster, red: slower, grey: no measurable difference, inconclusive or unstable",
-        fontsize=8,
+    fig = _ratio_figure(
+        plt,
+        rows,
+        title="taifuse against peer libraries computing the same result",
+        subtitle=_run_line(result),
+        xlabel="speedup = peer's time / taifuse's time (above 1: taifuse faster)",
     )
-    ax.grid(axis="x", which="both", lw=0.3, alpha=0.5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=CHART_DPI)
     plt.close(fig)
     return path
 

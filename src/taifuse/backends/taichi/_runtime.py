@@ -22,9 +22,14 @@ nothing of ``taifuse.backends.taichi``: every other module of the package import
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import glob
 import io
 import math
 import os
+import platform
+import sys
 from collections import deque
 from typing import Any
 
@@ -79,14 +84,101 @@ def _current_program():
     return impl.get_runtime().prog
 
 
-def init(arch: str = "metal") -> None:
-    """Start Taichi on ``arch`` (``'metal'``, ``'vulkan'``, ``'cuda'`` or ``'cpu'``).
+@functools.cache
+def best_arch() -> str:
+    """The arch Taichi starts on when none is asked for: the best this machine has.
+
+    ``'metal'`` on a Mac with Apple silicon, else ``'cuda'`` where an NVIDIA GPU and its driver
+    are, else ``'vulkan'`` where a Vulkan driver reports a GPU, else ``'cpu'``. A Vulkan driver
+    that runs on the CPU (lavapipe, SwiftShader) does not count: it emulates a GPU on the same
+    cores, and the matrix products a model spends its time in ran several times slower on lavapipe
+    than on ``ti.cpu`` (a linear layer, interleaved in one process on a loaded 2-core machine).
+    Asks the drivers through ctypes, never Taichi: nothing starts, and CUDA is not initialised
+    (a fork after it stays safe). Cached for the process.
+    """
+    if sys.platform == "darwin" and platform.machine() in ("arm64", "aarch64"):
+        return "metal"
+    if _cuda_present():
+        return "cuda"
+    if any(kind in _VULKAN_GPU_TYPES for kind in _vulkan_device_types()):
+        return "vulkan"
+    return "cpu"
+
+
+def _cuda_present() -> bool:
+    """An NVIDIA GPU with its driver library, found without cuInit (which a later fork would break)."""
+    library = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    if sys.platform.startswith("linux"):
+        return bool(glob.glob("/proc/driver/nvidia/gpus/*") or glob.glob("/dev/nvidia[0-9]*"))
+    return True
+
+
+# VkPhysicalDeviceType: integrated, discrete and virtual GPUs (0 is "other", 4 the CPU).
+_VULKAN_GPU_TYPES = (1, 2, 3)
+
+
+class _VkInstanceCreateInfo(ctypes.Structure):
+    _fields_ = [
+        ("sType", ctypes.c_int32),
+        ("pNext", ctypes.c_void_p),
+        ("flags", ctypes.c_uint32),
+        ("pApplicationInfo", ctypes.c_void_p),
+        ("enabledLayerCount", ctypes.c_uint32),
+        ("ppEnabledLayerNames", ctypes.c_void_p),
+        ("enabledExtensionCount", ctypes.c_uint32),
+        ("ppEnabledExtensionNames", ctypes.c_void_p),
+    ]
+
+
+def _vulkan_device_types() -> list[int]:
+    """The VkPhysicalDeviceType of each device the Vulkan loader lists; [] without a loader or driver."""
+    names = {"win32": "vulkan-1.dll", "darwin": "libvulkan.1.dylib"}
+    try:
+        vk = ctypes.CDLL(names.get(sys.platform, "libvulkan.so.1"))
+    except OSError:
+        return []
+    vk.vkCreateInstance.restype = vk.vkEnumeratePhysicalDevices.restype = ctypes.c_int32
+    vk.vkCreateInstance.argtypes = [ctypes.c_void_p] * 3
+    vk.vkEnumeratePhysicalDevices.argtypes = [ctypes.c_void_p] * 3
+    vk.vkGetPhysicalDeviceProperties.argtypes = [ctypes.c_void_p] * 2
+    vk.vkDestroyInstance.argtypes = [ctypes.c_void_p] * 2
+    create = _VkInstanceCreateInfo(sType=1)  # VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO
+    instance = ctypes.c_void_p()
+    if vk.vkCreateInstance(ctypes.byref(create), None, ctypes.byref(instance)) != 0:
+        return []
+    try:
+        count = ctypes.c_uint32()
+        if vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), None) != 0:
+            return []
+        devices = (ctypes.c_void_p * count.value)()
+        listed = vk.vkEnumeratePhysicalDevices(instance, ctypes.byref(count), devices)
+        if listed not in (0, 5):  # VK_SUCCESS, VK_INCOMPLETE (the count is then what was written)
+            return []
+        kinds = []
+        for device in devices[: count.value]:
+            # VkPhysicalDeviceProperties (824 bytes): apiVersion, driverVersion, vendorID, deviceID,
+            # then deviceType, a uint32 at byte 16.
+            properties = ctypes.create_string_buffer(1024)
+            vk.vkGetPhysicalDeviceProperties(device, properties)
+            kinds.append(int.from_bytes(properties.raw[16:20], sys.byteorder))
+        return kinds
+    finally:
+        vk.vkDestroyInstance(instance, None)
+
+
+def init(arch: str | None = None) -> None:
+    """Start Taichi on ``arch`` (``'metal'``, ``'vulkan'``, ``'cuda'`` or ``'cpu'``; None: :func:`best_arch`).
 
     Idempotent for the same arch. A different arch re-initialises Taichi, which invalidates every
     DeviceArray created before (see NOTE [ Re-initialising Taichi ]). Raises ``RuntimeError``
     when Taichi cannot run on ``arch`` (it would otherwise fall back to the CPU silently), so the
     dispatcher's fallback warning says why.
     """
+    arch = best_arch() if arch is None else arch
     if arch not in _ARCH_NAMES:
         raise ValueError(f"taichi arch should be one of {_ARCH_NAMES}, got {arch!r}")
     ti = _import_taichi()

@@ -476,10 +476,22 @@ def relu(x: DeviceArray, out: DeviceArray) -> None:
     _k(x).relu(_nd(x), _nd(out), x.size)
 
 
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
 def _math16(dtype: np.dtype, multiplier: float = 1.0) -> int:
     """1 when a kernel may compute in float16 (NOTE [ float16 arithmetic in the elementwise
-    kernels ]): float16 data on a GPU arch, and float16 holds ``multiplier`` exactly; else 0."""
-    return int(dtype == np.float16 and _on_gpu() and float(np.float16(multiplier)) == multiplier)
+    kernels ]): float16 data on a GPU arch, and float16 holds ``multiplier`` exactly; else 0.
+
+    A multiplier past float16's range (dropout's 1 / (1 - p) once p > 1 - 2**-16) is not held: the
+    range is checked first, as casting it to float16 would overflow (and warn) to answer the same.
+    """
+    return int(
+        dtype == np.float16
+        and _on_gpu()
+        and abs(multiplier) <= _FLOAT16_MAX
+        and float(np.float16(multiplier)) == multiplier
+    )
 
 
 def leaky_relu(x: DeviceArray, out: DeviceArray, negative_slope: float) -> None:
