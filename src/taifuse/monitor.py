@@ -721,10 +721,12 @@ class TrainingMonitor:
                     tops[target] = max(tops[target], max(v for v in mib if not math.isnan(v)))
             ax.set_ylabel("pool MiB")
             rss_ax.set_ylabel("RSS MiB")
-            # From 0 to a tenth above the highest line, so no line lies on an axis's edge (a flat
-            # RSS autoscaled to its own few KiB of range sat on the top edge, hidden by the frame).
-            for target, top in tops.items():
-                target.set_ylim(0, 1.1 * top if top > 0 else 1.0)
+            # From 0 to above the highest line, so no line lies on an axis's edge (a flat RSS
+            # autoscaled to its own few KiB of range sat on the top edge, hidden by the frame); the
+            # two axes' headrooms differ so that the pool's peak and the RSS, each the highest on its
+            # axis, are not drawn over each other.
+            for target, headroom in ((ax, _POOL_HEADROOM), (rss_ax, _RSS_HEADROOM)):
+                target.set_ylim(0, headroom * tops[target] if tops[target] > 0 else 1.0)
             lines = ax.get_lines() + rss_ax.get_lines()
             ax.legend(lines, [line.get_label() for line in lines], loc="lower right", fontsize="small")
 
@@ -792,6 +794,9 @@ class TrainingMonitor:
             f"log_path={str(self.log_path) if self.log_path else None!r}, steps={self._count})"
         )
 
+
+# The memory panel's axes reach this far above their highest line (see plot()).
+_POOL_HEADROOM, _RSS_HEADROOM = 1.1, 1.3
 
 # The running median's bins: 256 to a factor of 2 (each 0.27% wide).
 _LOG_BIN = math.log(2.0) / 256
