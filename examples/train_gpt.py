@@ -16,12 +16,18 @@ causal self-attention and a GELU MLP). It trains with AdamW (weight decay on mat
 progress bar (tqdm's when tqdm is installed) with the loss, tokens/s, lr, gradient norm and memory;
 ``--log PATH`` (.csv or .jsonl) writes them for every step and ``--plot PATH`` draws them to a PNG
 (matplotlib, the ``plot`` extra). Every ``--eval-interval`` steps the train and validation losses
-are estimated on fixed batches (no_grad, eval mode; left out of the monitor's step times). At the end it saves a checkpoint (model, optimizer and GradScaler state, config
-and step, pickled; ``--resume`` continues from it), prints a sample of generated text, the final
-validation loss, the training throughput and the wall time, and exits with status 1 if the
-validation loss is not below TARGET_VAL_LOSS. For scale it also prints two baselines: the corpus's
-unigram entropy (the loss of a model that knows only how often each character occurs) and the
-validation loss of a bigram model fit on the training split (one character of context).
+are estimated on fixed batches (no_grad, eval mode; left out of the monitor's step times). At the
+end it saves a checkpoint (model, optimizer and GradScaler state, config and step, pickled;
+``--resume`` continues from it), prints a sample of generated text, the final validation loss, the
+training throughput and the wall time, and exits with status 1 if the validation loss is not below
+TARGET_VAL_LOSS. The target is stated for the default config (TARGET_CONFIG: the steps, sizes and
+optimizer settings; any seed, backend or ``--amp``): any other run reports its loss without a
+verdict and exits 0. Every flag is checked before any work (a bad value, an output into a missing
+directory, a ``--resume`` file that is missing or not a checkpoint are usage errors, status 2), and
+the checkpoint is saved before the sample, the report and the plot. For scale it also prints two
+baselines: the corpus's unigram entropy (the loss of a model that knows only how often each
+character occurs) and the validation loss of a bigram model fit on the training split (one
+character of context).
 
 ``--amp`` trains in mixed precision with PyTorch's AMP recipe: the forward and the loss under
 ``taifuse.amp.autocast()`` (the Linears, the attention's products and batched ``@`` in float16; the
@@ -57,12 +63,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import math
 import os
 import pickle
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +97,9 @@ BATCH_SIZE = 32
 STEPS = 300
 LEARNING_RATE = 4e-3
 WARMUP_STEPS = 30
+MIN_LR_RATIO = 0.1
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +216,7 @@ class Result:
     sample: str
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, train, val)
     loss_scale: float | None = None  # the GradScaler's scale at the end (--amp), else None
+    target_applies: bool = False  # the run used the default config TARGET_VAL_LOSS is stated for
 
 
 def estimate_loss(model: GPT, batches: list[tuple[np.ndarray, np.ndarray]], amp: bool = False) -> float:
@@ -244,11 +256,30 @@ def save_checkpoint(
     os.replace(tmp, path)
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "config", "step", "vocab")  # "scaler" since --amp
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """What :func:`save_checkpoint` wrote. Unpickling runs code: load only checkpoints you made."""
-    with open(path, "rb") as f:
-        state = pickle.load(f)
-    if state.get("vocab") != VOCAB:
+    """What :func:`save_checkpoint` wrote. Unpickling runs code: load only checkpoints you made.
+
+    Raises ValueError, in one line naming ``path``, for a file that is missing, unreadable, empty,
+    not a pickle or not such a checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            state = pickle.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read the checkpoint {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # noqa: BLE001 (corrupt data makes pickle raise almost any error)
+        why = "the file is empty" if path.stat().st_size == 0 else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"{path} is not a checkpoint this script wrote ({why})") from None
+    missing = (
+        [key for key in CHECKPOINT_KEYS if key not in state]
+        if isinstance(state, dict)
+        else list(CHECKPOINT_KEYS)
+    )
+    if missing:
+        raise ValueError(f"{path} is not a checkpoint this script wrote (it has no {', '.join(missing)})")
+    if state["vocab"] != VOCAB:
         raise ValueError(f"{path} was trained with another vocabulary")
     return state
 
@@ -262,31 +293,127 @@ def _log(bar: Any, line: str, quiet: bool) -> None:
         print(line, flush=True)
 
 
+def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an int in [minimum, maximum]; anything else is a clean usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"should be an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            span = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:,}]"
+            raise argparse.ArgumentTypeError(f"should be an integer {span}, got {value}")
+        return value
+
+    return parse
+
+
+def _real(low: float, high: float = math.inf, *, above_low: bool = False) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite float in [low, high] ((low, high] with ``above_low``)."""
+    if math.isinf(high):
+        span = f"> {low:g}" if above_low else f">= {low:g}"
+    else:
+        span = f"in {'(' if above_low else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"should be a number, got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if above_low else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"should be a finite number {span}, got {text}")
+        return value
+
+    return parse
+
+
+# The longest context the data allows: a window and its shifted target inside the validation split.
+MAX_BLOCK_SIZE = CORPUS_CHARS - CORPUS_CHARS * 9 // 10 - 1
+# What TARGET_VAL_LOSS is stated for: the run's settings that shape the model and its training
+# (the seed, the backend, --amp, the evaluation and the output flags may differ).
+TARGET_CONFIG = {
+    "steps": STEPS,
+    "batch_size": BATCH_SIZE,
+    **{k: v for k, v in GPT_DEFAULTS.items() if k != "bias"},
+    "lr": LEARNING_RATE,
+    "min_lr_ratio": MIN_LR_RATIO,
+    "warmup": WARMUP_STEPS,
+    "weight_decay": WEIGHT_DECAY,
+    "grad_clip": GRAD_CLIP,
+}
+
+
+def _check_output(p: argparse.ArgumentParser, flag: str, path: Path) -> None:
+    """Refuse an output path that cannot be written, before any work (not after the training)."""
+    parent = path.parent
+    if path.is_dir():
+        p.error(f"{flag} {str(path)!r} is a directory; give a file name")
+    if not parent.is_dir():
+        p.error(f"{flag} {str(path)!r}: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        p.error(f"{flag} {str(path)!r} cannot be written (permission denied)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--backend", choices=taifuse.backends.BACKENDS, default=None, help="default: the active one"
+    """The command line, every flag checked (a bad one exits with a usage error, status 2)."""
+    target_flags = ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in TARGET_CONFIG.items())
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=(
+            f"The run states its result against a target: a final validation loss below {TARGET_VAL_LOSS} "
+            f"nats/char, which holds for the default config ({target_flags}; any --seed, --backend or "
+            "--amp). Only such a run gets a verdict (exit status 1 if the loss is not below the target); "
+            "any other run prints its losses without one and exits 0."
+        ),
     )
     p.add_argument(
-        "--steps", type=int, default=STEPS, help="total optimizer steps (a resumed run counts its own)"
+        "--backend",
+        choices=taifuse.backends.BACKENDS,
+        default=None,
+        help="the backend to run on; None keeps the active one",
     )
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    p.add_argument("--block-size", type=int, default=GPT_DEFAULTS["block_size"], help="context in characters")
-    p.add_argument("--n-layer", type=int, default=GPT_DEFAULTS["n_layer"])
-    p.add_argument("--n-head", type=int, default=GPT_DEFAULTS["n_head"])
-    p.add_argument("--n-embd", type=int, default=GPT_DEFAULTS["n_embd"])
-    p.add_argument("--dropout", type=float, default=GPT_DEFAULTS["dropout"])
-    p.add_argument("--lr", type=float, default=LEARNING_RATE, help="peak learning rate")
     p.add_argument(
-        "--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, as a fraction of --lr"
+        "--steps",
+        type=_integer(1),
+        default=STEPS,
+        help="total optimizer steps (a resumed run counts its own; the loss target is for the default)",
     )
-    p.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8, help="fixed batches per loss estimate")
-    p.add_argument("--sample-tokens", type=int, default=200)
+    p.add_argument("--batch-size", type=_integer(1), default=BATCH_SIZE, help="sequences per step")
+    p.add_argument(
+        "--block-size",
+        type=_integer(1, MAX_BLOCK_SIZE),
+        default=GPT_DEFAULTS["block_size"],
+        help="context in characters",
+    )
+    p.add_argument("--n-layer", type=_integer(1), default=GPT_DEFAULTS["n_layer"], help="transformer blocks")
+    p.add_argument("--n-head", type=_integer(1), default=GPT_DEFAULTS["n_head"], help="attention heads")
+    p.add_argument("--n-embd", type=_integer(1), default=GPT_DEFAULTS["n_embd"], help="the model's width")
+    p.add_argument(
+        "--dropout", type=_real(0.0, 1.0), default=GPT_DEFAULTS["dropout"], help="dropout probability"
+    )
+    p.add_argument("--lr", type=_real(0.0), default=LEARNING_RATE, help="peak learning rate")
+    p.add_argument(
+        "--min-lr-ratio",
+        type=_real(0.0, 1.0),
+        default=MIN_LR_RATIO,
+        help="the cosine's floor, as a fraction of --lr",
+    )
+    p.add_argument("--warmup", type=_integer(0), default=WARMUP_STEPS, help="warm-up steps")
+    p.add_argument(
+        "--weight-decay", type=_real(0.0), default=WEIGHT_DECAY, help="AdamW's decay of the matrices"
+    )
+    p.add_argument(
+        "--grad-clip",
+        type=_real(0.0, above_low=True),
+        default=GRAD_CLIP,
+        help="the gradients' largest total norm",
+    )
+    p.add_argument("--seed", type=_integer(0), default=0, help="seeds the weights, batches and sample")
+    p.add_argument("--eval-interval", type=_integer(1), default=100, help="steps between loss estimates")
+    p.add_argument("--eval-batches", type=_integer(1), default=8, help="fixed batches per loss estimate")
+    p.add_argument("--sample-tokens", type=_integer(0), default=200, help="characters to sample at the end")
     p.add_argument("--out", type=Path, default=Path("train_gpt.ckpt.pkl"), help="checkpoint file")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint at --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
@@ -298,27 +425,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--log should end in .csv or .jsonl, got {str(args.log)!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install 'taifuse[plot]'")
-    for name in (
-        "steps",
-        "batch_size",
-        "block_size",
-        "n_layer",
-        "n_head",
-        "n_embd",
-        "eval_interval",
-        "eval_batches",
-    ):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} should be a positive int, got {getattr(args, name)}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd ({args.n_embd}) should be a multiple of --n-head ({args.n_head})")
+    outputs = {"--out": args.out, "--log": args.log, "--plot": args.plot}
+    for flag, path in outputs.items():
+        if path is not None:
+            _check_output(p, flag, path)
+    if args.resume and not args.out.is_file():
+        p.error(f"--resume: no checkpoint at --out {str(args.out)!r}")
+    written = [(flag, path.resolve()) for flag, path in outputs.items() if path is not None]
+    for (flag_a, a), (flag_b, b) in itertools.combinations(written, 2):
+        if a == b:
+            p.error(f"{flag_a} and {flag_b} name the same file {str(a)!r}")
     return args
+
+
+def differs_from_target_config(args: argparse.Namespace, config: GPTConfig) -> list[str]:
+    """The flags of this run (its model from ``config``, the rest from ``args``) that differ from the
+    default config TARGET_VAL_LOSS is stated for; empty when the target applies."""
+    used = {**vars(args), **{k: getattr(config, k) for k in GPT_DEFAULTS if k != "bias"}}
+    return [f"--{k.replace('_', '-')}" for k, v in TARGET_CONFIG.items() if used[k] != v]
+
+
+def _error(message: str) -> SystemExit:
+    """A usage error found after parsing (a bad checkpoint, a short corpus), as argparse reports one."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    return SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> Result:
     """Train as the command line ``argv`` says (``sys.argv[1:]`` when None) and return the result."""
     args = parse_args(argv)
     start_wall = time.perf_counter()
+    state = None
+    if args.resume:
+        try:
+            state = load_checkpoint(args.out)
+        except ValueError as exc:
+            raise _error(f"--resume: {exc}") from None
     if args.backend:
         taifuse.set_backend(args.backend)
     quiet = args.quiet
@@ -326,10 +470,7 @@ def main(argv: list[str] | None = None) -> Result:
     data = encode(load_corpus())
     split = len(data) * 9 // 10
     train_data, val_data = data[:split], data[split:]
-    baseline = unigram_entropy(data)
-    bigram = bigram_cross_entropy(train_data, val_data)
 
-    state = load_checkpoint(args.out) if args.resume else None
     if state is not None:
         config = GPTConfig(**state["config"])
     else:
@@ -342,6 +483,12 @@ def main(argv: list[str] | None = None) -> Result:
             dropout=args.dropout,
             bias=GPT_DEFAULTS["bias"],
         )
+    if config.block_size >= len(val_data):  # a shorter corpus than CORPUS_CHARS (a small stdlib)
+        raise _error(
+            f"--block-size {config.block_size} does not fit the {len(val_data):,} validation characters"
+        )
+    baseline = unigram_entropy(data)
+    bigram = bigram_cross_entropy(train_data, val_data)
     taifuse.manual_seed(args.seed)
     model = GPT(config)
     optimizer = model.configure_optimizer(weight_decay=args.weight_decay, lr=args.lr, betas=(0.9, 0.99))
@@ -421,10 +568,9 @@ def main(argv: list[str] | None = None) -> Result:
             with monitor.paused():
                 evaluate(done, monitor)
     monitor.close()
-    if args.plot is not None:
-        monitor.plot(args.plot)
     if not history:  # nothing left to train: still report where the checkpoint stands
         evaluate(start, None)
+    # Saved first: nothing after this (the sample, the report, the plot) can lose the run.
     save_checkpoint(args.out, model, optimizer, config, done, args, scaler)
 
     prompt = encode(SAMPLE_PROMPT)[None, :].astype(np.int64)
@@ -438,15 +584,25 @@ def main(argv: list[str] | None = None) -> Result:
     _, train_loss, val_loss = history[-1]
     tokens_per_s = timed_tokens / train_time if train_time > 0 else float("nan")
     wall_s = time.perf_counter() - start_wall
+    differs = differs_from_target_config(args, config)
+    if differs:
+        target = (
+            f"no verdict: the target < {TARGET_VAL_LOSS} is stated for the default config, and this run's "
+            f"{', '.join(differs)} differ{'s' if len(differs) == 1 else ''} from it"
+        )
+    else:
+        target = f"target < {TARGET_VAL_LOSS} for this default config"
     _log(None, f"checkpoint: {args.out} (step {done})", quiet)
     _log(None, f"sample (temperature 0.8, top-k 20):\n{'-' * 60}\n{sample}\n{'-' * 60}", quiet)
     _log(
         None,
         f"final validation loss {val_loss:.4f} nats/char (train {train_loss:.4f}; unigram entropy {baseline:.4f}, bigram {bigram:.4f}; "
-        f"target < {TARGET_VAL_LOSS}); {tokens_per_s:,.0f} tokens/s over the training steps after the first; "
+        f"{target}); {tokens_per_s:,.0f} tokens/s over the training steps after the first; "
         f"wall time {wall_s:.1f} s",
         quiet,
     )
+    if args.plot is not None:  # last: the run is saved and reported whatever happens here
+        monitor.plot(args.plot)
     loss_scale = scaler.get_scale() if args.amp else None
     return Result(
         val_loss,
@@ -460,14 +616,16 @@ def main(argv: list[str] | None = None) -> Result:
         sample,
         history,
         loss_scale,
+        not differs,
     )
 
 
 if __name__ == "__main__":
     result = main()
-    if not result.val_loss < TARGET_VAL_LOSS:
+    if result.target_applies and not result.val_loss < TARGET_VAL_LOSS:
         print(
-            f"FAILED: validation loss {result.val_loss:.4f} is not below the stated {TARGET_VAL_LOSS}",
+            f"FAILED: validation loss {result.val_loss:.4f} is not below the stated {TARGET_VAL_LOSS} "
+            "(the target for the default config, which this run used)",
             file=sys.stderr,
         )
         sys.exit(1)
