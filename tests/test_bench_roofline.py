@@ -154,6 +154,45 @@ def test_each_row_meets_the_ceiling_of_its_own_level():
     assert row["baseline_roofline"]["ceiling"] == "roofline/copy-DRAM"
 
 
+@pytest.mark.parametrize(
+    ("working_set", "cpus", "level"),
+    [
+        (16 * MIB, 2, "L3"),
+        (32 * MIB, 2, "L3"),  # exactly the L3: still fits
+        (32 * MIB + 8 * 1024, 2, "L3/DRAM"),  # the elementwise suite's affine on the AMD EPYC
+        (48 * MIB, 2, "L3/DRAM"),  # add_relu there
+        (64 * MIB, 2, "L3/DRAM"),
+        (64 * MIB + 4096, 2, "DRAM"),  # clearly past: over MIXED_MARGIN times the L3
+        (1536 * 1024, 1, "L2/L3"),  # past one core's 1 MiB L2
+        (1536 * 1024, 2, "L2"),  # two cores' L2s hold it
+        (3 * MIB, 2, "L2/L3"),
+        (5 * MIB, 2, "L3"),
+    ],
+)
+def test_a_working_set_just_past_a_level_is_mixed(working_set, cpus, level):
+    assert roofline.MIXED_MARGIN == 2
+    assert roofline.row_level(working_set, AMD, cpus) == level
+    assert roofline.ceiling_level(level) == level.split("/")[0]
+    assert roofline.row_level(1024, [], cpus) == roofline.UNKNOWN_LEVEL
+
+
+def test_a_mixed_row_is_held_to_the_faster_ceiling():
+    # The affine row (x (4096, 1024) -> out, scale and bias) on a 32 MiB L3 read "98% of DRAM copy
+    # bandwidth" while PyTorch ran the same bytes 1.5x faster: it is mixed, judged against L3.
+    affine = elementwise.cases()[[c.name for c in elementwise.cases()].index("affine")]
+    assert affine.bytes_moved == 32 * MIB + 8 * 1024
+    traffic = roofline.traffic_bytes(affine.bytes_moved, affine.bytes_written)
+    row = _compare_row(affine, traffic / 50.0, _ceilings(l3_gbps=100.0, dram_gbps=40.0))
+    assert row["cache_level"] == "L3/DRAM"
+    r = row["roofline"]
+    assert r["ceiling"] == "roofline/copy-L3" and r["of"] == "L3 copy bandwidth" and r["level"] == "L3/DRAM"
+    assert r["fraction"] == pytest.approx(0.5, rel=1e-2)  # not 125% of DRAM's
+    assert row["baseline_roofline"]["ceiling"] == "roofline/copy-L3"
+    # The run measures the L3 ceiling for it, and DRAM as always.
+    assert harness.bandwidth_levels([affine], FLAT) == {"L3"}
+    assert set(roofline.ceiling_sizes({"L3/DRAM"}, AMD, 2)) == {"L3", "DRAM"}
+
+
 def test_compute_bound_rows_meet_the_gemm_rate():
     row = _compare_row(_case(32 * MIB, 8 * MIB, flops=3 * 10**9), 2e7, _ceilings())
     assert row["roofline"]["ceiling"] == "roofline/gemm" and row["roofline"]["unit"] == "GFLOP/s"
@@ -188,7 +227,8 @@ def test_a_row_moving_its_traffic_as_fast_as_the_ceiling_is_at_100_percent(reads
     ceiling_rate = roofline.traffic_bytes(2 * array[level], array[level]) / copy_ns[level]
     assert ceilings.copy[level].value == pytest.approx(ceiling_rate)
 
-    unit = {"L3": 4 * MIB, "DRAM": 64 * MIB}[level]
+    # DRAM rows clearly past the 32 MiB L3 (a reduction reads one unit): NOTE [ Mixed levels ].
+    unit = {"L3": 4 * MIB, "DRAM": 96 * MIB}[level]
     case = _case((reads + writes) * unit, writes * unit)
     traffic = roofline.traffic_bytes(case.bytes_moved, case.bytes_written)
     at_ceiling = _compare_row(case, traffic / ceiling_rate, ceilings)

@@ -309,12 +309,15 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
         getattr(ref, name)(x, y, want)
         assert_close(got, want, dtype, scale=10.0)
 
+    # affine's parallel items: blocks of rows by column tiles, the last block and tile partial
+    for rows, cols in [(15, 4099), (37, 1000), (2 * nb_jit._BLOCK // 7 + 3, 7)]:
+        xa = x.reshape(-1)[: rows * cols].reshape(rows, cols)
+        scale, bias = _inputs(cols, dtype, 2), _inputs(cols, dtype, 3)
+        got, want = np.empty_like(xa), np.empty_like(xa)
+        nb.affine(xa, scale, bias, got)
+        ref.affine(xa, scale, bias, want)
+        assert_close(got, want, dtype, scale=10.0)
     x2 = x.reshape(15, 4099)
-    scale, bias = _inputs(4099, dtype, 2), _inputs(4099, dtype, 3)
-    got, want = np.empty_like(x2), np.empty_like(x2)
-    nb.affine(x2, scale, bias, got)
-    ref.affine(x2, scale, bias, want)
-    assert_close(got, want, dtype, scale=10.0)
 
     for shape in [(15, 4099, 1), (3, 5, 4099), (2, 7, nb_jit._STRIDED_TILE + 3)]:
         xs = x.reshape(-1)[: math.prod(shape)].reshape(shape)

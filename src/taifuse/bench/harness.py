@@ -38,7 +38,7 @@ import numpy as np
 
 from taifuse.bench import roofline, stats, timing
 from taifuse.bench.case import Case
-from taifuse.bench.env import UNKNOWN_LEVEL, cache_level, cpu_caches
+from taifuse.bench.env import UNKNOWN_LEVEL, cpu_caches
 from taifuse.bench.roofline import Ceilings
 from taifuse.bench.row import NO_DATA, NOT_A_COMPARISON, Row, RowHeader
 
@@ -214,11 +214,11 @@ def _measure_solo(
 
 
 def bandwidth_levels(cases: list[Any], caches: list[dict] | None = None) -> set[str]:
-    """The cache levels of the memory-bound rows among ``cases``: the copy ceilings a run needs
-    (NOTE [ One ceiling per cache level ] in roofline.py)."""
+    """The ceiling levels of the memory-bound rows among ``cases``: the copy ceilings a run needs
+    (NOTE [ One ceiling per cache level ] and NOTE [ Mixed levels ] in roofline.py)."""
     caches = cpu_caches() if caches is None else caches
     return {
-        cache_level(c.bytes_moved, caches)
+        roofline.ceiling_level(roofline.row_level(c.bytes_moved, caches))
         for c in cases
         if not is_custom(c) and not c.flops and c.bytes_moved
     }
@@ -275,7 +275,7 @@ def case_rows(
         runs,
         bytes_moved=case.bytes_moved,
         # An allocation moves no data: no level (a 16 MiB scratch buffer is not "L1").
-        cache=cache_level(case.bytes_moved, caches) if case.bytes_moved else NO_DATA,
+        cache=roofline.row_level(case.bytes_moved, caches) if case.bytes_moved else NO_DATA,
         tolerance={"rtol": case.rtol, "atol": case.atol},
     )
     cand = case.candidate

@@ -9,6 +9,8 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+from taifuse.bench.roofline import MIXED_MARGIN
+
 METHOD = """\
 Every comparison row times a candidate (taifuse on the active backend) against a baseline whose exact
 code is listed under the row. Before anything is timed, the two outputs are compared with
@@ -34,7 +36,8 @@ timed alone in fresh processes, alternating, and a ratio pairs samples of two pr
 index. The case's "A/A control, isolated processes" row, the candidate against itself timed the same
 way, sets those rows' t (cross-process noise is larger than within one process).
 Cache level is where the bytes one call moves (inputs + output) fit, by nominal cache size added up
-over the CPUs (a private L2 per core counts once per core, a shared L3 once).
+over the CPUs (a private L2 per core counts once per core, a shared L3 once); bytes past a level but
+within {margin}x its size are mixed (`L3/DRAM`), and judged against the faster level's ceiling.
 The roofline column divides the candidate's achieved rate by the ceiling of its own kind and level,
 measured in worker processes of this same run: a compute-bound row by the GEMM rate (float32
 `np.matmul`), a memory-bound row by the copy bandwidth of its cache level ({ceilings}). That copy is
@@ -221,6 +224,7 @@ def markdown(result: dict, charts: Sequence[str] = (), *, matplotlib: bool = Tru
             min_effect=method["min_effect"],
             threshold=method["threshold"],
             ceilings=_ceiling_sizes(rows),
+            margin=MIXED_MARGIN,
             traffic=(method.get("ceilings") or {}).get("traffic_model", "bytes read + bytes written"),
         ),
         "",

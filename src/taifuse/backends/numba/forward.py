@@ -200,16 +200,21 @@ def _dropout_parallel(x, out, key, threshold, scale):
 
 
 # ----------------------------------------------------------------------------- row-wise elementwise
-# Work items are (row, column tile) pairs, so that a few long rows still split across threads.
+# Work items are (row, column tile) pairs, so that a few long rows still split across threads;
+# affine's items are (block of rows, column tile) pairs instead, see _affine_parallel.
+
+
+@njit(**_FMA_INLINE)
+def _affine_span(x, s, b, out):
+    for c in range(x.size):
+        out[c] = _narrow(_widen(x[c]) * _widen(s[c]) + _widen(b[c]), out)
 
 
 @njit(**_FMA)
 def _affine_rows(x, scale, bias, out, r0, r1, lo, hi):
     s, b = scale[lo:hi], bias[lo:hi]
     for r in range(r0, r1):
-        xs, outs = x[r, lo:hi], out[r, lo:hi]
-        for c in range(xs.size):
-            outs[c] = _narrow(_widen(xs[c]) * _widen(s[c]) + _widen(b[c]), outs)
+        _affine_span(x[r, lo:hi], s, b, out[r, lo:hi])
 
 
 @njit(**_FMA)
@@ -217,13 +222,27 @@ def _affine_serial(x, scale, bias, out):
     _affine_rows(x, scale, bias, out, 0, x.shape[0], 0, x.shape[1])
 
 
+@njit(**_FMA_INLINE)
+def _rows_per_item(cols):
+    """Rows per work item of a row-wise kernel whose rows are cut into tiles of ``_TILE`` columns:
+    about ``_BLOCK`` elements an item, as the flat kernels' items."""
+    return max(1, _BLOCK // max(1, min(cols, _TILE)))
+
+
 @njit(**_FMA_PARALLEL)
 def _affine_parallel(x, scale, bias, out):
+    # NOTE: items of one row each (the kernel before) paid a call, the slices and the vector
+    # loop's alias checks and remainder per row of 1024 columns; blocks of about _BLOCK elements
+    # pay them once per 16 rows. One thread, the same loop called per row against per 16 rows,
+    # fastest of 40 ABAB rounds on a loaded 2-core Xeon (indications, not a quiet measurement):
+    # (4096, 1024) 2.35-2.62 ms against 1.93-2.01 ms; (1024, 1024) 336 us against 323 us.
     rows, cols = x.shape
     tiles = _count(cols, _TILE)
-    for item in prange(rows * tiles):
-        r, lo, hi = _row_tile(item, tiles, cols, _TILE)
-        _affine_rows(x, scale, bias, out, r, r + 1, lo, hi)
+    per = _rows_per_item(cols)
+    for item in prange(_count(rows, per) * tiles):
+        block, lo, hi = _row_tile(item, tiles, cols, _TILE)
+        r0 = block * per
+        _affine_rows(x, scale, bias, out, r0, min(r0 + per, rows), lo, hi)
 
 
 @njit(**_FMA_INLINE)

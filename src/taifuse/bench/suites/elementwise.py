@@ -16,6 +16,17 @@ ROWS, COLS = 4096, 1024  # the same element count as a 2-D activation map for af
 _TAIFUSE = ("numpy as np", "taifuse.functional as F")
 _TORCH = ("numpy as np", "torch", "torch.nn.functional as TF")
 _OUT = "out = np.empty_like(x)"
+# NOTE [ Like outputs ]
+# Where PyTorch writes into an ``out=`` buffer, that buffer is a NumPy allocation seen through
+# ``torch.from_numpy``, as taifuse's ``out`` is, warmed by the same first call: the two sides then
+# read the same input and write into the same kind of memory. ``torch.empty_like`` would differ in
+# more than the kernel: NumPy advises transparent huge pages for large arrays (``madvise``; checked
+# on the development VM, where 14 of a 16 MiB array's MiB came back as huge pages) and PyTorch's
+# allocator does not, and the two start at different offsets in a page. At a working set the size
+# of the last-level cache (the affine row: 32 MiB on a 32 MiB L3) how the output's pages map onto
+# the cache sets can change how much of the next call still hits (not measured on that machine),
+# and the row would then time the allocators as well as the kernels.
+_TORCH_OUT = "ot = torch.from_numpy(np.empty_like({like}))"
 
 
 # NumPy has no erf: Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7) evaluated in place is the
@@ -212,7 +223,7 @@ def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
             _torch(
                 "torch.add(at, bt, out=ot)\not.relu_()",
                 result="ot",
-                prepare="at, bt = torch.from_numpy(a), torch.from_numpy(b)\not = torch.empty_like(at)",
+                prepare="at, bt = torch.from_numpy(a), torch.from_numpy(b)\n" + _TORCH_OUT.format(like="a"),
             )
         )
     out.append(
@@ -239,9 +250,8 @@ def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
             _torch(
                 "torch.addcmul(bt, xt, st, out=ot)",
                 result="ot",
-                prepare=(
-                    "xt, st, bt = (torch.from_numpy(v) for v in (x, scale, bias))\not = torch.empty_like(xt)"
-                ),
+                prepare="xt, st, bt = (torch.from_numpy(v) for v in (x, scale, bias))\n"
+                + _TORCH_OUT.format(like="x"),
             )
         )
     out.append(
