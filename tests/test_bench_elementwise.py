@@ -11,7 +11,9 @@ from taifuse.bench.suites import elementwise
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("name", ["affine", "add_relu"])
+@pytest.mark.parametrize(
+    "name", ["affine", "add_relu", "gelu(approximate='tanh')", "gelu(approximate='none')", "silu"]
+)
 def test_torch_writes_into_a_numpy_allocation_as_taifuse_does(name):
     case = next(c for c in elementwise.cases(compare_torch=True) if c.name == name)
     peer = case.variant("torch")
