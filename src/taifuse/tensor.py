@@ -558,7 +558,7 @@ class Tensor:
         elif isinstance(src, np.ndarray) or _is_scalar(src):
             value = np.asarray(src, dtype=self.dtype)
             if not isinstance(self._data, np.ndarray):
-                value = self._be.from_numpy(np.ascontiguousarray(value))
+                value = self._be.from_numpy(np.asarray(value, order="C"))
         else:
             raise TypeError(
                 f"copy_: src should be a Tensor, numpy.ndarray or number, got {type(src).__name__}"
@@ -1015,9 +1015,10 @@ def _as_array_like(value: Any, like: Tensor, what: str) -> Any:
 # nothing is narrowed behind the user's back. Operands of different dtypes compute in
 # ``torch.result_type`` of the two: float16 < float32 < float64; an integer operand takes the
 # float operand's dtype; a Python number (or NumPy scalar) is weak and takes the Tensor's dtype; a
-# 0-d Tensor does not widen a dimensioned one of the same kind (a NumPy array counts as
-# dimensioned, as torch treats it). The operand of the other dtype goes through a differentiable
-# cast (``_Cast``), so every input's gradient comes back in that input's own dtype, as in torch.
+# 0-d Tensor does not widen a dimensioned one of the same kind. A NumPy array (0-d too) counts as
+# dimensioned, and so does a 0-d Tensor beside one: torch promotes a Tensor and an array fully.
+# The operand of the other dtype goes through a differentiable cast (``_Cast``), so every input's
+# gradient comes back in that input's own dtype, as in torch.
 # So a float32 Tensor times a float64 array is float64 on ``numpy`` and ``numba``; the ``taichi``
 # backend has no float64 (Metal has none), so there it raises ``TypeError`` instead of computing in
 # float32. Two places cast to a dtype a tensor fixes, as torch does: an in-place op (``a += b``)
@@ -1039,7 +1040,9 @@ def _promoted(a: Any, b: Any, like: Tensor, op: str, scalars: bool = True) -> tu
     ta, tb = _operand(a, like, op, scalars), _operand(b, like, op, scalars)
     if not (isinstance(ta, Tensor) and isinstance(tb, Tensor)) or ta.dtype == tb.dtype:
         return ta, tb
-    dims = [isinstance(v, np.ndarray) or t.ndim > 0 for v, t in ((a, ta), (b, tb))]
+    # Against a NumPy array PyTorch promotes fully, whatever either operand's rank.
+    array = isinstance(a, np.ndarray) or isinstance(b, np.ndarray)
+    dims = [array or t.ndim > 0 for t in (ta, tb)]
     dtype = _result_dtype(ta.dtype, dims[0], tb.dtype, dims[1])
     if dtype.kind == "f":
         like._be.check_dtype(dtype, f"{op}: the result of dtypes {ta.dtype} and {tb.dtype}")
@@ -1068,7 +1071,8 @@ def _operand(value: Any, like: Tensor, op: str, scalars: bool = True) -> Any:
             arr = value
         else:
             raise TypeError(f"{op}: unsupported operand of dtype {value.dtype}")
-        return Tensor._wrap(like._be.from_numpy(np.ascontiguousarray(arr)), like._be)
+        # NOTE: not np.ascontiguousarray, which turns a 0-d array into shape (1,).
+        return Tensor._wrap(like._be.from_numpy(np.asarray(arr, order="C")), like._be)
     raise TypeError(f"{op}: unsupported operand of type {type(value).__name__}")
 
 
@@ -1656,7 +1660,7 @@ def _mask_operand(mask: Any, like: Tensor) -> Any:
     arr = np.asarray(mask)
     if arr.dtype.kind != "b":
         raise TypeError(f"masked_fill: mask should be a boolean array, got dtype {arr.dtype}")
-    return arr if isinstance(like._data, np.ndarray) else like._be.from_numpy(np.ascontiguousarray(arr))
+    return arr if isinstance(like._data, np.ndarray) else like._be.from_numpy(np.asarray(arr, order="C"))
 
 
 def _index_array(item: Any, t: Tensor, dim: int) -> Any:
@@ -1684,7 +1688,7 @@ def _index_array(item: Any, t: Tensor, dim: int) -> Any:
         raise _IndexOutOfRange(
             f"index {int(arr[bad].flat[0])} is out of bounds for dimension {dim} with size {size}"
         )
-    arr = np.ascontiguousarray(arr % max(size, 1), dtype=np.int64)
+    arr = np.asarray(arr % max(size, 1), dtype=np.int64, order="C")
     return arr if isinstance(t._data, np.ndarray) else t._be.from_numpy(arr)
 
 
@@ -1886,27 +1890,42 @@ class _MaxDim(Function):
         return self.m.scatter_dim(g, self.index, self.dim, self.size), None, None, None
 
 
+def _legacy_empty(shape: tuple[int, ...]) -> bool:
+    """A 1-D empty tensor, which ``torch.cat`` skips beside tensors of any rank."""
+    return shape == (0,)
+
+
 class _Cat(Function):
     owns_grads = True
 
     def forward(self, *arrays: Any, dim: int) -> Any:
-        shape = list(_shape(arrays[0]))
-        shape[dim] = sum(a.shape[dim] for a in arrays)
+        # The legacy empty (0,) pieces are skipped (cat() checked the others' shapes), unless all are.
+        joined = [a for a in arrays if not _legacy_empty(_shape(a))] or list(arrays)
+        shape = list(_shape(joined[0]))
+        shape[dim] = sum(a.shape[dim] for a in joined)
         out = self.m.full(tuple(shape), 0.0, arrays[0].dtype)
         self.strides = _contiguous(tuple(shape))
-        self.pieces: list[tuple[tuple[int, ...], int]] = []
+        self.pieces: list[tuple[tuple[int, ...], int | None]] = []
         offset = 0
         for a in arrays:
+            if len(joined) < len(arrays) and _legacy_empty(_shape(a)):
+                self.pieces.append(((0,), None))
+                continue
             self.m.scatter_strided_(out, a, self.strides, offset)
             self.pieces.append((_shape(a), offset))
             offset += a.shape[dim] * self.strides[dim]
         return out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        return tuple(
-            self.m.as_strided(g, shape, self.strides, offset) if need else None
-            for (shape, offset), need in zip(self.pieces, self.needs_grad)
-        )
+        grads = []
+        for (shape, offset), need in zip(self.pieces, self.needs_grad):
+            if not need:
+                grads.append(None)
+            elif offset is None:  # a skipped (0,) piece
+                grads.append(self.m.full(shape, 0.0, g.dtype))
+            else:
+                grads.append(self.m.as_strided(g, shape, self.strides, offset))
+        return tuple(grads)
 
 
 def _tensor_list(tensors: Any, op: str) -> list[Tensor]:
@@ -1928,6 +1947,7 @@ def _tensor_list(tensors: Any, op: str) -> list[Tensor]:
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     """The tensors joined along the existing dimension ``dim``, as ``torch.cat``; their other sizes
     must match. Mixed dtypes promote (NOTE [ Mixed dtypes ]). The backward slices the gradient.
+    As in PyTorch, 1-D empty tensors (shape ``(0,)``) are skipped beside tensors of any rank.
 
     Example::
 
@@ -1937,15 +1957,30 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
         array([[1., 2., 3.]], dtype=float32)
     """
     ts = _tensor_list(tensors, "cat")
-    if not ts[0].ndim:
-        raise ValueError("cat: zero-dimensional tensor (at position 0) cannot be concatenated")
-    d = _dim(dim, ts[0].ndim, "cat")
-    first = ts[0].shape
     for i, t in enumerate(ts):
+        if not t.ndim:
+            raise ValueError(f"cat: zero-dimensional tensor (at position {i}) cannot be concatenated")
+    # As torch.cat: 1-D empty tensors (shape (0,)) are skipped beside the others, whatever their
+    # rank; ``dim`` refers to the first of those others (any dim goes when all are empty).
+    joined = [i for i, t in enumerate(ts) if not _legacy_empty(t.shape)]
+    if not joined:
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(f"cat: dim should be an int, got {dim!r}")
+        return _Cat.apply(*ts, dim=0)
+    k = joined[0]
+    d = _dim(dim, ts[k].ndim, "cat")
+    first = ts[k].shape
+    for i in joined:
+        t = ts[i]
         if t.ndim != len(first) or any(a != b for j, (a, b) in enumerate(zip(t.shape, first)) if j != d):
+            note = (
+                " (an empty tensor is skipped only when it is 1-D, of shape (0,), as in torch.cat)"
+                if 0 in t.shape or 0 in first
+                else ""
+            )
             raise ValueError(
-                f"cat: sizes of tensors must match except in dimension {d}: tensors[0] has shape {first}, "
-                f"tensors[{i}] has shape {t.shape}"
+                f"cat: sizes of tensors must match except in dimension {d}: tensors[{k}] has shape {first}, "
+                f"tensors[{i}] has shape {t.shape}{note}"
             )
     return _Cat.apply(*ts, dim=d)
 
