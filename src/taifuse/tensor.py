@@ -121,7 +121,8 @@ class Function:
     Subclasses implement ``forward(*args)`` (Tensor arguments arrive as their arrays, everything
     else unchanged; returns the output array) and ``backward(grad)`` (returns one gradient per
     positional argument, ``None`` where there is none or ``self.needs_grad[i]`` is False). They keep
-    what the backward needs on ``self``; :meth:`release` drops it after a backward pass.
+    what the backward needs on ``self``; :meth:`release` drops the saved data after a backward pass
+    (NOTE [ Released nodes ]).
     """
 
     be: ModuleType  # the backend the forward ran on; the backward runs there too
@@ -167,14 +168,49 @@ class Function:
         raise NotImplementedError
 
     def release(self) -> None:
-        """Drop what the forward saved and the links to the inputs (after a backward pass without
-        ``retain_graph``), so that the intermediates are freed while the output lives on."""
-        self.__dict__ = {k: self.__dict__[k] for k in ("be", "m", "needs_grad")}
-        self.parents = ()
+        """Drop the data the forward saved (after this node's backward ran without
+        ``retain_graph``), so that the intermediates are freed while the output lives on; keep
+        the shapes, dims and dtypes, and the links to the inputs (NOTE [ Released nodes ])."""
+        state = self.__dict__
+        freed = {k for k, v in state.items() if k not in _KEPT_ON_RELEASE and not _is_metadata(v)}
+        for k in freed:
+            del state[k]
+        state["_freed"] = frozenset(freed | state.get("_freed", frozenset()))
+        # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays.
+        self.parents = tuple(_graph_node(p) if isinstance(p, Tensor) else p for p in self.parents)
         self.released = True
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for a name the instance lacks: one that release() dropped is needed again.
+        if name in self.__dict__.get("_freed", ()):
+            raise RuntimeError(_SECOND_BACKWARD)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"
+
+
+# NOTE [ Released nodes ]
+# As PyTorch frees a node's saved tensors once its backward ran (unless ``retain_graph``), and
+# nothing else: the node, its edges and what it keeps besides tensors (sizes, dims, dtypes) live on
+# as long as an output refers to them. A node that saved no data (an addition, a reshape, a sum, a
+# cast: autocast's cached weight casts among them) can therefore run again, so that a second loss
+# sharing part of the graph (``l1 = y.sum(); l2 = (2 * y).sum()``) or gradient accumulation under
+# one autocast region backpropagates as in PyTorch; a node whose backward reads freed data raises
+# PyTorch's "second time" error when, and only when, it is reached again. What counts as kept is
+# decided by value (_is_metadata), not per subclass: ints, strings, dtypes, flags and tuples of
+# them; arrays, Tensors, floats (a scalar operand: PyTorch saves it as a tensor too) and callables
+# go.
+_KEPT_ON_RELEASE = frozenset({"be", "m", "needs_grad", "parents", "released", "_freed", "_profile_signature"})
+
+
+def _is_metadata(value: Any) -> bool:
+    """Whether a node keeps ``value`` after its backward ran (NOTE [ Released nodes ])."""
+    if value is None or isinstance(value, (numbers.Integral, str, np.dtype, type, ModuleType)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_is_metadata(v) for v in value)
+    return False
 
 
 def _common_backend(tensors: Sequence[Tensor], op: str) -> ModuleType:
@@ -1303,8 +1339,6 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
         summable.discard(id(ctx))
         if g is None:
             continue
-        if ctx.released:
-            raise RuntimeError(_SECOND_BACKWARD)
         acc = _summed_so_far(ctx, g, pending, summable)
         ctx.accumulate_into = acc
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
@@ -1678,6 +1712,8 @@ def _index_array(item: Any, t: Tensor, dim: int) -> Any:
         arr = item._data
     else:
         arr = np.asarray(item)
+        if isinstance(item, list) and arr.size == 0:
+            arr = arr.astype(np.int64)  # ``t[[]]``: an empty list selects nothing, as in PyTorch
         if arr.dtype.kind not in "iu":
             raise TypeError(
                 f"index: an array index should hold integers, got dtype {arr.dtype} (boolean masks are "
@@ -1802,6 +1838,10 @@ class _Take(Function):
         return self.m.take(a, index, axis)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
+        if not self.index.size:  # ``t[[]]``: nothing was read, so the gradient is all zeros
+            k = self.index.ndim
+            shape = _shape(g)[: self.axis] + (self.size,) + _shape(g)[self.axis + k :]
+            return self.m.full(shape, 0.0, g.dtype), None, None
         return self.m.take_backward(g, self.index, self.axis, self.size), None, None
 
 
