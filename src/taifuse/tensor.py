@@ -121,7 +121,8 @@ class Function:
     Subclasses implement ``forward(*args)`` (Tensor arguments arrive as their arrays, everything
     else unchanged; returns the output array) and ``backward(grad)`` (returns one gradient per
     positional argument, ``None`` where there is none or ``self.needs_grad[i]`` is False). They keep
-    what the backward needs on ``self``; :meth:`release` drops it after a backward pass.
+    what the backward needs on ``self``; :meth:`release` drops the saved data after a backward pass
+    (NOTE [ Released nodes ]).
     """
 
     be: ModuleType  # the backend the forward ran on; the backward runs there too
@@ -167,14 +168,49 @@ class Function:
         raise NotImplementedError
 
     def release(self) -> None:
-        """Drop what the forward saved and the links to the inputs (after a backward pass without
-        ``retain_graph``), so that the intermediates are freed while the output lives on."""
-        self.__dict__ = {k: self.__dict__[k] for k in ("be", "m", "needs_grad")}
-        self.parents = ()
+        """Drop the data the forward saved (after this node's backward ran without
+        ``retain_graph``), so that the intermediates are freed while the output lives on; keep
+        the shapes, dims and dtypes, and the links to the inputs (NOTE [ Released nodes ])."""
+        state = self.__dict__
+        freed = {k for k, v in state.items() if k not in _KEPT_ON_RELEASE and not _is_metadata(v)}
+        for k in freed:
+            del state[k]
+        state["_freed"] = frozenset(freed | state.get("_freed", frozenset()))
+        # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays.
+        self.parents = tuple(_graph_node(p) if isinstance(p, Tensor) else p for p in self.parents)
         self.released = True
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for a name the instance lacks: one that release() dropped is needed again.
+        if name in self.__dict__.get("_freed", ()):
+            raise RuntimeError(_SECOND_BACKWARD)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"
+
+
+# NOTE [ Released nodes ]
+# As PyTorch frees a node's saved tensors once its backward ran (unless ``retain_graph``), and
+# nothing else: the node, its edges and what it keeps besides tensors (sizes, dims, dtypes) live on
+# as long as an output refers to them. A node that saved no data (an addition, a reshape, a sum, a
+# cast: autocast's cached weight casts among them) can therefore run again, so that a second loss
+# sharing part of the graph (``l1 = y.sum(); l2 = (2 * y).sum()``) or gradient accumulation under
+# one autocast region backpropagates as in PyTorch; a node whose backward reads freed data raises
+# PyTorch's "second time" error when, and only when, it is reached again. What counts as kept is
+# decided by value (_is_metadata), not per subclass: ints, strings, dtypes, flags and tuples of
+# them; arrays, Tensors, floats (a scalar operand: PyTorch saves it as a tensor too) and callables
+# go.
+_KEPT_ON_RELEASE = frozenset({"be", "m", "needs_grad", "parents", "released", "_freed", "_profile_signature"})
+
+
+def _is_metadata(value: Any) -> bool:
+    """Whether a node keeps ``value`` after its backward ran (NOTE [ Released nodes ])."""
+    if value is None or isinstance(value, (numbers.Integral, str, np.dtype, type, ModuleType)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_is_metadata(v) for v in value)
+    return False
 
 
 def _common_backend(tensors: Sequence[Tensor], op: str) -> ModuleType:
@@ -558,7 +594,7 @@ class Tensor:
         elif isinstance(src, np.ndarray) or _is_scalar(src):
             value = np.asarray(src, dtype=self.dtype)
             if not isinstance(self._data, np.ndarray):
-                value = self._be.from_numpy(np.ascontiguousarray(value))
+                value = self._be.from_numpy(np.asarray(value, order="C"))
         else:
             raise TypeError(
                 f"copy_: src should be a Tensor, numpy.ndarray or number, got {type(src).__name__}"
@@ -1015,9 +1051,10 @@ def _as_array_like(value: Any, like: Tensor, what: str) -> Any:
 # nothing is narrowed behind the user's back. Operands of different dtypes compute in
 # ``torch.result_type`` of the two: float16 < float32 < float64; an integer operand takes the
 # float operand's dtype; a Python number (or NumPy scalar) is weak and takes the Tensor's dtype; a
-# 0-d Tensor does not widen a dimensioned one of the same kind (a NumPy array counts as
-# dimensioned, as torch treats it). The operand of the other dtype goes through a differentiable
-# cast (``_Cast``), so every input's gradient comes back in that input's own dtype, as in torch.
+# 0-d Tensor does not widen a dimensioned one of the same kind. A NumPy array (0-d too) counts as
+# dimensioned, and so does a 0-d Tensor beside one: torch promotes a Tensor and an array fully.
+# The operand of the other dtype goes through a differentiable cast (``_Cast``), so every input's
+# gradient comes back in that input's own dtype, as in torch.
 # So a float32 Tensor times a float64 array is float64 on ``numpy`` and ``numba``; the ``taichi``
 # backend has no float64 (Metal has none), so there it raises ``TypeError`` instead of computing in
 # float32. Two places cast to a dtype a tensor fixes, as torch does: an in-place op (``a += b``)
@@ -1039,7 +1076,9 @@ def _promoted(a: Any, b: Any, like: Tensor, op: str, scalars: bool = True) -> tu
     ta, tb = _operand(a, like, op, scalars), _operand(b, like, op, scalars)
     if not (isinstance(ta, Tensor) and isinstance(tb, Tensor)) or ta.dtype == tb.dtype:
         return ta, tb
-    dims = [isinstance(v, np.ndarray) or t.ndim > 0 for v, t in ((a, ta), (b, tb))]
+    # Against a NumPy array PyTorch promotes fully, whatever either operand's rank.
+    array = isinstance(a, np.ndarray) or isinstance(b, np.ndarray)
+    dims = [array or t.ndim > 0 for t in (ta, tb)]
     dtype = _result_dtype(ta.dtype, dims[0], tb.dtype, dims[1])
     if dtype.kind == "f":
         like._be.check_dtype(dtype, f"{op}: the result of dtypes {ta.dtype} and {tb.dtype}")
@@ -1068,7 +1107,8 @@ def _operand(value: Any, like: Tensor, op: str, scalars: bool = True) -> Any:
             arr = value
         else:
             raise TypeError(f"{op}: unsupported operand of dtype {value.dtype}")
-        return Tensor._wrap(like._be.from_numpy(np.ascontiguousarray(arr)), like._be)
+        # NOTE: not np.ascontiguousarray, which turns a 0-d array into shape (1,).
+        return Tensor._wrap(like._be.from_numpy(np.asarray(arr, order="C")), like._be)
     raise TypeError(f"{op}: unsupported operand of type {type(value).__name__}")
 
 
@@ -1299,8 +1339,6 @@ def _run_backward(root: Tensor, grad: Any, retain_graph: bool) -> None:
         summable.discard(id(ctx))
         if g is None:
             continue
-        if ctx.released:
-            raise RuntimeError(_SECOND_BACKWARD)
         acc = _summed_so_far(ctx, g, pending, summable)
         ctx.accumulate_into = acc
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
@@ -1656,7 +1694,7 @@ def _mask_operand(mask: Any, like: Tensor) -> Any:
     arr = np.asarray(mask)
     if arr.dtype.kind != "b":
         raise TypeError(f"masked_fill: mask should be a boolean array, got dtype {arr.dtype}")
-    return arr if isinstance(like._data, np.ndarray) else like._be.from_numpy(np.ascontiguousarray(arr))
+    return arr if isinstance(like._data, np.ndarray) else like._be.from_numpy(np.asarray(arr, order="C"))
 
 
 def _index_array(item: Any, t: Tensor, dim: int) -> Any:
@@ -1674,6 +1712,8 @@ def _index_array(item: Any, t: Tensor, dim: int) -> Any:
         arr = item._data
     else:
         arr = np.asarray(item)
+        if isinstance(item, list) and arr.size == 0:
+            arr = arr.astype(np.int64)  # ``t[[]]``: an empty list selects nothing, as in PyTorch
         if arr.dtype.kind not in "iu":
             raise TypeError(
                 f"index: an array index should hold integers, got dtype {arr.dtype} (boolean masks are "
@@ -1684,7 +1724,7 @@ def _index_array(item: Any, t: Tensor, dim: int) -> Any:
         raise _IndexOutOfRange(
             f"index {int(arr[bad].flat[0])} is out of bounds for dimension {dim} with size {size}"
         )
-    arr = np.ascontiguousarray(arr % max(size, 1), dtype=np.int64)
+    arr = np.asarray(arr % max(size, 1), dtype=np.int64, order="C")
     return arr if isinstance(t._data, np.ndarray) else t._be.from_numpy(arr)
 
 
@@ -1798,6 +1838,10 @@ class _Take(Function):
         return self.m.take(a, index, axis)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
+        if not self.index.size:  # ``t[[]]``: nothing was read, so the gradient is all zeros
+            k = self.index.ndim
+            shape = _shape(g)[: self.axis] + (self.size,) + _shape(g)[self.axis + k :]
+            return self.m.full(shape, 0.0, g.dtype), None, None
         return self.m.take_backward(g, self.index, self.axis, self.size), None, None
 
 
@@ -1886,27 +1930,42 @@ class _MaxDim(Function):
         return self.m.scatter_dim(g, self.index, self.dim, self.size), None, None, None
 
 
+def _legacy_empty(shape: tuple[int, ...]) -> bool:
+    """A 1-D empty tensor, which ``torch.cat`` skips beside tensors of any rank."""
+    return shape == (0,)
+
+
 class _Cat(Function):
     owns_grads = True
 
     def forward(self, *arrays: Any, dim: int) -> Any:
-        shape = list(_shape(arrays[0]))
-        shape[dim] = sum(a.shape[dim] for a in arrays)
+        # The legacy empty (0,) pieces are skipped (cat() checked the others' shapes), unless all are.
+        joined = [a for a in arrays if not _legacy_empty(_shape(a))] or list(arrays)
+        shape = list(_shape(joined[0]))
+        shape[dim] = sum(a.shape[dim] for a in joined)
         out = self.m.full(tuple(shape), 0.0, arrays[0].dtype)
         self.strides = _contiguous(tuple(shape))
-        self.pieces: list[tuple[tuple[int, ...], int]] = []
+        self.pieces: list[tuple[tuple[int, ...], int | None]] = []
         offset = 0
         for a in arrays:
+            if len(joined) < len(arrays) and _legacy_empty(_shape(a)):
+                self.pieces.append(((0,), None))
+                continue
             self.m.scatter_strided_(out, a, self.strides, offset)
             self.pieces.append((_shape(a), offset))
             offset += a.shape[dim] * self.strides[dim]
         return out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        return tuple(
-            self.m.as_strided(g, shape, self.strides, offset) if need else None
-            for (shape, offset), need in zip(self.pieces, self.needs_grad)
-        )
+        grads = []
+        for (shape, offset), need in zip(self.pieces, self.needs_grad):
+            if not need:
+                grads.append(None)
+            elif offset is None:  # a skipped (0,) piece
+                grads.append(self.m.full(shape, 0.0, g.dtype))
+            else:
+                grads.append(self.m.as_strided(g, shape, self.strides, offset))
+        return tuple(grads)
 
 
 def _tensor_list(tensors: Any, op: str) -> list[Tensor]:
@@ -1928,6 +1987,7 @@ def _tensor_list(tensors: Any, op: str) -> list[Tensor]:
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     """The tensors joined along the existing dimension ``dim``, as ``torch.cat``; their other sizes
     must match. Mixed dtypes promote (NOTE [ Mixed dtypes ]). The backward slices the gradient.
+    As in PyTorch, 1-D empty tensors (shape ``(0,)``) are skipped beside tensors of any rank.
 
     Example::
 
@@ -1937,15 +1997,30 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
         array([[1., 2., 3.]], dtype=float32)
     """
     ts = _tensor_list(tensors, "cat")
-    if not ts[0].ndim:
-        raise ValueError("cat: zero-dimensional tensor (at position 0) cannot be concatenated")
-    d = _dim(dim, ts[0].ndim, "cat")
-    first = ts[0].shape
     for i, t in enumerate(ts):
+        if not t.ndim:
+            raise ValueError(f"cat: zero-dimensional tensor (at position {i}) cannot be concatenated")
+    # As torch.cat: 1-D empty tensors (shape (0,)) are skipped beside the others, whatever their
+    # rank; ``dim`` refers to the first of those others (any dim goes when all are empty).
+    joined = [i for i, t in enumerate(ts) if not _legacy_empty(t.shape)]
+    if not joined:
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(f"cat: dim should be an int, got {dim!r}")
+        return _Cat.apply(*ts, dim=0)
+    k = joined[0]
+    d = _dim(dim, ts[k].ndim, "cat")
+    first = ts[k].shape
+    for i in joined:
+        t = ts[i]
         if t.ndim != len(first) or any(a != b for j, (a, b) in enumerate(zip(t.shape, first)) if j != d):
+            note = (
+                " (an empty tensor is skipped only when it is 1-D, of shape (0,), as in torch.cat)"
+                if 0 in t.shape or 0 in first
+                else ""
+            )
             raise ValueError(
-                f"cat: sizes of tensors must match except in dimension {d}: tensors[0] has shape {first}, "
-                f"tensors[{i}] has shape {t.shape}"
+                f"cat: sizes of tensors must match except in dimension {d}: tensors[{k}] has shape {first}, "
+                f"tensors[{i}] has shape {t.shape}{note}"
             )
     return _Cat.apply(*ts, dim=d)
 

@@ -180,7 +180,9 @@ class Module:
         """Copy values into the parameters, by name.
 
         Args:
-            state_dict: ``{name: Tensor or numpy.ndarray}``, as :meth:`state_dict` returns.
+            state_dict: ``{name: Tensor or numpy.ndarray}``, as :meth:`state_dict` returns, or a
+                PyTorch twin's ``state_dict()``: any value with ``.numpy()`` (a ``torch.Tensor``)
+                is taken through ``.detach().cpu().numpy()``.
             strict: raise ``ValueError`` on missing or unexpected names; otherwise report them.
 
         Every value is checked (names, shapes) before any parameter changes, so a failed load
@@ -201,13 +203,7 @@ class Module:
         for name, param in params.items():
             if name not in state_dict:
                 continue
-            value = state_dict[name]
-            if isinstance(value, Tensor):
-                value = value.numpy()
-            if not isinstance(value, np.ndarray):
-                raise TypeError(
-                    f"load_state_dict: {name!r} should be a Tensor or numpy.ndarray, got {type(value).__name__}"
-                )
+            value = _state_array(name, state_dict[name])
             if tuple(value.shape) != param.shape:
                 raise ValueError(
                     f"load_state_dict: {name!r} has shape {tuple(value.shape)} but the parameter has shape {param.shape}"
@@ -253,3 +249,36 @@ def _npz_path(path: str | os.PathLike) -> str:
     if not isinstance(path, str):
         raise TypeError(f"path should be a str or os.PathLike of str, got {type(path).__name__}")
     return path if path.endswith(".npz") else path + ".npz"
+
+
+def _type_name(value: Any) -> str:
+    """``value``'s type with its module (``torch.Tensor``), so that a foreign type reads as one."""
+    t = type(value)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _state_array(name: str, value: Any) -> np.ndarray:
+    """A ``load_state_dict`` value as a host array: a Tensor, a NumPy array, or an array of another
+    library that has ``.numpy()`` (a ``torch.Tensor``: detached and moved to the CPU first, as
+    ``t.detach().cpu().numpy()``)."""
+    if isinstance(value, Tensor):
+        return value.numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    if callable(getattr(value, "numpy", None)):
+        host = value
+        for step in ("detach", "cpu"):
+            if callable(getattr(host, step, None)):
+                host = getattr(host, step)()
+        try:
+            arr = host.numpy()
+        except Exception as e:  # a dtype NumPy lacks (torch.bfloat16), say
+            raise TypeError(
+                f"load_state_dict: {name!r} ({_type_name(value)}) could not be converted to a numpy.ndarray: {e}"
+            ) from e
+        if isinstance(arr, np.ndarray):
+            return arr
+    raise TypeError(
+        f"load_state_dict: {name!r} should be a Tensor, a numpy.ndarray or an array with .numpy() "
+        f"(a torch.Tensor), got {_type_name(value)}"
+    )

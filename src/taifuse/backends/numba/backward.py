@@ -126,9 +126,10 @@ def _unary_backward_span(x, g, out, op, param, lo, hi):
     xs, gs, os = x[lo:hi], g[lo:hi], out[lo:hi]
     n = hi - lo
     if op == _RELU:
+        # Masked where x <= 0, so that a NaN x passes the gradient, as PyTorch's threshold backward.
         for i in range(n):
             gv = _widen(gs[i])
-            os[i] = _narrow(gv if _widen(xs[i]) > 0 else _like(0.0, gv), out)
+            os[i] = _narrow(_like(0.0, gv) if _widen(xs[i]) <= 0 else gv, out)
     elif op == _LEAKY_RELU:
         for i in range(n):
             gv = _widen(gs[i])
@@ -178,7 +179,7 @@ def gelu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray, appr
 
 
 def relu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
-    """grad_in = grad_out where x > 0, else 0."""
+    """grad_in = 0 where x <= 0, else grad_out (a NaN x passes it, as in PyTorch)."""
     _unary_backward(x, grad_out, grad_in, _RELU)
 
 
@@ -205,7 +206,7 @@ def tanh_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> N
 
 
 def add_relu_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
-    """grad_in = grad_out where the forward output y > 0, else 0 (relu's mask on y)."""
+    """grad_in = 0 where the forward output y <= 0, else grad_out (relu's mask on y)."""
     _unary_backward(y, grad_out, grad_in, _RELU)
 
 
@@ -213,7 +214,7 @@ def add_relu_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) 
 def _mul_relu_backward_span(a, b, g, ga, gb, lo, hi):
     for i in range(lo, hi):
         av, bv = _widen(a[i]), _widen(b[i])
-        gv = _widen(g[i]) if av * bv > 0 else _like(0.0, av)
+        gv = _like(0.0, av) if av * bv <= 0 else _widen(g[i])  # NaN passes, as relu's
         if ga is not None:
             ga[i] = _narrow(gv * bv, ga)
         if gb is not None:
@@ -236,7 +237,7 @@ def _mul_relu_backward_parallel(a, b, g, ga, gb):
 def mul_relu_backward(
     a: np.ndarray, b: np.ndarray, grad_out: np.ndarray, grad_a: np.ndarray | None, grad_b: np.ndarray | None
 ) -> None:
-    """With m = (a * b > 0): grad_a = grad_out * m * b, grad_b = grad_out * m * a."""
+    """With gm = grad_out masked to 0 where a * b <= 0: grad_a = gm * b, grad_b = gm * a."""
     kernel = _mul_relu_backward_parallel if _jit._parallel(a.size) else _mul_relu_backward_serial
     kernel(
         _flat(a),
@@ -374,7 +375,7 @@ def _grad_pre_span(pre, g, op, gp):
     if op == _RELU:
         for c in range(gp.size):
             gv = _widen(g[c])
-            gp[c] = _flush(gv) if _widen(pre[c]) > 0 else _like(0.0, gv)
+            gp[c] = _like(0.0, gv) if _widen(pre[c]) <= 0 else _flush(gv)
     elif op == _GELU:
         for c in range(gp.size):
             gp[c] = _flush(_widen(g[c]) * _gelu_grad(_widen(pre[c])))

@@ -59,7 +59,8 @@ def _activation_grad(pre: np.ndarray, activation: str | None) -> np.ndarray:
     if activation is None:
         return np.ones_like(pre)
     if activation == "relu":
-        return (pre > 0).astype(np.float64)
+        # NaN passes (its comparison with 0 is False); linear_act_backward masks with a where.
+        return np.where(pre <= 0, 0.0, 1.0)
     if activation == "gelu":
         return _gelu_grad(pre, "none")
     if activation == "gelu_tanh":
@@ -68,6 +69,11 @@ def _activation_grad(pre: np.ndarray, activation: str | None) -> np.ndarray:
         s = _sigmoid(pre)
         return s * (1.0 + pre * (1.0 - s))
     raise ValueError(f"activation should be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _relu_mask(v: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """g where relu passes it (v > 0 or NaN: PyTorch masks only where v <= 0), else 0."""
+    return np.where(v <= 0, 0.0, g)
 
 
 def _store_opt(out: np.ndarray | None, value: np.ndarray) -> None:
@@ -89,8 +95,10 @@ def gelu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray, appr
 
 
 def relu_backward(x: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
-    """grad_in = grad_out where x > 0, else 0 (the gradient at 0 is 0, as in PyTorch)."""
-    _store(grad_in, np.where(_f64(x) > 0, _f64(grad_out), 0.0))
+    """grad_in = 0 where x <= 0, else grad_out, as PyTorch's threshold backward: the gradient at
+    0 is 0, a NaN input passes grad_out through, and a masked entry is 0 even where grad_out is
+    not finite (a select, not a product)."""
+    _store(grad_in, _relu_mask(_f64(x), _f64(grad_out)))
 
 
 def leaky_relu_backward(
@@ -119,8 +127,9 @@ def tanh_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> N
 
 
 def add_relu_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarray) -> None:
-    """grad_in = grad_out where y = relu(a + b) > 0, else 0: the gradient of both ``a`` and ``b``."""
-    _store(grad_in, np.where(_f64(y) > 0, _f64(grad_out), 0.0))
+    """grad_in = 0 where y = relu(a + b) <= 0, else grad_out (NaN passes, as relu_backward): the
+    gradient of both ``a`` and ``b``."""
+    _store(grad_in, _relu_mask(_f64(y), _f64(grad_out)))
 
 
 def mul_relu_backward(
@@ -130,9 +139,10 @@ def mul_relu_backward(
     grad_a: np.ndarray | None,
     grad_b: np.ndarray | None,
 ) -> None:
-    """With m = (a * b > 0): grad_a = grad_out * m * b, grad_b = grad_out * m * a."""
+    """With gm = grad_out masked to 0 where a * b <= 0 (relu_backward's mask: NaN passes):
+    grad_a = gm * b, grad_b = gm * a, as PyTorch differentiates relu(a * b)."""
     a, b = _f64(a), _f64(b)
-    g = np.where(a * b > 0, _f64(grad_out), 0.0)
+    g = _relu_mask(a * b, _f64(grad_out))
     _store_opt(grad_a, g * b)
     _store_opt(grad_b, g * a)
 
@@ -181,7 +191,9 @@ def linear_act_backward(
     products use the unrounded float64 values).
     """
     g = _f64(grad_out)
-    if activation is not None:
+    if activation == "relu":
+        g = _relu_mask(_f64(pre), g)  # a select: a masked inf or NaN gradient is 0, as in PyTorch
+    elif activation is not None:
         g = g * _activation_grad(_f64(pre), activation)
     _store_opt(grad_pre, g)
     _store_opt(grad_b, g.sum(axis=0))

@@ -173,7 +173,7 @@ def activation_grad(v: ti.f32, code: ti.i32, slope: ti.f32) -> ti.f32:
     derivative is a function of their output y, which ``v`` is then."""
     d = 1.0
     if code == RELU:
-        d = ti.select(v > 0.0, 1.0, 0.0)
+        d = ti.select(v <= 0.0, 0.0, 1.0)  # NaN passes, as PyTorch's threshold backward
     elif code == GELU:
         d = normal_cdf(v) + v * INV_SQRT_2PI * ti.exp(-0.5 * v * v)
     elif code == GELU_TANH:

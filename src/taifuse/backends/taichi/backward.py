@@ -83,8 +83,12 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         for i in range(n):
             gv = ti.cast(g[i], ti.f32)
             r = gv * M.activation_grad(ti.cast(x[i], ti.f32), code, slope)
-            if code == RELU or code == LEAKY_RELU:
-                # A select, not a product: 0 * inf would be nan where the reference gives 0.
+            # Selects, not products: 0 * inf would be nan where PyTorch gives 0. relu masks only
+            # where x <= 0 (a NaN x passes the gradient, as PyTorch's threshold backward); leaky_relu
+            # scales where not x > 0 (NaN included), as PyTorch's leaky_relu_backward.
+            if code == RELU:
+                r = ti.select(ti.cast(x[i], ti.f32) <= 0.0, 0.0, gv)
+            elif code == LEAKY_RELU:
                 r = ti.select(ti.cast(x[i], ti.f32) > 0.0, gv, gv * slope)
             gi[i] = ti.cast(r, T)
 
@@ -93,7 +97,7 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         for i in range(n):
             av = ti.cast(a[i], ti.f32)
             bv = ti.cast(b[i], ti.f32)
-            gv = ti.select(av * bv > 0.0, ti.cast(g[i], ti.f32), 0.0)
+            gv = ti.select(av * bv <= 0.0, 0.0, ti.cast(g[i], ti.f32))  # NaN passes, as relu's
             if want_a != 0:
                 ga[i] = ti.cast(gv * bv, T)
             if want_b != 0:
@@ -123,7 +127,7 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                 if act != IDENTITY:
                     pv = ti.cast(pre[i], ti.f32)
                     if act == RELU:
-                        d = ti.select(pv > 0.0, d, 0.0)
+                        d = ti.select(pv <= 0.0, 0.0, d)
                     else:
                         d *= M.activation_grad(pv, act, 0.0)
                 gpre[i] = ti.cast(d, T)
