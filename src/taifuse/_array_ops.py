@@ -41,8 +41,9 @@ class _Call:
         self.host_io = False  # any NumPy input means results go back to NumPy
         self.inputs: list[tuple[str, Any]] = []  # (argname, the caller's array), for out()'s overlap check
 
-    def array(self, value: Any, argname: str, *, dtype: np.dtype | None = None):
-        """Validate one array argument and return it as a contiguous backend array."""
+    def array(self, value: Any, argname: str, *, dtype: np.dtype | None = None, like_name: str = "the input"):
+        """Validate one array argument and return it as a contiguous backend array (of ``dtype``,
+        the dtype of the argument ``like_name``, if given)."""
         be = self.be
         if isinstance(value, np.ndarray):
             self.host_io = True
@@ -57,7 +58,7 @@ class _Call:
         else:
             raise TypeError(f"{self.op}: {argname} should be a numpy.ndarray, got {type(value).__name__}")
         self.inputs.append((argname, value))
-        check_float_array(arr.dtype, be, self.op, argname, like=dtype)
+        check_float_array(arr.dtype, be, self.op, argname, like=dtype, like_name=like_name)
         if isinstance(arr, np.ndarray):
             return be.from_numpy(arr)
         return arr
@@ -156,15 +157,21 @@ def _stats_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def check_float_array(
-    dtype: np.dtype, be: ModuleType, op: str, argname: str, like: np.dtype | None = None
+    dtype: np.dtype,
+    be: ModuleType,
+    op: str,
+    argname: str,
+    like: np.dtype | None = None,
+    like_name: str = "the input",
 ) -> None:
-    """An array argument's dtype: floating-point, one ``be`` computes in, and ``like`` if given."""
+    """An array argument's dtype: floating-point, one ``be`` computes in, and ``like`` (the dtype
+    of the argument ``like_name``) if given."""
     if dtype.kind != "f":
         raise TypeError(f"{op}: {argname} should be a floating-point array, got dtype {dtype}")
     # Checked here, so that a refused dtype is named as this argument, not as from_numpy's.
     be.check_dtype(dtype, f"{op}: {argname}")
     if like is not None and dtype != like:
-        raise TypeError(f"{op}: {argname} has dtype {dtype} but the input has dtype {like}")
+        raise TypeError(f"{op}: {argname} has dtype {dtype} but {like_name} has dtype {like}")
 
 
 def check_finite_number(value: Any, op: str, argname: str) -> float:
@@ -315,11 +322,12 @@ def embedding_indices(value: Any, num_embeddings: int, be: ModuleType) -> tuple[
     return flat, tuple(host.shape), True
 
 
-def dropout_p(p: Any, op: str = "dropout") -> float:
-    """dropout's ``p``: a number in [0, 1] (``nn.Dropout`` passes its own name as ``op``)."""
-    p = check_finite_number(p, op, "p")
+def dropout_p(p: Any, op: str = "dropout", argname: str = "p") -> float:
+    """A dropout probability: a number in [0, 1] (``nn.Dropout`` passes its own name as ``op``,
+    attention its argument's name, ``dropout_p``, as ``argname``)."""
+    p = check_finite_number(p, op, argname)
     if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{op}: p should be in [0, 1], got {p}")
+        raise ValueError(f"{op}: {argname} should be in [0, 1], got {p}")
     return p
 
 
@@ -697,7 +705,7 @@ def attention_options(
 ) -> tuple[float, bool, float]:
     """Check ``dropout_p`` (``p``), ``is_causal`` and ``scale``; returns them with PyTorch's
     default scale ``1 / sqrt(E)`` resolved."""
-    p = dropout_p(p, _SDPA)
+    p = dropout_p(p, _SDPA, "dropout_p")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"{_SDPA}: is_causal should be a bool, got {type(is_causal).__name__}")
     if is_causal and has_mask:
@@ -788,8 +796,8 @@ def scaled_dot_product_attention(
 ) -> Any:
     call = _Call(_SDPA)
     qa = call.array(query, "query")
-    ka = call.array(key, "key", dtype=qa.dtype)
-    va = call.array(value, "value", dtype=qa.dtype)
+    ka = call.array(key, "key", dtype=qa.dtype, like_name="query")
+    va = call.array(value, "value", dtype=qa.dtype, like_name="query")
     batch, L, S, E, ev = attention_shapes(tuple(qa.shape), tuple(ka.shape), tuple(va.shape))
     p, causal, scale = attention_options(dropout_p, is_causal, scale, attn_mask is not None, E)
     if isinstance(attn_mask, np.ndarray):

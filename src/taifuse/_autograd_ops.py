@@ -45,8 +45,11 @@ def _empty(be: ModuleType, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     return pool.empty(be, tuple(shape), np.dtype(dtype))
 
 
-def _tensor_arg(value: Any, op: str, argname: str, like: Tensor | None = None) -> Tensor:
-    """A floating-point Tensor argument (a NumPy array becomes a constant Tensor)."""
+def _tensor_arg(
+    value: Any, op: str, argname: str, like: Tensor | None = None, like_name: str = "the input"
+) -> Tensor:
+    """A floating-point Tensor argument (a NumPy array becomes a constant Tensor), of the dtype of
+    ``like`` (the argument ``like_name``) if given."""
     if isinstance(value, np.ndarray):
         be = backends.active() if like is None else like._be
         A.check_float_array(value.dtype, be, op, argname)
@@ -58,7 +61,7 @@ def _tensor_arg(value: Any, op: str, argname: str, like: Tensor | None = None) -
         raise TypeError(f"{op}: {argname} should be floating-point, got dtype {value.dtype}")
     value._be.check_dtype(value.dtype, f"{op}: {argname}")
     if like is not None and value.dtype != like.dtype:
-        raise TypeError(f"{op}: {argname} has dtype {value.dtype} but the input has dtype {like.dtype}")
+        raise TypeError(f"{op}: {argname} has dtype {value.dtype} but {like_name} has dtype {like.dtype}")
     return value
 
 
@@ -611,8 +614,8 @@ def scaled_dot_product_attention(
     if isinstance(attn_mask, np.ndarray) and attn_mask.dtype.kind == "f" and _autocasting():
         attn_mask = _tensor_arg(attn_mask, op, "attn_mask")  # a float mask is cast with the rest
     q, k, v, attn_mask = autocast_args("lower", q, k, v, attn_mask)
-    k = _tensor_arg(k, op, "key", like=q)
-    v = _tensor_arg(v, op, "value", like=q)
+    k = _tensor_arg(k, op, "key", like=q, like_name="query")
+    v = _tensor_arg(v, op, "value", like=q, like_name="query")
     batch, L, S, E, _ = A.attention_shapes(q.shape, k.shape, v.shape)
     p, causal, scale = A.attention_options(dropout_p, is_causal, scale, attn_mask is not None, E)
     if isinstance(attn_mask, Tensor):

@@ -10,6 +10,15 @@
 # values, and ``clip_grad_norm_`` between ``unscale_`` and ``step`` clips what the step will use.
 # The scale is a float32 held on the host (PyTorch's is a float32 tensor): reading it costs nothing,
 # and ``scale(loss)`` multiplies by it on the loss's backend.
+
+# NOTE [ A scale of zero ]
+# Each non-finite step halves the scale (backoff_factor 0.5); from 2**16, the 166th in a row rounds
+# it to 0.0 in float32, and it stays 0 (0 times any factor). PyTorch's GradScaler goes on from
+# there, and so does this one, step for step: 1/scale is inf, the scaled loss is loss * 0 (NaN for
+# an infinite loss, so the gradients are NaN and the step is skipped, parameters unchanged). The
+# check is of the gradients before they are multiplied by inf, as PyTorch's: should the loss turn
+# finite while the scale is 0, the gradients are 0, pass the check, and come out of unscale_ as
+# NaN (0 * inf), which the step then writes into the parameters, as PyTorch's does.
 """
 
 from __future__ import annotations
@@ -59,6 +68,15 @@ def _check_scale(name: str, value: Any) -> float:
     if not (value > 0 and as_f32 > 0 and np.isfinite(as_f32)):
         raise ValueError(f"GradScaler {name} should be > 0 and within float32's range, got {value}")
     return value
+
+
+def _check_loaded_scale(value: Any) -> float:
+    # A loaded scale may be 0: the scale a long run of overflows backs off to (NOTE [ A scale of
+    # zero ]), which a state dict saved then holds, from this scaler or from PyTorch's.
+    value = _real("scale", value)
+    if value == 0.0:
+        return value
+    return _check_scale("scale", value)
 
 
 def _check_growth_factor(value: Any) -> float:
@@ -199,7 +217,10 @@ class GradScaler:
         """``outputs`` (a Tensor, or lists and tuples of them, nested) multiplied by the scale.
 
         Lists and tuples come back as lists and tuples; another iterable as a lazy ``map``. The
-        product is taken on each Tensor's backend, in its dtype.
+        product is taken on each Tensor's backend with the float32 scale, and its dtype follows
+        PyTorch's promotion against the scale (a float32 0-d tensor): a 0-d float16 loss comes
+        back float32 (so a large loss times the scale stays finite), a float16 tensor of one or
+        more dims stays float16 (rounded once from the float32 product), float32 and float64 stay.
         """
         if not self._enabled:
             return outputs
@@ -210,7 +231,10 @@ class GradScaler:
 
         def apply(value: Any) -> Any:
             if isinstance(value, Tensor):
-                return value * factor
+                if value.dtype != np.float16:
+                    return value * factor
+                product = value.float() * factor  # exact operands, one rounding: PyTorch's opmath
+                return product if value.ndim == 0 else product.half()
             if isinstance(value, abc.Iterable) and not isinstance(value, (np.ndarray, str, bytes)):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
@@ -239,8 +263,12 @@ class GradScaler:
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        # The reciprocal in float64, rounded to float32 once, as PyTorch (float32 division may be inexact).
-        inv_scale = np.float32(1.0 / float(self._scale))
+        # The reciprocal in float64, rounded to float32 once, as PyTorch (float32 division may be
+        # inexact). A scale that backed off to 0 (about 166 non-finite steps in a row from 2**16)
+        # gives inf, as PyTorch's reciprocal does: a gradient times inf is inf or NaN, so the
+        # step is skipped while the overflows last (NOTE [ A scale of zero ]).
+        with np.errstate(divide="ignore"):
+            inv_scale = np.float32(np.float64(1.0) / np.float64(self._scale))
         state["found_inf_per_device"] = self._unscale_grads(optimizer, inv_scale)
         state["stage"] = OptState.UNSCALED
 
@@ -379,7 +407,7 @@ class GradScaler:
         missing = [k for k in keys if k not in state_dict]
         if missing:
             raise ValueError(f"GradScaler state dict lacks {missing}")
-        scale = _check_scale("scale", _number(state_dict["scale"]))
+        scale = _check_loaded_scale(_number(state_dict["scale"]))
         growth_factor = _check_growth_factor(_number(state_dict["growth_factor"]))
         backoff_factor = _check_backoff_factor(_number(state_dict["backoff_factor"]))
         growth_interval = _check_count("growth_interval", _number(state_dict["growth_interval"]), 1)

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from taifuse import _profile_hook
+from taifuse import _profile_hook, pool
 from taifuse.backends.reference.optim import BFLOAT16_BITS, from_bfloat16_bits, to_bfloat16_bits
 from taifuse.tensor import GradSlot, Tensor, bind_storage, enable_grad, set_grad_slot, storage_is
 
@@ -146,9 +146,10 @@ class _Bucket:
     # -- arrays
 
     def zeros(self) -> Any:
-        if self.flat:
-            return np.zeros(self.size, self.state_dtype)
-        return self.be.empty((self.size,), self.state_dtype)  # device arrays start zeroed
+        # NOTE: zeroed explicitly, never on the belief that new memory starts at zero: a pooled
+        # block holds an earlier user's values, and Taichi on Vulkan zero-fills a new ndarray in
+        # 4-byte units only, so a float16 or bfloat16 array of odd length ends in a stale element.
+        return pool.zeros(self.be, (self.size,), self.state_dtype)
 
     def param_flat(self) -> Any:
         return self.param_buf if self.flat else self.params[0]._data.reshape(-1)

@@ -244,10 +244,11 @@ def _dropout_args(dropout_p: float, seed: int, dtype: np.dtype) -> tuple:
     return drop, key, np.uint32(dropout_threshold(dropout_p)), dtype.type(dropout_scale(dropout_p))
 
 
-def _scratch(workers: int, dtype: np.dtype, *sizes: int) -> list[list[np.ndarray | None]]:
-    """Per worker, one flat pooled buffer of each size (None for a size of 0)."""
+def _scratch(workers: int, dtype: np.dtype, *sizes: int) -> list[list[np.ndarray]]:
+    """Per worker, one flat pooled buffer of each size (an empty array, not pooled, for a size
+    of 0: head dim 0 still takes views of its buffers)."""
     host = pool.host_pool()
-    return [[host.acquire((n,), dtype) if n else None for n in sizes] for _ in range(workers)]
+    return [[host.acquire((n,), dtype) for n in sizes] for _ in range(workers)]
 
 
 def _group(bh: int, rows: int, s: int) -> int:

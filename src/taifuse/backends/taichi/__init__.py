@@ -145,11 +145,12 @@ __all__ = [
 def all_kernels() -> list[tuple[str, object]]:
     """Every (name, ti.kernel) pair the backend may launch, in every dtype specialisation (for
     ``metal_check``); Taichi must be running."""
-    from taifuse.backends.taichi import backward, forward, optim, tensor_math
+    from taifuse.backends.taichi import _runtime, backward, forward, optim, tensor_math
     from taifuse.backends.taichi.attention import all_kernels as attention_kernels
 
     return (
-        forward.all_kernels()
+        _runtime.all_kernels()
+        + forward.all_kernels()
         + tensor_math.all_kernels()
         + backward.all_kernels()
         + optim.all_kernels()

@@ -398,7 +398,11 @@ def is_array(obj: object) -> bool:
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
-    """Allocate a new, unpooled DeviceArray (Taichi zero-fills it); size 0 allocates nothing.
+    """Allocate a new, unpooled DeviceArray; size 0 allocates nothing.
+
+    Its contents are undefined: Taichi zero-fills a new ndarray, but on Vulkan in 4-byte units
+    only, so the last element of a float16 or uint16 array of odd length may hold a freed array's
+    bits. Zero what must start at zero (``taifuse.pool.zeros``).
 
     What the pool's :data:`ALLOCATOR` calls on a miss; results and scratch come from
     ``taifuse.pool`` instead.
@@ -492,6 +496,38 @@ def _device_lease(block: Any, returns: deque) -> Any:
     return lease
 
 
+@functools.cache
+def _fill_kernel(dtype: np.dtype):
+    """A kernel ``fill(x, n, value)`` that sets the ``n`` elements of a flat ``dtype`` ndarray to
+    ``value`` (a float32 for the float dtypes, an int32 for the integer ones) cast to ``dtype``.
+
+    The pool's fill (its ``zero=True`` and its poison): Taichi's ``Ndarray.fill`` runs its own
+    kernel on the GPU archs, which stores an int32 constant into uint16 (or a float32 into float16)
+    with a "may lose precision" warning for every new value.
+    """
+    ti = _import_taichi()
+    dtype = np.dtype(dtype)
+    T = _ti_dtype(dtype)
+
+    def fill(x, n, value):
+        for i in range(n):
+            x[i] = ti.cast(value, T)
+
+    # NOTE: this module has ``from __future__ import annotations`` (its annotations are strings),
+    # and Taichi reads a kernel's parameter types from its annotations as objects: set them here.
+    fill.__annotations__ = {
+        "x": ti.types.ndarray(dtype=T, ndim=1),
+        "n": ti.i32,
+        "value": ti.f32 if dtype.kind == "f" else ti.i32,
+    }
+    return ti.kernel(fill)
+
+
+def all_kernels() -> list[tuple[str, object]]:
+    """The fill kernels, per dtype the pool may hand out (for ``metal_check``)."""
+    return [(f"fill_{dtype.name}", _fill_kernel(dtype)) for dtype in _TI_DTYPES]
+
+
 class TaichiAllocator:
     """Device memory of the running Taichi runtime for ``taifuse.pool``: blocks are flat
     ``ti.Ndarray`` storages, leases DeviceArrays over a per-lease ndarray sharing the block's memory."""
@@ -514,7 +550,7 @@ class TaichiAllocator:
 
     def fill(self, array: DeviceArray, value: float) -> None:
         if array.size:
-            array._ndarray().fill(value)
+            _fill_kernel(array.dtype)(array._ndarray(), array.size, value)
 
 
 ALLOCATOR = TaichiAllocator()

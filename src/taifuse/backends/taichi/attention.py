@@ -595,6 +595,13 @@ def _tiled(E: int, ev: int, dtype: np.dtype) -> bool:
     return _on_gpu() and max(E, ev) <= max_head_dim(dtype)
 
 
+def _arg(arr: DeviceArray):
+    """The ndarray of an array argument, or a 1-element stand-in when it is empty: q, k and their
+    gradients at head dim 0, which Taichi cannot allocate and the kernels then never index (their
+    loops over the head dim are empty, so every score is 0 and the output is the mean of v)."""
+    return _nd(arr) if arr.size else _optional(None, arr.dtype)
+
+
 def _launch(ks: SimpleNamespace, name: str, *args) -> None:
     launches[name] += 1
     getattr(ks, name)(*args)
@@ -618,7 +625,7 @@ def attention(
     name = "forward_tiled" if _tiled(E, ev, q.dtype) else "forward"
     _launch(
         kernels_for(q.dtype), name,
-        _nd(q), _nd(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(acc),
+        _arg(q), _arg(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(acc),
         bh, L, S, E, ev, mask_rows, int(is_causal), float(scale), *drop,
     )  # fmt: skip
 
@@ -647,8 +654,8 @@ def attention_backward(
     acc_q = _new((max(bh * L * E, 1),), np.float32)
     _launch(
         ks, "backward_q" + suffix,
-        _nd(q), _nd(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(grad_out),
-        _optional(grad_q, q.dtype), _nd(dsum), _nd(acc_q),
+        _arg(q), _arg(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(grad_out),
+        _optional(None, q.dtype) if grad_q is None else _arg(grad_q), _nd(dsum), _nd(acc_q),
         bh, L, S, E, ev, mask_rows, int(is_causal), float(scale), *drop, int(grad_q is not None),
     )  # fmt: skip
     if grad_k is None and grad_v is None:
@@ -658,6 +665,6 @@ def attention_backward(
     acc_kv = _new((bh * S * (E + ev),), np.float32)
     _launch(
         ks, "backward_kv" + suffix,
-        _nd(q), _nd(k), _nd(v), _optional(mask, q.dtype), _nd(lse), _nd(grad_out), _nd(gk), _nd(gv),
+        _arg(q), _arg(k), _nd(v), _optional(mask, q.dtype), _nd(lse), _nd(grad_out), _arg(gk), _nd(gv),
         _nd(dsum), _nd(acc_kv), bh, L, S, E, ev, mask_rows, int(is_causal), float(scale), *drop,
     )  # fmt: skip

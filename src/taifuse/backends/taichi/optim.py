@@ -31,6 +31,7 @@ from taifuse.backends.taichi._runtime import (
     BITS_DTYPE,
     FLOAT_DTYPES,
     _count_transfer,
+    _fill_kernel,
     _import_taichi,
     _make_storage,
     _nd,
@@ -290,10 +291,13 @@ def _flag():
     generation = _state["generation"]
     if generation not in _flags:
         # Through the runtime's storage class: see NOTE [ Re-initialising Taichi ] in _runtime.py.
-        # Taichi zero-fills it; take_flag leaves it zeroed again. A 4-byte flag that lives as long
-        # as the runtime, not a result: it does not come from the pool.
+        # Zeroed here, not left to the allocation (new device memory is not promised to be zero);
+        # take_flag leaves it zeroed again. A 4-byte flag that lives as long as the runtime, not a
+        # result: it does not come from the pool.
         _flags.clear()
-        _flags[generation] = _make_storage(_ti_dtype(np.int32), 1)
+        flag = _make_storage(_ti_dtype(np.int32), 1)
+        _fill_kernel(np.dtype(np.int32))(flag, 1, 0)
+        _flags[generation] = flag
     return _flags[generation]
 
 
