@@ -5,7 +5,7 @@ arithmetic, kernel scratch, optimizer scratch) is allocated through :func:`empty
 free buffer of the request's size class (host; any dtype) or dtype and length (device) from its
 memory space's :class:`BufferPool` or, on a miss, from that space's :class:`Allocator`. A buffer
 goes back to the pool when nothing refers to it any more (NOTE [ Buffer ownership ]), so a
-training step that repeats the same shapes stops allocating after its first step.
+training step that repeats the same shapes stops allocating after its first step or two.
 
 Host blocks are split and coalesced (NOTE [ Splitting host blocks ]): a request that finds no free
 block of its size class takes the smallest larger free block of a small enough allocation and
@@ -130,6 +130,9 @@ _MIN_CLASS_BYTES = 256
 # A host block of a segment of S bytes serves a request of c bytes only if S <= SPLIT_RATIO * c
 # (NOTE [ Splitting host blocks ]).
 SPLIT_RATIO = 8
+# Empty free-list buckets are dropped when there are this many buckets (or twice as many as after
+# the last pruning).
+_PRUNE_BUCKETS = 256
 
 
 # The protocol is written here, beside the policy that calls it and the NOTE its leases must keep,
@@ -307,8 +310,10 @@ class BufferPool:
         # Free blocks by bucket (host: bytes; device: (dtype, length)), each bucket in the order
         # they were freed; host blocks too small to serve anything are in no bucket (NOTE
         # [ Splitting host blocks ]). ``_sizes``: the host buckets' sizes, sorted, for best fit.
+        # A bucket that empties stays (most refill within a step) until ``_prune``.
         self._free: dict[Any, dict[int, _Block]] = {}
         self._sizes: list[int] = []
+        self._prune_at = _PRUNE_BUCKETS
         # Wholly free segments (one block each), least recently freed first: what the cap evicts.
         self._lru: OrderedDict[int, _Block] = OrderedDict()
         self._bytes_whole = 0  # their bytes; bytes_pooled - _bytes_whole is bytes_fragmented
@@ -421,7 +426,10 @@ class BufferPool:
                 self._drain()
             if self._on_host:
                 nbytes = size_class(nbytes)
-                block = self._take_host(nbytes)
+                bucket = self._free.get(nbytes)
+                # Indexed blocks hold at least 1 / SPLIT_RATIO of their segment: any one of exactly
+                # nbytes serves; else split a larger one.
+                block = self._pop(bucket) if bucket else self._split(nbytes)
                 key: Any = None
             else:
                 key = (dtype, size)
@@ -447,92 +455,96 @@ class BufferPool:
 
     def _drain(self) -> None:
         returns = self._returns
+        on_host = self._on_host
         while returns:
             block = returns.popleft()
-            self._bytes_in_use -= block.nbytes
-            self._bytes_pooled += block.nbytes
+            nbytes = block.nbytes
+            self._bytes_in_use -= nbytes
+            self._bytes_pooled += nbytes
             block.free = True
             # Coalesce (NOTE [ Splitting host blocks ]): the left block absorbs the right.
             right = block.next
             if right is not None and right.free:
-                self._unindex(right)
-                block.nbytes += right.nbytes
-                block.next = right.next
-                if right.next is not None:
-                    right.next.prev = block
+                self._unindex(right, right.nbytes)
+                block.nbytes = nbytes = nbytes + right.nbytes
+                block.next = right = right.next
+                if right is not None:
+                    right.prev = block
             left = block.prev
             if left is not None and left.free:
-                self._unindex(left)
-                left.nbytes += block.nbytes
-                left.next = block.next
-                if block.next is not None:
-                    block.next.prev = left
+                self._unindex(left, left.nbytes)
+                left.nbytes = nbytes = nbytes + left.nbytes
+                left.next = right
+                if right is not None:
+                    right.prev = left
                 block = left
-            if block.prev is not None or block.next is not None:
+            if block.prev is not None or right is not None:
                 # Part of a segment still in use: not evictable, and it serves only requests of at
                 # least 1 / SPLIT_RATIO of its segment.
-                if block.nbytes * SPLIT_RATIO >= block.segment_nbytes:
-                    self._index(block)
+                if nbytes * SPLIT_RATIO >= block.segment_nbytes:
+                    self._index(block, nbytes)
                 continue
-            if block.nbytes > self.max_bytes:
-                self._bytes_pooled -= block.nbytes
+            if nbytes > self.max_bytes:
+                self._bytes_pooled -= nbytes
                 self._drop(block)
                 self._evictions += 1
                 continue
-            self._index(block)
+            self._index(block, nbytes if on_host else block.key)
             self._lru[id(block)] = block
-            self._bytes_whole += block.nbytes
+            self._bytes_whole += nbytes
             if self._bytes_whole > self.max_bytes:
                 self._evictions += self._evict_until(self.max_bytes)[1]
 
-    def _bucket(self, block: _Block) -> Any:
-        return block.nbytes if self._on_host else block.key
-
-    def _index(self, block: _Block) -> None:
-        key = self._bucket(block)
+    def _index(self, block: _Block, key: Any) -> None:
+        """Put a free block in the bucket ``key`` (host: its bytes; device: its key)."""
         bucket = self._free.get(key)
         if bucket is None:
-            bucket = self._free[key] = {}
+            if len(self._free) >= self._prune_at:
+                self._prune()
+            self._free[key] = {id(block): block}
             if self._on_host:
                 bisect.insort(self._sizes, key)
-        bucket[id(block)] = block
+        else:
+            bucket[id(block)] = block
 
-    def _unindex(self, block: _Block) -> None:
-        """Take a free block out of its bucket and the LRU (it may be in neither)."""
-        key = self._bucket(block)
+    def _unindex(self, block: _Block, key: Any) -> None:
+        """Take a free block out of its bucket ``key`` and the LRU (it may be in neither)."""
         bucket = self._free.get(key)
-        if bucket is not None and bucket.pop(id(block), None) is not None and not bucket:
-            del self._free[key]
-            if self._on_host:
-                del self._sizes[bisect.bisect_left(self._sizes, key)]
+        if bucket is not None:
+            bucket.pop(id(block), None)
         if self._lru.pop(id(block), None) is not None:
             self._bytes_whole -= block.nbytes
 
-    def _take_device(self, key: tuple) -> _Block | None:
-        bucket = self._free.get(key)
-        if not bucket:
-            return None
-        block = next(reversed(bucket.values()))  # the most recently returned: warmest in cache
-        self._unindex(block)
+    def _prune(self) -> None:
+        """Drop the empty buckets."""
+        self._free = {key: bucket for key, bucket in self._free.items() if bucket}
+        if self._on_host:
+            self._sizes = sorted(self._free)
+        self._prune_at = max(_PRUNE_BUCKETS, 2 * len(self._free))
+
+    def _pop(self, bucket: dict[int, _Block]) -> _Block:
+        """The most recently freed block of a non-empty bucket, out of the bucket and the LRU."""
+        ident, block = bucket.popitem()  # the most recently returned: warmest in cache
+        if self._lru.pop(ident, None) is not None:
+            self._bytes_whole -= block.nbytes
         block.free = False
         self._bytes_pooled -= block.nbytes
         return block
 
-    def _take_host(self, nbytes: int) -> _Block | None:
-        """A free block for a request of ``nbytes`` (a size class): exact, else split best fit."""
-        bucket = self._free.get(nbytes)
-        if bucket:
-            # Indexed blocks hold at least 1 / SPLIT_RATIO of their segment: any one serves.
-            block = next(reversed(bucket.values()))
-        else:
-            block = self._best_fit(nbytes)
-            if block is None:
-                return None
-        self._unindex(block)
+    def _take_device(self, key: tuple) -> _Block | None:
+        bucket = self._free.get(key)
+        return self._pop(bucket) if bucket else None
+
+    def _split(self, nbytes: int) -> _Block | None:
+        """The front ``nbytes`` (a size class) of the best-fitting larger free block, or None."""
+        block = self._best_fit(nbytes)
+        if block is None:
+            return None
+        self._unindex(block, block.nbytes)
         block.free = False
         rest = block.nbytes - nbytes
         if rest >= _MIN_CLASS_BYTES:
-            # Split: the front is leased, the rest stays free after it.
+            # The front is leased, the rest stays free after it.
             tail = _Block(block.key, block.storage, rest, block.dtype, block.address + nbytes)
             tail.segment_nbytes = block.segment_nbytes
             tail.free = True
@@ -542,7 +554,7 @@ class BufferPool:
             block.next = tail
             block.nbytes = nbytes
             if rest * SPLIT_RATIO >= tail.segment_nbytes:
-                self._index(tail)
+                self._index(tail, rest)
             self._splits += 1
         self._bytes_pooled -= block.nbytes
         return block
@@ -555,7 +567,7 @@ class BufferPool:
         for i in range(bisect.bisect_right(sizes, nbytes), len(sizes)):
             if sizes[i] > limit:
                 break
-            for block in reversed(self._free[sizes[i]].values()):
+            for block in reversed(self._free[sizes[i]].values()):  # empty buckets have none
                 if block.segment_nbytes <= limit:
                     return block
         return None
@@ -566,7 +578,7 @@ class BufferPool:
         freed = dropped = 0
         while self._lru and self._bytes_whole > max_bytes:
             block = next(iter(self._lru.values()))
-            self._unindex(block)
+            self._unindex(block, block.nbytes if self._on_host else block.key)
             self._bytes_pooled -= block.nbytes
             self._drop(block)
             freed += block.nbytes
