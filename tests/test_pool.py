@@ -230,6 +230,33 @@ def test_views_of_a_split_block_keep_only_that_block():
     assert (s.bytes_in_use, s.bytes_pooled, s.bytes_fragmented) == (4096, 4096, 0)
 
 
+def test_empty_free_list_buckets_are_pruned(monkeypatch):
+    # Split rests make free blocks of many sizes; their buckets stay when they empty (most refill
+    # within a step) and are pruned when there are many.
+    monkeypatch.setattr(pool, "_PRUNE_BUCKETS", 16)
+    prunes = []
+    prune = pool.BufferPool._prune
+    monkeypatch.setattr(pool.BufferPool, "_prune", lambda self: (prunes.append(len(self._free)), prune(self)))
+    p = _pool()
+    classes = sorted({pool.size_class(n) for n in range(256, 2**18, 64)})
+    segments = [c for c in classes if c >= 4096]
+    for size in segments:
+        for c in [c for c in classes if size // pool.SPLIT_RATIO <= c < size]:
+            a = p.acquire((size,), np.uint8)  # a miss the first time, then whole again
+            del a
+            b = p.acquire((c,), np.uint8)  # a split: the rest is free in a bucket of its size
+            b[...] = 1
+            del b  # merges back: that bucket is empty
+    assert prunes and p._sizes == sorted(p._free) and len(p._free) <= p._prune_at
+    s = p.stats()
+    assert (s.allocations, s.bytes_in_use, s.bytes_fragmented) == (len(segments), 0, 0)
+    assert s.bytes_pooled == sum(segments) and s.splits > 0
+    again = [p.acquire((size,), np.uint8) for size in reversed(segments)]  # every one an exact hit
+    s = p.stats()
+    assert (s.allocations, s.bytes_pooled, s.bytes_in_use) == (len(segments), 0, sum(segments))
+    assert len({_address(a) for a in again}) == len(segments)
+
+
 class _CountingAllocator:
     """The host allocator, keeping a weak reference to every allocation it made."""
 
