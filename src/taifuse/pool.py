@@ -5,11 +5,16 @@ arithmetic, kernel scratch, optimizer scratch) is allocated through :func:`empty
 free buffer of the request's size class (host; any dtype) or dtype and length (device) from its
 memory space's :class:`BufferPool` or, on a miss, from that space's :class:`Allocator`. A buffer
 goes back to the pool when nothing refers to it any more (NOTE [ Buffer ownership ]), so a
-training step that repeats the same shapes stops allocating after its first step.
+training step that repeats the same shapes stops allocating after its first step or two.
 
-The pool is the policy (size classes, free lists, the LRU and byte cap, statistics, the returns
-queue) and knows no backend: each backend's table exports an ``ALLOCATOR`` that makes blocks of
-its memory and leases them out as its arrays (:class:`Allocator`).
+Host blocks are split and coalesced (NOTE [ Splitting host blocks ]): a request that finds no free
+block of its size class takes the smallest larger free block of a small enough allocation and
+leaves the rest free, and a returned block merges with its free neighbours, so the memory one
+step freed in one size class serves the next step's requests of another.
+
+The pool is the policy (size classes, free lists, splitting, the LRU and byte cap, statistics,
+the returns queue) and knows no backend: each backend's table exports an ``ALLOCATOR`` that makes
+blocks of its memory and leases them out as its arrays (:class:`Allocator`).
 
 Example::
 
@@ -24,8 +29,8 @@ Example::
     >>> (s.allocations, s.reuses, s.hit_rate)
     (1, 1, 0.5)
 
-Knobs: ``TAIFUSE_POOL_MAX_MB`` caps the bytes of free buffers a pool keeps (default
-:data:`DEFAULT_MAX_MB`; least recently returned buffers are evicted first; ``0`` keeps none), and
+Knobs: ``TAIFUSE_POOL_MAX_MB`` caps the bytes of wholly free allocations a pool keeps (default
+:data:`DEFAULT_MAX_MB`; least recently freed allocations are evicted first; ``0`` keeps none), and
 ``with get_pool().disabled():`` bypasses a pool (every allocation goes to the backend);
 ``TAIFUSE_POOL=0`` disables every pool from the start.
 
@@ -57,10 +62,41 @@ Knobs: ``TAIFUSE_POOL_MAX_MB`` caps the bytes of free buffers a pool keeps (defa
 # Returns never take the pool's lock: ``__del__`` may run inside the garbage collector on any
 # thread, even on one that holds the lock. A returning owner appends its block to a deque (atomic
 # in CPython); the pool drains that deque under its lock before it hands anything out or reports.
+#
+# NOTE [ Splitting host blocks ]
+# Keyed by size class alone, a pool holds at its peak the sum over classes of the most blocks of
+# each class in use at once: the GPT step under autocast peaked at 35.4 MiB of pool against 27.0
+# MiB in use at any one moment, the difference being free blocks of other classes. So host memory
+# is managed as PyTorch's caching allocator manages device memory (c10/cuda/CUDACachingAllocator.cpp):
+#
+# * An allocation (a *segment*, one ``new_block`` on a miss, of the request's size class) is a
+#   doubly linked list of blocks in address order, each free or leased. A request of class ``c``
+#   takes a free block of exactly ``c`` bytes if there is one (the most recently returned), else
+#   the smallest larger one (best fit) and splits it: the front ``c`` bytes are leased, the rest
+#   stays free (a rest under 256 bytes, the smallest class, is leased with the front). Every size
+#   class is a multiple of 64 bytes, so every block starts 64-byte aligned relative to its
+#   segment. Blocks of one segment never overlap, so a lease can never alias another; each lease
+#   is its own owner object (NOTE [ Buffer ownership ]), whose array's base is the lease, not the
+#   segment: NumPy's base-keeping holds the lease's block, never the segment's other blocks.
+# * A returned block merges with a free neighbour on either side (the left block absorbs the
+#   right, so a segment's first block, which ``_owned`` keeps, lives as long as the segment).
+#   A segment wholly free again is one block; only such segments go on the LRU, count towards the
+#   byte cap and are evicted (``new_block``'s storage then dies): free blocks of a segment that is
+#   partly in use cannot be given back, and are reported as ``bytes_fragmented``.
+# * The bound: a block of a segment of ``S`` bytes serves a request of ``c`` bytes only if
+#   ``S <= SPLIT_RATIO * c`` (PyTorch's ``max_split_size`` serves the same end: small requests do
+#   not fragment large blocks). Every leased block of a segment then holds at least
+#   ``S / SPLIT_RATIO`` of it, so the free bytes of partly used segments are at most
+#   ``(SPLIT_RATIO - 1) * bytes_in_use`` and the pool holds at most
+#   ``SPLIT_RATIO * bytes_in_use + max_bytes`` whatever the request pattern. A free block smaller
+#   than ``S / SPLIT_RATIO`` can serve nothing until it merges; it is not indexed.
+# * Device (Taichi) blocks are not split: a ``ti.Ndarray`` over part of an allocation does not
+#   exist, and their keys are exact (dtype, length).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import math
@@ -78,6 +114,7 @@ from taifuse import _profile_hook
 
 __all__ = [
     "DEFAULT_MAX_MB",
+    "SPLIT_RATIO",
     "Allocator",
     "BufferPool",
     "PoolStats",
@@ -90,6 +127,12 @@ __all__ = [
 
 DEFAULT_MAX_MB = 1024
 _MIN_CLASS_BYTES = 256
+# A host block of a segment of S bytes serves a request of c bytes only if S <= SPLIT_RATIO * c
+# (NOTE [ Splitting host blocks ]).
+SPLIT_RATIO = 8
+# Empty free-list buckets are dropped when there are this many buckets (or twice as many as after
+# the last pruning).
+_PRUNE_BUCKETS = 256
 
 
 # The protocol is written here, beside the policy that calls it and the NOTE its leases must keep,
@@ -181,13 +224,18 @@ class PoolStats:
         allocations: buffers the pool allocated from the backend (misses).
         reuses: requests served with a pooled buffer (hits).
         hit_rate: ``reuses / (allocations + reuses)``; 0.0 before any request.
-        bytes_pooled: bytes of free buffers the pool holds, ready for reuse (kept under the cap).
+        bytes_pooled: bytes of free buffers the pool holds, ready for reuse: wholly free
+            allocations (kept under the cap) and ``bytes_fragmented``.
         bytes_in_use: bytes of buffers handed out and still referenced.
         peak_bytes: the most ``bytes_pooled + bytes_in_use`` has been since the pool was made (or
             :meth:`BufferPool.reset_stats`).
-        evictions: free buffers dropped to keep ``bytes_pooled`` under the byte cap;
+        evictions: free allocations dropped to keep their bytes under the byte cap;
             :meth:`BufferPool.clear` and :meth:`BufferPool.shrink_to_fit` are not counted here,
             they return what they freed.
+        splits: reuses served by splitting a larger free block (host; counted in ``reuses``).
+        bytes_fragmented: the part of ``bytes_pooled`` in allocations partly in use, which the pool
+            cannot free until they are wholly free again; at most ``(SPLIT_RATIO - 1) *
+            bytes_in_use`` (NOTE [ Splitting host blocks ]).
     """
 
     allocations: int
@@ -197,12 +245,19 @@ class PoolStats:
     bytes_in_use: int
     peak_bytes: int
     evictions: int
+    splits: int = 0
+    bytes_fragmented: int = 0
 
 
 class _Block:
-    """One pooled allocation: the allocator's storage and its accounting."""
+    """A block of one pooled allocation (its segment), free or leased, and its accounting.
 
-    __slots__ = ("address", "dtype", "key", "nbytes", "storage")
+    ``storage`` is the segment's (shared by its blocks), ``address`` the block's own start,
+    ``segment_nbytes`` the segment's size; ``prev``/``next`` are the neighbouring blocks of the
+    segment in address order (NOTE [ Splitting host blocks ]; device blocks have none).
+    """
+
+    __slots__ = ("address", "dtype", "free", "key", "nbytes", "next", "prev", "segment_nbytes", "storage")
 
     def __init__(self, key: tuple, storage: Any, nbytes: int, dtype: np.dtype, address: int) -> None:
         self.key = key
@@ -210,6 +265,10 @@ class _Block:
         self.nbytes = nbytes
         self.dtype = dtype
         self.address = address
+        self.segment_nbytes = nbytes
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+        self.free = False
 
 
 # ----------------------------------------------------------------------------- the pool
@@ -220,8 +279,8 @@ class BufferPool:
 
     Host pools (the ``numpy`` and ``numba`` backends share one: both hold ``numpy.ndarray``)
     round requests up to :func:`size_class` and hand a free block to a request of any dtype in
-    its class. Device pools key blocks by dtype and exact element count (see
-    :attr:`Allocator.ON_HOST`).
+    its class, or split a larger free block (NOTE [ Splitting host blocks ]). Device pools key
+    blocks by dtype and exact element count (see :attr:`Allocator.ON_HOST`).
 
     Args:
         name: for messages and ``repr``.
@@ -248,9 +307,18 @@ class BufferPool:
         self.max_bytes = _max_bytes_from_env() if max_bytes is None else int(max_bytes)
         self._lock = threading.Lock()
         self._returns: deque[_Block] = deque()
-        self._free: dict[tuple, list[_Block]] = {}
-        self._lru: OrderedDict[int, _Block] = OrderedDict()  # free blocks, least recently returned first
-        # Every block, leased or free, stays reachable from here: see NOTE [ Buffer ownership ].
+        # Free blocks by bucket (host: bytes; device: (dtype, length)), each bucket in the order
+        # they were freed; host blocks too small to serve anything are in no bucket (NOTE
+        # [ Splitting host blocks ]). ``_sizes``: the host buckets' sizes, sorted, for best fit.
+        # A bucket that empties stays (most refill within a step) until ``_prune``.
+        self._free: dict[Any, dict[int, _Block]] = {}
+        self._sizes: list[int] = []
+        self._prune_at = _PRUNE_BUCKETS
+        # Wholly free segments (one block each), least recently freed first: what the cap evicts.
+        self._lru: OrderedDict[int, _Block] = OrderedDict()
+        self._bytes_whole = 0  # their bytes; bytes_pooled - _bytes_whole is bytes_fragmented
+        # Every segment, by its first block (which lives as long as the segment), stays reachable
+        # from here: see NOTE [ Buffer ownership ].
         self._owned: dict[int, _Block] = {}
         self._disabled = 1 if os.environ.get("TAIFUSE_POOL", "").strip() == "0" else 0
         # For tests and debugging: fill every buffer handed out (not zeroed) with this value, so
@@ -263,6 +331,7 @@ class BufferPool:
     def _reset_counters(self) -> None:
         self._allocations = 0
         self._reuses = 0
+        self._splits = 0
         self._evictions = 0
         self._peak = self._bytes_pooled + self._bytes_in_use
 
@@ -303,28 +372,35 @@ class BufferPool:
                 bytes_in_use=self._bytes_in_use,
                 peak_bytes=self._peak,
                 evictions=self._evictions,
+                splits=self._splits,
+                bytes_fragmented=self._bytes_pooled - self._bytes_whole,
             )
 
     def reset_stats(self) -> None:
-        """Zero allocations, reuses and evictions; restart the peak from the bytes held now."""
+        """Zero allocations, reuses, splits and evictions; restart the peak from the bytes held now."""
         with self._lock:
             self._drain()
             self._reset_counters()
 
     def clear(self) -> int:
-        """Free every pooled (not in-use) buffer; return the bytes freed."""
+        """Free every wholly free allocation; return the bytes freed.
+
+        Free blocks of an allocation partly in use (``bytes_fragmented``) stay until it is wholly free.
+        """
         return self.shrink_to_fit(0)
 
     def shrink_to_fit(self, max_bytes: int) -> int:
-        """Free the least recently returned free buffers until at most ``max_bytes`` stay pooled.
+        """Free the least recently freed wholly free allocations until at most ``max_bytes`` of
+        them stay pooled.
 
-        Returns the bytes freed. Buffers in use are untouched.
+        Returns the bytes freed. Buffers in use, and the free blocks of allocations partly in use
+        (``bytes_fragmented``), are untouched.
         """
         if max_bytes < 0:
             raise ValueError(f"shrink_to_fit: max_bytes should be non-negative, got {max_bytes}")
         with self._lock:
             self._drain()
-            freed, _ = self._evict_until(lambda: self._bytes_pooled <= max_bytes)
+            freed, _ = self._evict_until(max_bytes)
         return freed
 
     def acquire(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = False) -> Any:
@@ -345,11 +421,19 @@ class BufferPool:
         nbytes = size * dtype.itemsize
         # Host memory is bytes: a block serves any dtype of its size class (a float32 block the
         # forward freed, a float16 request under autocast); a device array's dtype is fixed.
-        key = (size_class(nbytes),) if self._on_host else (dtype, size)
         with self._lock:
             if self._returns:
                 self._drain()
-            block = self._take(key)
+            if self._on_host:
+                nbytes = size_class(nbytes)
+                bucket = self._free.get(nbytes)
+                # Indexed blocks hold at least 1 / SPLIT_RATIO of their segment: any one of exactly
+                # nbytes serves; else split a larger one.
+                block = self._pop(bucket) if bucket else self._split(nbytes)
+                key: Any = None
+            else:
+                key = (dtype, size)
+                block = self._take_device(key)
             if block is not None:
                 self._reuses += 1
             else:
@@ -371,36 +455,130 @@ class BufferPool:
 
     def _drain(self) -> None:
         returns = self._returns
+        on_host = self._on_host
         while returns:
             block = returns.popleft()
-            self._bytes_in_use -= block.nbytes
-            if block.nbytes > self.max_bytes:
+            nbytes = block.nbytes
+            self._bytes_in_use -= nbytes
+            self._bytes_pooled += nbytes
+            block.free = True
+            # Coalesce (NOTE [ Splitting host blocks ]): the left block absorbs the right.
+            right = block.next
+            if right is not None and right.free:
+                self._unindex(right, right.nbytes)
+                block.nbytes = nbytes = nbytes + right.nbytes
+                block.next = right = right.next
+                if right is not None:
+                    right.prev = block
+            left = block.prev
+            if left is not None and left.free:
+                self._unindex(left, left.nbytes)
+                left.nbytes = nbytes = nbytes + left.nbytes
+                left.next = right
+                if right is not None:
+                    right.prev = left
+                block = left
+            if block.prev is not None or right is not None:
+                # Part of a segment still in use: not evictable, and it serves only requests of at
+                # least 1 / SPLIT_RATIO of its segment.
+                if nbytes * SPLIT_RATIO >= block.segment_nbytes:
+                    self._index(block, nbytes)
+                continue
+            if nbytes > self.max_bytes:
+                self._bytes_pooled -= nbytes
                 self._drop(block)
                 self._evictions += 1
                 continue
-            self._free.setdefault(block.key, []).append(block)
+            self._index(block, nbytes if on_host else block.key)
             self._lru[id(block)] = block
-            self._bytes_pooled += block.nbytes
-            if self._bytes_pooled > self.max_bytes:
-                _, dropped = self._evict_until(lambda: self._bytes_pooled <= self.max_bytes)
-                self._evictions += dropped
+            self._bytes_whole += nbytes
+            if self._bytes_whole > self.max_bytes:
+                self._evictions += self._evict_until(self.max_bytes)[1]
 
-    def _take(self, key: tuple) -> _Block | None:
-        stack = self._free.get(key)
-        if not stack:
-            return None
-        block = stack.pop()  # the most recently returned: warmest in cache
-        del self._lru[id(block)]
+    def _index(self, block: _Block, key: Any) -> None:
+        """Put a free block in the bucket ``key`` (host: its bytes; device: its key)."""
+        bucket = self._free.get(key)
+        if bucket is None:
+            if len(self._free) >= self._prune_at:
+                self._prune()
+            self._free[key] = {id(block): block}
+            if self._on_host:
+                bisect.insort(self._sizes, key)
+        else:
+            bucket[id(block)] = block
+
+    def _unindex(self, block: _Block, key: Any) -> None:
+        """Take a free block out of its bucket ``key`` and the LRU (it may be in neither)."""
+        bucket = self._free.get(key)
+        if bucket is not None:
+            bucket.pop(id(block), None)
+        if self._lru.pop(id(block), None) is not None:
+            self._bytes_whole -= block.nbytes
+
+    def _prune(self) -> None:
+        """Drop the empty buckets."""
+        self._free = {key: bucket for key, bucket in self._free.items() if bucket}
+        if self._on_host:
+            self._sizes = sorted(self._free)
+        self._prune_at = max(_PRUNE_BUCKETS, 2 * len(self._free))
+
+    def _pop(self, bucket: dict[int, _Block]) -> _Block:
+        """The most recently freed block of a non-empty bucket, out of the bucket and the LRU."""
+        ident, block = bucket.popitem()  # the most recently returned: warmest in cache
+        if self._lru.pop(ident, None) is not None:
+            self._bytes_whole -= block.nbytes
+        block.free = False
         self._bytes_pooled -= block.nbytes
         return block
 
-    def _evict_until(self, done) -> tuple[int, int]:
-        """Drop least recently returned free blocks until ``done()``: (bytes, blocks) dropped."""
+    def _take_device(self, key: tuple) -> _Block | None:
+        bucket = self._free.get(key)
+        return self._pop(bucket) if bucket else None
+
+    def _split(self, nbytes: int) -> _Block | None:
+        """The front ``nbytes`` (a size class) of the best-fitting larger free block, or None."""
+        block = self._best_fit(nbytes)
+        if block is None:
+            return None
+        self._unindex(block, block.nbytes)
+        block.free = False
+        rest = block.nbytes - nbytes
+        if rest >= _MIN_CLASS_BYTES:
+            # The front is leased, the rest stays free after it.
+            tail = _Block(block.key, block.storage, rest, block.dtype, block.address + nbytes)
+            tail.segment_nbytes = block.segment_nbytes
+            tail.free = True
+            tail.prev, tail.next = block, block.next
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
+            block.nbytes = nbytes
+            if rest * SPLIT_RATIO >= tail.segment_nbytes:
+                self._index(tail, rest)
+            self._splits += 1
+        self._bytes_pooled -= block.nbytes
+        return block
+
+    def _best_fit(self, nbytes: int) -> _Block | None:
+        # The smallest free block above nbytes in a segment of at most SPLIT_RATIO * nbytes bytes;
+        # blocks above that bound cannot be in such a segment.
+        limit = SPLIT_RATIO * nbytes
+        sizes = self._sizes
+        for i in range(bisect.bisect_right(sizes, nbytes), len(sizes)):
+            if sizes[i] > limit:
+                break
+            for block in reversed(self._free[sizes[i]].values()):  # empty buckets have none
+                if block.segment_nbytes <= limit:
+                    return block
+        return None
+
+    def _evict_until(self, max_bytes: int) -> tuple[int, int]:
+        """Drop least recently freed whole segments until at most ``max_bytes`` of them stay:
+        (bytes, segments) dropped."""
         freed = dropped = 0
-        while self._lru and not done():
+        while self._lru and self._bytes_whole > max_bytes:
             block = next(iter(self._lru.values()))
-            del self._lru[id(block)]
-            self._free[block.key].remove(block)
+            self._unindex(block, block.nbytes if self._on_host else block.key)
             self._bytes_pooled -= block.nbytes
             self._drop(block)
             freed += block.nbytes
@@ -408,12 +586,12 @@ class BufferPool:
         return freed, dropped
 
     def _drop(self, block: _Block) -> None:
+        # A wholly free segment is one block, its first: the one _owned keeps.
         del self._owned[id(block)]
         block.storage = None  # the memory goes with the last reference
 
-    def _new_block(self, key: tuple, dtype: np.dtype, nbytes: int) -> _Block:
-        if self._on_host:
-            nbytes = key[0]  # the whole size class, so any request of the class fits
+    def _new_block(self, key: Any, dtype: np.dtype, nbytes: int) -> _Block:
+        # Host: nbytes is the whole size class, so any request of the class fits.
         storage, address = self.allocator.new_block(nbytes // dtype.itemsize, dtype)
         return _Block(key, storage, nbytes, dtype, address)
 
