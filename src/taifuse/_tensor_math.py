@@ -251,7 +251,7 @@ class HostMath:
 
     @staticmethod
     def pow_scalar(a: np.ndarray, exponent: float) -> np.ndarray:
-        # NOTE: x * x, not x ** 2: NumPy's float32 power is far slower (FACTS.md).
+        # NOTE: x * x, not x ** 2: NumPy's float32 power is far slower (docs/backends.md, "NumPy").
         if exponent == 2:
             return _binary(np.multiply, a, a)
         return _binary(np.power, a, np.asarray(exponent, dtype=a.dtype))

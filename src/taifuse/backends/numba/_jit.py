@@ -86,7 +86,7 @@ _COL_TILE = 256  # columns per work item of column sums (bias / weight gradients
 # kernels that evaluate exp/tanh/erf per element go parallel at half of it (NOTE [ Serial and
 # parallel kernels ]). "omp": measured crossover on a 2-core x86-64 Linux machine (relu ~64K,
 # gelu_tanh ~32K elements, float32). "workqueue": derived, not measured: its ~100 us launch
-# (FACTS.md) against the measured serial cost per element. "tbb": not measured, as "omp".
+# (docs/backends.md, "Numba") against the measured serial cost per element. "tbb": not measured, as "omp".
 _PARALLEL_MIN_ELEMENTS = {"omp": 65536, "tbb": 65536, "workqueue": 1 << 20}
 _TRANSCENDENTAL_DISCOUNT = 2
 
