@@ -18,7 +18,7 @@
 
 Each goal is judged on the 95% interval: "met" when all of it satisfies the goal, "not met" when
 none of it does, "undecided" otherwise. Nothing here forces a pass. Run GEMM-bound benchmarks with
-both OpenBLAS variables unset (FACTS.md; docs/benchmarks.md, "BLAS"):
+both OpenBLAS variables unset (docs/benchmarks.md, "BLAS"):
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/bench_transformer.py [--quick] [--out DIR]
 

@@ -52,8 +52,8 @@ class Tol:
 #   atol covers the float32 arithmetic underneath (the float32 entry's atol, rounded up), and the floor is
 #   one float16 subnormal step (5.96e-8), the spacing of the smallest results.
 # * float32: rtol 4e-6 is ~32 ulp (2**-23 ~ 1.19e-7): a handful of roundings in a short formula
-#   plus the error of a vectorisable exp/tanh/erf approximation, which FACTS.md measures below
-#   1e-6 absolute. atol 1e-6 (~8 ulp) per unit of scale covers x * g(x) where g carries the
+#   plus the error of a vectorisable exp/tanh/erf approximation, measured below 1e-6 absolute
+#   (docs/backends.md, "Numba"). atol 1e-6 (~8 ulp) per unit of scale covers x * g(x) where g carries the
 #   approximation error, and a float32 sum or dot product whose error grows with the magnitudes
 #   summed. The floor, 1e-37 (~8.5x float32's smallest normal), lets a result near the bottom of
 #   the range come out as 0: a GPU (or fastmath, or an exp built from exponent bits) flushes

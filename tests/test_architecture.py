@@ -20,14 +20,15 @@ PACKAGE = "taifuse"
 # Layers from the bottom (docs/architecture.md, "The import rule"): the first prefix that matches a
 # module's name gives its layer. A module may import its own layer (without a circle) or lower.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("taifuse.backends._spec", "taifuse._profile_hook", "taifuse._costs"),  # import nothing of taifuse
+    ("taifuse.backends._spec", "taifuse._profile_hook", "taifuse._costs",
+     "taifuse._autocast_state"),  # import nothing of taifuse
     ("taifuse.backends._host", "taifuse.backends.reference"),
     ("taifuse.backends",),  # the dispatch: the package's __init__ only (see _EXACT)
     ("taifuse.pool",),
     ("taifuse._random", "taifuse.backends.numba", "taifuse.backends.taichi", "taifuse.backends.metal_check",
      "taifuse.backends._metal_selftest"),
     ("taifuse._array_ops", "taifuse._tensor_math"),
-    ("taifuse.tensor", "taifuse.amp.autocast"),  # autocast's state, which the Tensor ops read
+    ("taifuse.tensor",),
     ("taifuse._autograd_ops", "taifuse.functional", "taifuse.checkpoint"),
     ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
@@ -75,7 +76,24 @@ def _imports(name: str) -> set[str]:
                 target = target.rpartition(".")[0]
             if target and target != name:
                 deps.add(target)
+                deps.update(_packages_run_first(name, target))
     return deps
+
+
+def _packages_run_first(name: str, target: str) -> set[str]:
+    """The package ``__init__`` modules that importing ``target`` from ``name`` runs first.
+
+    Python runs ``a/__init__`` and ``a/b/__init__`` before ``a.b.c``. The packages that hold
+    ``name`` itself are left out: they ran (or are running) before ``name`` did, so importing a
+    sibling runs nothing new there (and ``taifuse/__init__``, which holds every module, is never an
+    edge this way)."""
+    parts = target.split(".")
+    mine = name.split(".") if MODULES[name][1] else name.split(".")[:-1]
+    return {
+        package
+        for package in (".".join(parts[:i]) for i in range(1, len(parts)))
+        if package != ".".join(mine[: package.count(".") + 1])
+    }
 
 
 GRAPH = {name: _imports(name) for name in MODULES}
@@ -141,6 +159,11 @@ def test_the_walk_sees_the_imports_it_should():
     assert "taifuse.backends._spec" in GRAPH["taifuse.backends"]
     assert "taifuse.tensor" in GRAPH["taifuse._autograd_ops"]
     assert "taifuse.backends" in GRAPH["taifuse.pool"]  # a lazy import inside get_pool
+    # A package's __init__, which Python runs before the module imported from it...
+    assert "taifuse.optim" in GRAPH["taifuse.amp.grad_scaler"]  # from taifuse.optim.optimizer import
+    # ...but not the packages that hold the importer, which ran before it.
+    assert "taifuse.backends" not in GRAPH["taifuse.backends._host"]
+    assert "taifuse" not in GRAPH["taifuse.tensor"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
 

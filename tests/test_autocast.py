@@ -5,7 +5,6 @@ nesting, enabled=False, threads, the decorator form, and bad arguments."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from helpers import load_gpt_example
 
 import taifuse
 import taifuse.functional as F
-from taifuse import backends, nn
+from taifuse import _autocast_state, backends, nn
 from taifuse.amp import autocast, clear_autocast_cache, get_autocast_dtype, is_autocast_enabled
 from taifuse.tensor import _Cast
 
@@ -25,7 +24,7 @@ F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
 
 def _amp_state():
-    return sys.modules["taifuse.amp.autocast"]._state()
+    return _autocast_state.state()
 
 
 # ----------------------------------------------------------------------------- the op table

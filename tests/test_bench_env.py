@@ -1,7 +1,7 @@
 """The environment block's BLAS and cache facts, on fake threadpoolctl data and fake cache tables.
 
-NOTE: no test here sets, unsets or changes an ``OPENBLAS_*`` variable (FACTS.md, "BLAS and
-peers"): the functions take the environment as an argument, and the probe's subprocess is faked.
+NOTE: no test here sets, unsets or changes an ``OPENBLAS_*`` variable (docs/benchmarks.md,
+"BLAS"): the functions take the environment as an argument, and the probe's subprocess is faked.
 """
 
 from __future__ import annotations

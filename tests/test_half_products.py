@@ -1,6 +1,6 @@
 """float16 on the host backends: matrix products in float32 BLAS on blocks converted in cache, never
 on a float32 copy of a whole operand (NOTE [ float16 products in blocks ] in
-backends/numba/_jit.py; ``linear_act``'s blocks are tested in test_numba_kernels.py), the block
+backends/_host.py; ``linear_act``'s blocks are tested in test_numba_kernels.py), the block
 conversions themselves, and Tensor arithmetic on float32 blocks (NOTE [ float16 arithmetic on the
 host ] in _tensor_math.py)."""
 
@@ -13,6 +13,7 @@ import pytest
 
 from taifuse import _tensor_math as tm
 from taifuse import pool
+from taifuse.backends import _host
 
 SHAPES = [
     ((8, 32, 16), (8, 16, 24)),  # a stack of small products, grouped per BLAS call
@@ -33,8 +34,8 @@ def _half(shape, seed):
 def test_float16_matmul_matches_the_float32_product(sa, sb, budget, monkeypatch):
     # With a 1 KiB budget every product goes through row chunks of a and column blocks of b.
     if budget is not None:
-        monkeypatch.setattr(tm, "_F16_BLOCK_BYTES", budget)
-        monkeypatch.setattr(tm, "_F16_MIN_ROWS", 4)
+        monkeypatch.setattr(_host, "F16_BLOCK_BYTES", budget)
+        monkeypatch.setattr(_host, "F16_MIN_ROWS", 4)
     a, b = _half(sa, 0), _half(sb, 1)
     got = tm.HostMath.matmul(a, b)
     exact = a.astype(np.float64) @ b.astype(np.float64)
@@ -49,8 +50,8 @@ def test_float16_matmul_converts_blocks_not_whole_operands(monkeypatch):
     # (1024, 512) @ (512, 1024) with a 64 KiB budget: what the call allocates beside its float16
     # result (the pool bypassed, so tracemalloc sees every buffer) stays under half of one
     # operand's float32 form (2 MiB); converting either operand whole would exceed it.
-    monkeypatch.setattr(tm, "_F16_BLOCK_BYTES", 64 * 1024)
-    monkeypatch.setattr(tm, "_F16_MIN_ROWS", 8)
+    monkeypatch.setattr(_host, "F16_BLOCK_BYTES", 64 * 1024)
+    monkeypatch.setattr(_host, "F16_MIN_ROWS", 8)
     a, b = _half((1024, 512), 0), _half((512, 1024), 1)
     with pool.host_pool().disabled():
         tracemalloc.start()
@@ -60,6 +61,27 @@ def test_float16_matmul_converts_blocks_not_whole_operands(monkeypatch):
         finally:
             tracemalloc.stop()
     assert peak - out.nbytes < 1024 * 1024, peak
+    want = (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
+    np.testing.assert_allclose(out, want, rtol=2.0**-10, atol=2.0**-12 * np.abs(want).max())
+
+
+def test_batched_matmul_and_the_numba_kernels_share_one_float16_budget():
+    # Batched @ once kept a 4 MiB budget of its own while the numba kernels' went to 1 MiB (issue
+    # 27). Both read backends/_host.py's now: at the default 1 MiB, (2048, 512) @ (512, 512)
+    # converts 512-row chunks, so the call's scratch (1 MiB of a's rows, b whole in 1 MiB, 1 MiB
+    # of results) stays under 4 MiB; at 4 MiB a's and the result's float32 forms were whole (9 MiB).
+    assert _host.F16_BLOCK_BYTES == 1024 * 1024
+    assert _host.f16_rows(2048, 512) == 512 and _host.f16_weight_rows(512, 512) == 512
+    a, b = _half((2048, 512), 0), _half((512, 512), 1)
+    tm.HostMath.matmul(a[:64], b)  # any compilation of the block conversions happens here
+    with pool.host_pool().disabled():
+        tracemalloc.start()
+        try:
+            out = tm.HostMath.matmul(a, b)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak - out.nbytes < 4 * 1024 * 1024, peak
     want = (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
     np.testing.assert_allclose(out, want, rtol=2.0**-10, atol=2.0**-12 * np.abs(want).max())
 

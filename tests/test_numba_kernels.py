@@ -15,6 +15,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
+from taifuse.backends import _host
 from taifuse.backends import numba as nb
 from taifuse.backends import reference as ref
 from taifuse.backends.numba import _jit as nb_jit
@@ -350,8 +351,8 @@ def test_linear_act_both_paths(dtype, weight_rows, parallel, activation, force_p
     force_path(parallel)
     # A small float16 budget forces several row chunks (40 rows) through the float32 scratch, and
     # the weight through blocks of weight_rows rows (NOTE [ float16 products in blocks ]).
-    monkeypatch.setattr(nb_jit, "_F16_BLOCK_BYTES", 4 * weight_rows * 37)
-    monkeypatch.setattr(nb_jit, "_F16_MIN_ROWS", 40)
+    monkeypatch.setattr(_host, "F16_BLOCK_BYTES", 4 * weight_rows * 37)
+    monkeypatch.setattr(_host, "F16_MIN_ROWS", 40)
     x = _inputs((131, 37), dtype, scale=1.0)
     w = (_inputs((29, 37), dtype, seed=1, scale=1.0) / 6).astype(dtype)
     for b in (_inputs(29, dtype, seed=2, scale=1.0), None):
@@ -432,8 +433,8 @@ def test_linear_act_backward_both_paths(dtype, weight_rows, activation, force_pa
     # result is bitwise the serial one (the same operations, the column sums in the same order).
     # float16 goes through row chunks and weight blocks (NOTE [ float16 products in blocks ]).
     if weight_rows is not None:
-        monkeypatch.setattr(nb_jit, "_F16_BLOCK_BYTES", 4 * weight_rows * 23)
-        monkeypatch.setattr(nb_jit, "_F16_MIN_ROWS", 20)
+        monkeypatch.setattr(_host, "F16_BLOCK_BYTES", 4 * weight_rows * 23)
+        monkeypatch.setattr(_host, "F16_MIN_ROWS", 20)
     rows, in_features, out_features = 67, 23, 2 * _COL_TILE + 37
     x = _inputs((rows, in_features), dtype, scale=1.0)
     w = _inputs((out_features, in_features), dtype, seed=1, scale=0.2)
@@ -464,8 +465,8 @@ def test_float16_linear_converts_blocks_not_whole_tensors(activation, monkeypatc
     from taifuse import pool
 
     budget = 64 * 1024
-    monkeypatch.setattr(nb_jit, "_F16_BLOCK_BYTES", budget)
-    monkeypatch.setattr(nb_jit, "_F16_MIN_ROWS", 8)
+    monkeypatch.setattr(_host, "F16_BLOCK_BYTES", budget)
+    monkeypatch.setattr(_host, "F16_MIN_ROWS", 8)
     rows, k, m = 2048, 512, 1024
     x = _inputs((rows, k), np.float16, scale=1.0)
     w = (_inputs((m, k), np.float16, seed=1, scale=1.0) / 20).astype(np.float16)

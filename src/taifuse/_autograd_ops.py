@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from taifuse import _array_ops as A
-from taifuse import _random, backends, pool
+from taifuse import _autocast_state, _random, backends, pool
 from taifuse._tensor_math import sum_to_shape
 from taifuse.tensor import Function, Tensor, _common_backend, autocast_args
 
@@ -79,13 +79,6 @@ def _constants(op: str, names: tuple[str, ...], *values: Any) -> tuple[Any, ...]
         _tensor_arg(v, op, name, like=like) if isinstance(v, np.ndarray) else v
         for name, v in zip(names, values)
     )
-
-
-def _autocasting() -> bool:
-    # NOTE: imported here: the taifuse.amp package imports the optimizers (NOTE [ Autocast ]).
-    from taifuse.amp.autocast import is_autocast_enabled
-
-    return is_autocast_enabled()
 
 
 def _no_out(op: str, out: Any) -> None:
@@ -611,7 +604,11 @@ def scaled_dot_product_attention(
     op = A._SDPA
     q = _tensor_arg(query, op, "query")
     k, v = _tensor_arg(key, op, "key"), _tensor_arg(value, op, "value")
-    if isinstance(attn_mask, np.ndarray) and attn_mask.dtype.kind == "f" and _autocasting():
+    if (
+        isinstance(attn_mask, np.ndarray)
+        and attn_mask.dtype.kind == "f"
+        and _autocast_state.is_autocast_enabled()
+    ):
         attn_mask = _tensor_arg(attn_mask, op, "attn_mask")  # a float mask is cast with the rest
     q, k, v, attn_mask = autocast_args("lower", q, k, v, attn_mask)
     k = _tensor_arg(k, op, "key", like=q, like_name="query")

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from taifuse import pool as _pool
+from taifuse.backends import _host
 
 
 def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -120,12 +121,11 @@ def _reduced_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None, keepdim
     return tuple(n for i, n in enumerate(shape) if i not in axes)
 
 
-# float16 products: float32 BLAS on blocks converted in pooled scratch of about this many bytes
-# each (NOTE [ float16 products in blocks ] in backends/numba/_jit.py). NumPy's own float16
-# matmul is a scalar loop: (8, 256, 64) @ (8, 64, 256) took 324 ms against 3.7 ms in float32
-# BLAS, with the same result (it sums in float32 too).
-_F16_BLOCK_BYTES = 4 * 1024 * 1024
-_F16_MIN_ROWS = 64
+# float16 products: float32 BLAS on blocks converted in pooled scratch of about
+# ``_host.F16_BLOCK_BYTES`` each, the budget the numba kernels use (NOTE [ float16 products in
+# blocks ] in backends/_host.py). NumPy's own float16 matmul is a scalar loop: (8, 256, 64) @
+# (8, 64, 256) took 324 ms against 3.7 ms in float32 BLAS, with the same result (it sums in
+# float32 too).
 
 
 def _convert(dst: np.ndarray, src: np.ndarray) -> None:
@@ -154,10 +154,10 @@ def _half_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         return
     batch = out.shape[:-2]
     per = 4 * (n * k + k * m + n * m)  # float32 bytes of one product's operands and result
-    if a.shape[:-2] == b.shape[:-2] == batch and per <= _F16_BLOCK_BYTES:
+    if a.shape[:-2] == b.shape[:-2] == batch and per <= _host.F16_BLOCK_BYTES:
         # Small matrices (attention's heads): as many per BLAS call as fit the budget.
         a3, b3, o3 = a.reshape(-1, n, k), b.reshape(-1, k, m), out.reshape(-1, n, m)
-        group = min(len(a3), _F16_BLOCK_BYTES // per)
+        group = min(len(a3), _host.F16_BLOCK_BYTES // per)
         host = _pool.host_pool()
         a32, b32, y32 = (host.acquire((group, *s), np.float32) for s in ((n, k), (k, m), (n, m)))
         for g0 in range(0, len(a3), group):
@@ -176,8 +176,8 @@ def _half_matmul_2d(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out = a @ b for float16 matrices: rows of a in chunks, columns of b in blocks."""
     n, k = a.shape
     m = b.shape[1]
-    rows = max(1, min(n, max(_F16_MIN_ROWS, _F16_BLOCK_BYTES // (4 * max(k, m)))))
-    cols = max(1, min(m, _F16_BLOCK_BYTES // (4 * k)))
+    rows = _host.f16_rows(n, max(k, m))
+    cols = _host.f16_weight_rows(m, k)  # b's columns are a weight's rows
     host = _pool.host_pool()
     a32 = host.acquire((rows, k), np.float32)
     b32 = host.acquire((k * cols,), np.float32)
@@ -251,7 +251,7 @@ class HostMath:
 
     @staticmethod
     def pow_scalar(a: np.ndarray, exponent: float) -> np.ndarray:
-        # NOTE: x * x, not x ** 2: NumPy's float32 power is far slower (FACTS.md).
+        # NOTE: x * x, not x ** 2: NumPy's float32 power is far slower (docs/backends.md, "NumPy").
         if exponent == 2:
             return _binary(np.multiply, a, a)
         return _binary(np.power, a, np.asarray(exponent, dtype=a.dtype))

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from taifuse import _random
+from taifuse import _autocast_state, _random
 from taifuse._tensor_math import math_for
 from taifuse.tensor import Function, Tensor, _run_backward, enable_grad, is_grad_enabled
 
@@ -69,13 +69,6 @@ class _Checkpoint(Function):
             a.grad._data if needed and isinstance(a, Tensor) and a.grad is not None else None
             for a, needed in zip(inputs, self.needs_grad)
         )
-
-
-def _autocast_kwargs() -> dict[str, Any]:
-    # NOTE: imported here: the taifuse.amp package imports the optimizers.
-    from taifuse.amp.autocast import autocast_kwargs
-
-    return autocast_kwargs()
 
 
 def _detached(args: Sequence[Any], needs_grad: Sequence[bool]) -> tuple[Any, ...]:
@@ -106,10 +99,7 @@ def _recompute(
     (also when ``fn`` raises), so that the recomputation draws the forward's random numbers and the
     caller's stream continues as if nothing had run; and under the forward's autocast settings, so
     that it computes in the forward's dtypes (as PyTorch's checkpoint does)."""
-    # NOTE: imported here: the taifuse.amp package imports the optimizers.
-    from taifuse.amp.autocast import autocast
-
-    with autocast(**autocast_kwargs):
+    with _autocast_state.region(**autocast_kwargs):
         if rng_state is None:
             return _call(fn, inputs)
         current = _random.get_rng_state()
@@ -174,7 +164,7 @@ def checkpoint(fn: Callable[..., Tensor], *args: Any, preserve_rng_state: bool =
     ctx = _Checkpoint()
     ctx.be, ctx.m = out._be, math_for(out._be)
     ctx.fn, ctx.args, ctx.rng_state = fn, tuple(args), rng_state
-    ctx.autocast = _autocast_kwargs()
+    ctx.autocast = _autocast_state.autocast_kwargs()
     ctx.needs_grad = needs_grad
     ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)
     # A new Tensor on the output's array: dropping `out` drops the graph fn built (nothing else

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from taifuse import _profile_hook, backends
+from taifuse import _autocast_state, _profile_hook, backends
 from taifuse._tensor_math import astype, math_for, sum_to_shape
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
@@ -1464,64 +1464,26 @@ class _Cast(Function):
 
 
 # NOTE [ Autocast ]
-# Under ``taifuse.amp.autocast`` (its state and the cast cache live in taifuse/amp/autocast.py) an
-# op of the low-precision list casts its floating Tensor arguments to the autocast dtype
-# (``policy="lower"``), one of the float32 list to float32 (``"float32"``), and one of the promote
-# list to the widest of its arguments' dtypes (``"widest"``), as PyTorch's CastPolicy does; the
-# lists are in docs/amp.md. float64 arguments are never cast down. Each cast is a ``_Cast`` node,
-# so gradients go back in the argument's own dtype; a parameter's cast to the autocast dtype is
-# cached for the outermost region (NOTE [ Autocast cache ]).
-
-
-_active_autocast: Callable[[], Any] | None = None
-
-
-def _autocast_state() -> Any:
-    global _active_autocast
-    if _active_autocast is None:
-        # NOTE: imported on first use, not at the top: the taifuse.amp package imports the
-        # optimizers, which import this module.
-        from taifuse.amp.autocast import active_state
-
-        _active_autocast = active_state
-    return _active_autocast()
-
-
-def _autocast_cast(state: Any, t: Tensor, dtype: np.dtype) -> Tensor:
-    cacheable = (
-        state.cache_enabled
-        and dtype == state.dtype
-        and t.dtype == np.float32
-        and t.is_leaf
-        and t.requires_grad
-    )
-    if not cacheable:
-        return _Cast.apply(t, dtype)
-    key = (id(t), is_grad_enabled())
-    hit = state.cache.get(key)
-    if hit is not None and hit[0] is t:
-        return hit[1]
-    cast = _Cast.apply(t, dtype)
-    state.cache[key] = (t, cast)
-    return cast
+# Under ``taifuse.amp.autocast`` (its state, cast policy and cast cache live in
+# taifuse/_autocast_state.py) an op of the low-precision list casts its floating Tensor arguments
+# to the autocast dtype (``policy="lower"``), one of the float32 list to float32 (``"float32"``),
+# and one of the promote list to the widest of its arguments' dtypes (``"widest"``), as PyTorch's
+# CastPolicy does; the lists are in docs/amp.md. float64 arguments are never cast down. Each cast
+# is a ``_Cast`` node, so gradients go back in the argument's own dtype; a parameter's cast to the
+# autocast dtype is cached for the outermost region (NOTE [ Autocast cache ]).
 
 
 def autocast_args(policy: str, *values: Any) -> tuple[Any, ...]:
     """``values`` with their floating Tensors cast as autocast's ``policy`` says ("lower",
     "float32" or "widest"; NOTE [ Autocast ]), or unchanged when autocast is off."""
-    state = _autocast_state()
+    state = _autocast_state.active_state()
     if state is None:
         return values
     floats = [v for v in values if isinstance(v, Tensor) and v.dtype.kind == "f"]
-    if policy == "lower":
-        target = state.dtype
-    elif policy == "float32":
-        target = np.dtype(np.float32)
-    else:
-        target = functools.reduce(np.promote_types, (v.dtype for v in floats), np.dtype(np.float16))
+    target = _autocast_state.cast_target(state, policy, (v.dtype for v in floats))
     return tuple(
-        _autocast_cast(state, v, target)
-        if isinstance(v, Tensor) and v.dtype.kind == "f" and v.dtype != target and v.dtype != np.float64
+        _autocast_state.cached_cast(state, v, target, is_grad_enabled(), _Cast.apply)
+        if isinstance(v, Tensor) and _autocast_state.casts(v.dtype, target)
         else v
         for v in values
     )

@@ -1,29 +1,22 @@
-"""``taifuse.amp.autocast``: PyTorch's autocast for float16, its state and its cast cache.
+"""``taifuse.amp.autocast``: PyTorch's autocast for float16, the context manager and decorator.
 
-This module holds the state only (thread-local, as PyTorch's): whether autocast is on, its dtype,
-the nesting depth and the cache of weight casts. The casts themselves are autograd ops of the
-Tensor layer (``taifuse.tensor.autocast_args``, NOTE [ Autocast ] there), which reads this state;
-this module imports nothing of taifuse, so that the Tensor layer may read it.
-
-NOTE [ Autocast cache ]
-As PyTorch's (``cached_cast`` in aten/src/ATen/autocast_mode.cpp): a cast to the autocast dtype of
-a float32 leaf tensor that requires grad (a parameter) is kept in a per-thread cache keyed on that
-tensor, so a weight used by several ops in one forward is cast once and its one cast node adds up
-their gradients. The cache lives as long as the outermost autocast region (any ``autocast``,
-enabled or not, counts for the nesting) and is cleared when it exits, so the next step casts the
-updated weights afresh. Unlike PyTorch, the key includes the grad mode: a cast made under
-``no_grad`` has no graph, and reusing it with grad enabled would cut the weight out of the
-backward without an error; here each mode gets its own cast.
+Autocast's state (thread-local, as PyTorch's), its cast cache (NOTE [ Autocast cache ]) and its
+cast policy live in ``taifuse._autocast_state``, at the bottom of the layers, so that the Tensor
+layer reads them without importing this package; this module re-exports its public functions. The
+casts themselves are autograd ops of the Tensor layer (``taifuse.tensor.autocast_args``, NOTE
+[ Autocast ] there).
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+
+from taifuse import _autocast_state
+from taifuse._autocast_state import clear_autocast_cache, get_autocast_dtype, is_autocast_enabled
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
     from typing_extensions import Self
@@ -32,60 +25,7 @@ __all__ = ["autocast", "clear_autocast_cache", "get_autocast_dtype", "is_autocas
 
 _FLOAT16 = np.dtype(np.float16)
 
-_local = threading.local()
-
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _State:
-    """One thread's autocast state (PyTorch keeps the same fields per thread)."""
-
-    __slots__ = ("cache", "cache_enabled", "dtype", "enabled", "nesting")
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self.dtype = _FLOAT16
-        self.cache_enabled = True
-        self.nesting = 0
-        # (id(tensor), grad mode) -> (tensor, its cast): NOTE [ Autocast cache ]. The tensor is held
-        # so that its id is not reused while the entry lives.
-        self.cache: dict[tuple[int, bool], tuple[Any, Any]] = {}
-
-
-def _state() -> _State:
-    state = getattr(_local, "state", None)
-    if state is None:
-        state = _local.state = _State()
-    return state
-
-
-def active_state() -> _State | None:
-    """This thread's state when autocast is on, else ``None`` (what the ops' hooks ask)."""
-    state = getattr(_local, "state", None)
-    return state if state is not None and state.enabled else None
-
-
-def is_autocast_enabled() -> bool:
-    """Whether ops on this thread run under autocast now (``torch.is_autocast_enabled``)."""
-    return active_state() is not None
-
-
-def get_autocast_dtype() -> np.dtype:
-    """The dtype autocast casts to on this thread (``torch.get_autocast_dtype``): float16."""
-    return _state().dtype
-
-
-def autocast_kwargs() -> dict[str, Any]:
-    """This thread's autocast settings as ``autocast``'s keyword arguments, for a region that
-    must compute as this one does later (a checkpoint's recomputation, as PyTorch's)."""
-    state = _state()
-    return {"dtype": state.dtype, "enabled": state.enabled, "cache_enabled": state.cache_enabled}
-
-
-def clear_autocast_cache() -> None:
-    """Drop this thread's cached weight casts (``torch.clear_autocast_cache``); leaving the
-    outermost ``autocast`` region does it."""
-    _state().cache.clear()
 
 
 def _check_dtype(dtype: Any) -> np.dtype:
@@ -156,18 +96,11 @@ class autocast:
         self._prev: list[tuple[bool, np.dtype, bool]] = []
 
     def __enter__(self) -> Self:
-        state = _state()
-        self._prev.append((state.enabled, state.dtype, state.cache_enabled))
-        state.enabled, state.dtype, state.cache_enabled = self._enabled, self.fast_dtype, self._cache_enabled
-        state.nesting += 1
+        self._prev.append(_autocast_state.enter(self.fast_dtype, self._enabled, self._cache_enabled))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        state = _state()
-        state.nesting -= 1
-        if state.nesting == 0:
-            state.cache.clear()
-        state.enabled, state.dtype, state.cache_enabled = self._prev.pop()
+        _autocast_state.leave(self._prev.pop())
 
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)

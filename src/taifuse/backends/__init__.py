@@ -94,9 +94,8 @@ def best_taichi_arch() -> str:
     """The arch the taichi backend starts on when none is asked for: ``'metal'`` on a Mac with
     Apple silicon, else ``'cuda'`` with an NVIDIA GPU, else ``'vulkan'`` with a Vulkan GPU, else
     ``'cpu'`` (a CPU Vulkan driver such as lavapipe does not count). Taichi is not started."""
-    from taifuse.backends.taichi._runtime import best_arch
-
-    return best_arch()
+    # By name, as every backend is reached: the dispatch imports no backend (docs/architecture.md).
+    return importlib.import_module(f"{_MODULES['taichi']}._runtime").best_arch()
 
 
 def _metal_possible() -> bool:

@@ -14,6 +14,43 @@ import numpy as np
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
+# NOTE [ float16 products in blocks ]
+# BLAS has no float16 product, and NumPy's own float16 matmul is a scalar loop. So a float16
+# product on the host backends (numba's linear_act and its backward; batched ``@`` in
+# ``_tensor_math``; attention in ``numba/attention.py``) runs float32 BLAS on blocks converted in
+# float32 scratch from the host pool, never on a float32 copy of a whole operand: rows of x (and
+# of grad_out) in chunks whose float32 form takes about ``F16_BLOCK_BYTES``, the weight whole when
+# its float32 form fits in that too, else in row blocks converted again for each chunk (batched
+# ``@`` groups as many small products per BLAS call as fit the budget). Results and gradients are
+# summed in float32 (grad_x over the weight's blocks, grad_w over the chunks, grad_b in float64)
+# and rounded into the float16 outputs once. A weight gradient larger than the budget is summed
+# one block of its rows at a time over all the chunks, so x is converted once per block. Cost:
+# the conversions are elementwise passes over blocks that sit in cache, beside products of O(K)
+# flops per element (measured figures in docs/amp.md). The budget is sized for cache, not for
+# whole tensors: at 4 MiB the example GPT's operands (2048 x 512 at most) were one block each, so
+# its autocast step held a float32 copy of every operand it multiplied. 1 MiB took 9.9 MiB off
+# that step's peak at the same step time within noise; a large product pays for the shorter BLAS
+# panels (4096 x 1024 x 1024 forward and backward: 1.08-1.13x on one thread, more on two threads
+# of a loaded machine). Figures and method: docs/amp.md 'Activation memory'. One budget serves
+# every host product (the numba kernels and ``_tensor_math``'s batched ``@``, which the numpy
+# backend runs without Numba); both read it at call time.
+F16_BLOCK_BYTES = 1024 * 1024
+# The fewest rows per chunk, so that a very wide weight (a vocabulary head) still gives BLAS
+# products of useful height; its scratch then exceeds the budget, still a fraction of the whole.
+F16_MIN_ROWS = 64
+
+
+def f16_rows(rows: int, width: int) -> int:
+    """Rows per float16 chunk of a product whose widest float32 row has ``width`` elements."""
+    # max(width, 1): a product with no input features (K = 0) has rows of zero width.
+    return max(1, min(rows, max(F16_MIN_ROWS, F16_BLOCK_BYTES // (4 * max(width, 1)))))
+
+
+def f16_weight_rows(rows: int, cols: int) -> int:
+    """Rows of a ``(rows, cols)`` float16 weight per float32 block (all of them if it fits)."""
+    return max(1, min(rows, F16_BLOCK_BYTES // (4 * max(cols, 1))))
+
+
 def check_dtype(dtype: np.dtype, argname: str) -> None:
     if np.dtype(dtype) not in FLOAT_DTYPES:
         raise TypeError(f"{argname} should be float16, float32 or float64, got {np.dtype(dtype)}")

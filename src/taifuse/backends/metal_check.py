@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-# Taichi's names for the SPIR-V capabilities Metal devices report (see /work/shared/FACTS.md).
+# Taichi's names for the SPIR-V capabilities Metal devices report (docs/backends.md, "Taichi and Metal").
 # Notably absent: spirv_has_float64, spirv_has_atomic_float*, spirv_has_physical_storage_buffer.
 METAL_CAPS = (
     "spirv_has_int8",

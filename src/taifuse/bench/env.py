@@ -200,7 +200,7 @@ def _version(dist: str) -> str | None:
 # loaded library through its own API (on Linux and macOS alike). The kernel matters as much as the
 # version: OpenBLAS picks one per CPU at load time unless OPENBLAS_CORETYPE forces one, and on
 # the project's machines that variable makes sgemm run at half the rate a user's machine would
-# see (FACTS.md, "BLAS and peers"). So the run records every OPENBLAS_* variable, and when one is
+# see (docs/benchmarks.md, "BLAS"). So the run records every OPENBLAS_* variable, and when one is
 # set, probes once, in a subprocess with them unset, which kernel the library picks by itself.
 # The variables are only read here, never changed.
 

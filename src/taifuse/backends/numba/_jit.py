@@ -37,38 +37,8 @@ from taifuse.backends._spec import Activation
 # silu, ...) are compute-bound in float32 already on a 2-core x86 machine and gain nothing, the
 # conversions adding ~0.05 ns per element to their vector work (measured figures in docs/amp.md).
 
-# NOTE [ float16 products in blocks ]
-# BLAS has no float16 product, and NumPy's own float16 matmul is a scalar loop. So a float16
-# product (linear_act and its backward here; batched ``@`` in ``_tensor_math``; attention in
-# ``attention.py``) runs float32 BLAS on blocks converted in float32 scratch from the host pool,
-# never on a float32 copy of a whole operand: rows of x (and of grad_out) in chunks whose float32
-# form takes about ``_F16_BLOCK_BYTES``, the weight whole when its float32 form fits in that too,
-# else in row blocks converted again for each chunk. Results and gradients are summed in float32
-# (grad_x over the weight's blocks, grad_w over the chunks, grad_b in float64) and rounded into
-# the float16 outputs once. A weight gradient larger than the budget is summed one block of its
-# rows at a time over all the chunks, so x is converted once per block. Cost: the conversions
-# are elementwise passes over blocks that sit in cache, beside products of O(K) flops per element
-# (measured figures in docs/amp.md). The budget is sized for cache, not for whole tensors: at
-# 4 MiB the example GPT's operands (2048 x 512 at most) were one block each, so its autocast step
-# held a float32 copy of every operand it multiplied. 1 MiB took 9.9 MiB off that step's peak at
-# the same step time within noise; a large product pays for the shorter BLAS panels (4096 x 1024 x
-# 1024 forward and backward: 1.08-1.13x on one thread, more on two threads of a loaded machine).
-# Figures and method: docs/amp.md 'Activation memory'.
-_F16_BLOCK_BYTES = 1024 * 1024
-# The fewest rows per chunk, so that a very wide weight (a vocabulary head) still gives BLAS
-# products of useful height; its scratch then exceeds the budget, still a fraction of the whole.
-_F16_MIN_ROWS = 64
-
-
-def _f16_rows(rows: int, width: int) -> int:
-    """Rows per float16 chunk of a product whose widest float32 row has ``width`` elements."""
-    # max(width, 1): a product with no input features (K = 0) has rows of zero width.
-    return max(1, min(rows, max(_F16_MIN_ROWS, _F16_BLOCK_BYTES // (4 * max(width, 1)))))
-
-
-def _f16_weight_rows(rows: int, cols: int) -> int:
-    """Rows of a ``(rows, cols)`` float16 weight per float32 block (all of them if it fits)."""
-    return max(1, min(rows, _F16_BLOCK_BYTES // (4 * max(cols, 1))))
+# float16 products (linear_act and its backward, attention) convert blocks whose size the host
+# backends share: NOTE [ float16 products in blocks ] and ``f16_rows`` in backends/_host.py.
 
 
 # NOTE [ Serial and parallel kernels ]
@@ -116,7 +86,7 @@ _COL_TILE = 256  # columns per work item of column sums (bias / weight gradients
 # kernels that evaluate exp/tanh/erf per element go parallel at half of it (NOTE [ Serial and
 # parallel kernels ]). "omp": measured crossover on a 2-core x86-64 Linux machine (relu ~64K,
 # gelu_tanh ~32K elements, float32). "workqueue": derived, not measured: its ~100 us launch
-# (FACTS.md) against the measured serial cost per element. "tbb": not measured, as "omp".
+# (docs/backends.md, "Numba") against the measured serial cost per element. "tbb": not measured, as "omp".
 _PARALLEL_MIN_ELEMENTS = {"omp": 65536, "tbb": 65536, "workqueue": 1 << 20}
 _TRANSCENDENTAL_DISCOUNT = 2
 

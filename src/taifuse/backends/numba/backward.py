@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from taifuse import pool
+from taifuse.backends import _host
 from taifuse.backends._spec import activation_code, gelu_code
 from taifuse.backends.numba import _jit
 from taifuse.backends.numba._jit import (
@@ -505,8 +506,8 @@ def _linear_backward_half(x, w, pre, grad_out, op, grad_x, grad_w, grad_b) -> No
     m = w.shape[0]
     # The scratch goes back to the pool when this call drops it (NOTE [ Buffer ownership ]).
     scratch = pool.host_pool()
-    chunk = _jit._f16_rows(rows, max(k, m))
-    wrows = _jit._f16_weight_rows(m, k)
+    chunk = _host.f16_rows(rows, max(k, m))
+    wrows = _host.f16_weight_rows(m, k)
     whole = wrows == m  # the weight (and grad_w's float32 sum) fits the budget in one block
     gp = scratch.acquire((chunk, m), np.float32)
     gb = None if grad_b is None else scratch.acquire((m,), np.float64, zero=True)

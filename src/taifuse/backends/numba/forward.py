@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from taifuse import pool
+from taifuse.backends import _host
 from taifuse.backends._spec import activation_code, gelu_code
 from taifuse.backends.numba import _jit
 from taifuse.backends.numba._jit import (
@@ -697,8 +698,8 @@ def linear_act(
     # The float32 scratch comes from the host pool and goes back to it when this call drops it
     # (NOTE [ Buffer ownership ] in pool.py).
     scratch = pool.host_pool()
-    chunk = _jit._f16_rows(rows, max(k, m))
-    wrows = _jit._f16_weight_rows(m, k)
+    chunk = _host.f16_rows(rows, max(k, m))
+    wrows = _host.f16_weight_rows(m, k)
     w32 = scratch.acquire((wrows, k), np.float32)
     if wrows == m:
         _jit._convert(w32, w)

@@ -7,7 +7,7 @@ whose float16 arithmetic gives the float32 path's result bit for bit (NOTE [ flo
 the elementwise kernels ]). The kernels are built per storage dtype by :func:`kernels_for` when
 first needed (Taichi must be running).
 
-Rules these kernels follow (see /work/shared/FACTS.md):
+Rules these kernels follow (docs/backends.md, "Taichi and Metal"):
 
 * Loops are ``for i in range(n)``, never ``for i in x`` over an ndarray (that adds a modulo per
   element on ``ti.cpu``).
