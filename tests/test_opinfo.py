@@ -8,8 +8,12 @@ float32, and in float16 where the taifuse op takes float16 storage, becomes one 
 taifuse op and compares with PyTorch computing the same op in float64 on the same values:
 
 * the result's shape, dtype and values (``helpers.assert_close``, the float32/float16 entry of the
-  tolerance table);
+  tolerance table, or twice PyTorch's own worst error on the sample in the same dtype where that
+  is larger);
 * every input's gradient for one random upstream gradient.
+
+Dropout (``F.dropout``, attention's ``dropout_p``) draws taifuse's documented counter-hash mask;
+the PyTorch reference is given that mask (NOTE [ OpInfo dropout ] below).
 
 A sample taifuse does not support by design (a keyword it refuses, a feature the docs say is
 refused) must be refused with a ``ValueError``/``TypeError`` (asserted), and is then reported as
@@ -79,6 +83,8 @@ def _to_taifuse(value: Any, leaves: list) -> Any:
         return type(value)(_to_taifuse(v, leaves) for v in value)
     if isinstance(value, torch.dtype):
         return _to_numpy_dtype(value)
+    if value is torch.preserve_format:
+        return None  # the default of every memory_format argument: nothing to ask of taifuse
     if isinstance(value, (torch.device, torch.memory_format)):
         raise NoSpelling(f"{type(value).__name__} arguments (taifuse has no devices or memory formats)")
     return value
@@ -190,8 +196,9 @@ def _tensor_other(sample: Any) -> str | None:
     return None
 
 
-# NOTE: dropout's mask is random, and taifuse's is a counter hash of the element index and a seed
-# drawn from taifuse's generator (taifuse/_random.py), not PyTorch's. The random rows take it from
+# NOTE [ OpInfo dropout ]
+# Dropout's mask is random, and taifuse's is a counter hash of the element index and a seed drawn
+# from taifuse's generator (taifuse/_random.py), not PyTorch's. The random rows take it from
 # F.dropout on ones of the mask's shape under the seed the op itself then draws, and hand it to
 # the PyTorch reference as ``mask`` (kept elements 1 / (1 - p), dropped ones 0).
 def _dropout_reference(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False, *, mask: Any) -> Any:
@@ -326,6 +333,15 @@ def _zero_d_masked_fill(case: Any, backend: str) -> str | None:
         return _fixed_on_autograd("masked_fill of a 0-d tensor with a 0-d mask has shape (1,) on taichi")
     return None
 
+
+def _tensor_to(t: Tensor, *args: Any, memory_format: None = None) -> Tensor:
+    """PyTorch's ``to(device, dtype, non_blocking, copy)``, ``to(dtype, ...)`` or ``to(other, ...)``
+    as taifuse's ``to(dtype)``; non_blocking and copy change nothing here (a new dtype is a copy)."""
+    target = args[0]
+    if isinstance(target, str):
+        raise NoSpelling("a device argument (taifuse has no devices)")
+    return t.to(target.dtype if isinstance(target, Tensor) else target)
+
 TABLE: tuple[Row, ...] = (
     # ---- taifuse.functional
     Row("F.gelu", ("nn.functional.gelu",), _functional("gelu")),
@@ -412,7 +428,7 @@ TABLE: tuple[Row, ...] = (
     Row("Tensor.amax", ("amax",), _method("amax")),
     Row("Tensor.max", ("max.reduction_with_dim", "max.reduction_no_dim", "max.binary"), _method("max"),
         refused=_tensor_other_max, int32_indices_on_taichi=True),
-    Row("Tensor.to", ("to",), _method("to")),
+    Row("Tensor.to", ("to",), _tensor_to),
     Row("Tensor.half", ("half",), _method("half")),
     Row("Tensor.float", ("float",), _method("float")),
     Row("Tensor.double", ("double",), _method("double"), float64_result=True),
@@ -599,15 +615,21 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
             raise
         pytest.skip(f"refused by design: {refused}")  # a float64 tensor argument, refused on arrival
     if refused is not None:
-        with pytest.raises((ValueError, TypeError)):
-            row.call(*args, **kwargs)
+        try:
+            with pytest.raises((ValueError, TypeError)):
+                row.call(*args, **kwargs)
+        except NoSpelling as exc:
+            pytest.skip(f"taifuse cannot express it: {exc}")
         pytest.skip(f"refused by design: {refused}")
 
     mask = _mask(case)
     if mask is not None:
         taifuse.manual_seed(SEED)
     with np.errstate(all="ignore"):
-        got = row.call(*args, **kwargs)
+        try:
+            got = row.call(*args, **kwargs)
+        except NoSpelling as exc:
+            pytest.skip(f"taifuse cannot express it: {exc}")
     if row.inplace:
         assert got is args[0], f"{row.name} should return the tensor it updated"
     own, own_leaves = _torch(case, _leaves_in(None), None if mask is None else mask.to(TORCH_DTYPES[case.dtype]))
@@ -650,7 +672,8 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
     upstream = [rng.standard_normal(r.shape).astype(g.dtype) for _, g, r in pairs]
     for (_, g, _), u in zip(pairs, upstream):
         assert isinstance(g, Tensor) and g.requires_grad, f"{case.id} on {backend.param}: the result has no graph"
-        g.backward(u, retain_graph=True)
+        with np.errstate(all="ignore"):  # float16 gradients may overflow to inf, as PyTorch's
+            g.backward(u, retain_graph=True)
     up64 = [torch.from_numpy(u.astype(np.float64)) for u in upstream]
     ref_grads = _grads(ref_outs, ref_leaves, up64, pairs)
     own_grads = _grads(own_outs, own_leaves, up64, pairs)
