@@ -201,7 +201,9 @@ def _tensor_other(sample: Any) -> str | None:
 # from taifuse's generator (taifuse/_random.py), not PyTorch's. The random rows take it from
 # F.dropout on ones of the mask's shape under the seed the op itself then draws, and hand it to
 # the PyTorch reference as ``mask`` (kept elements 1 / (1 - p), dropped ones 0).
-def _dropout_reference(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False, *, mask: Any) -> Any:
+def _dropout_reference(
+    x: Any, p: float = 0.5, training: bool = True, inplace: bool = False, *, mask: Any
+) -> Any:
     return x * mask if training else x
 
 
@@ -218,7 +220,9 @@ def _sdpa_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
         scores = scores.masked_fill(~causal, -math.inf)
     if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
+        scores = (
+            scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
+        )
     return (torch.softmax(scores, dim=-1) * mask) @ v
 
 
@@ -315,25 +319,6 @@ def _advanced_index(sample: Any) -> str | None:
     return None
 
 
-
-def _fixed_on_autograd(defect: str) -> str:
-    return f"issue 25 §2: {defect}, fixed on branch autograd"
-
-
-def _legacy_empty(case: Any, backend: str) -> str | None:
-    shapes = [tuple(t.shape) for t in case.sample.input]
-    if (0,) in shapes and any(len(shape) > 1 for shape in shapes):
-        return _fixed_on_autograd("cat with a legacy empty (0,) tensor is refused")
-    return None
-
-
-def _zero_d_masked_fill(case: Any, backend: str) -> str | None:
-    sample = case.sample
-    if backend.startswith("taichi") and sample.input.ndim == 0 and sample.args[0].ndim == 0:
-        return _fixed_on_autograd("masked_fill of a 0-d tensor with a 0-d mask has shape (1,) on taichi")
-    return None
-
-
 def _tensor_to(t: Tensor, *args: Any, memory_format: None = None) -> Tensor:
     """PyTorch's ``to(device, dtype, non_blocking, copy)``, ``to(dtype, ...)`` or ``to(other, ...)``
     as taifuse's ``to(dtype)``; non_blocking and copy change nothing here (a new dtype is a copy)."""
@@ -342,49 +327,116 @@ def _tensor_to(t: Tensor, *args: Any, memory_format: None = None) -> Tensor:
         raise NoSpelling("a device argument (taifuse has no devices)")
     return t.to(target.dtype if isinstance(target, Tensor) else target)
 
+
 TABLE: tuple[Row, ...] = (
     # ---- taifuse.functional
     Row("F.gelu", ("nn.functional.gelu",), _functional("gelu")),
     Row("F.relu", ("nn.functional.relu",), _functional("relu")),
-    Row("F.leaky_relu", ("nn.functional.leaky_relu",), _functional("leaky_relu"),
-        refused=_kwarg("inplace", why="taifuse's functional ops write in place through out=")),
-    Row("F.silu", ("nn.functional.silu",), _functional("silu"),
-        refused=_kwarg("inplace", why="taifuse's functional ops write in place through out=")),
+    Row(
+        "F.leaky_relu",
+        ("nn.functional.leaky_relu",),
+        _functional("leaky_relu"),
+        refused=_kwarg("inplace", why="taifuse's functional ops write in place through out="),
+    ),
+    Row(
+        "F.silu",
+        ("nn.functional.silu",),
+        _functional("silu"),
+        refused=_kwarg("inplace", why="taifuse's functional ops write in place through out="),
+    ),
     Row("F.sigmoid", ("sigmoid",), _functional("sigmoid")),
     Row("F.tanh", ("tanh",), _functional("tanh")),
-    Row("F.add_relu", ("add",), _functional("add_relu"),
+    Row(
+        "F.add_relu",
+        ("add",),
+        _functional("add_relu"),
         reference=lambda a, b, **kw: torch.relu(torch.add(a, b, **kw)),
-        refused=_kwarg("alpha", why="add_relu is relu(a + b)")),
-    Row("F.mul_relu", ("mul",), _functional("mul_relu"),
-        reference=lambda a, b, **kw: torch.relu(torch.mul(a, b, **kw))),
+        refused=_kwarg("alpha", why="add_relu is relu(a + b)"),
+    ),
+    Row(
+        "F.mul_relu",
+        ("mul",),
+        _functional("mul_relu"),
+        reference=lambda a, b, **kw: torch.relu(torch.mul(a, b, **kw)),
+    ),
     # affine(x, scale, bias) = x * scale + bias = addcmul(bias, x, scale)
-    Row("F.affine", ("addcmul",), lambda bias, x, scale, **kw: F.affine(x, scale, bias, **kw),
-        refused=_either(_kwarg("value", why="affine is x * scale + bias"), _affine_shapes)),
+    Row(
+        "F.affine",
+        ("addcmul",),
+        lambda bias, x, scale, **kw: F.affine(x, scale, bias, **kw),
+        refused=_either(_kwarg("value", why="affine is x * scale + bias"), _affine_shapes),
+    ),
     Row("F.linear", ("nn.functional.linear",), _functional("linear"), magnitude=True),
-    Row("F.softmax", ("softmax", "softmax.with_dtype"), _functional("softmax"), magnitude=True,
-        refused=_kwarg("dtype", why="taifuse computes in the input's dtype; cast with .to()")),
-    Row("F.log_softmax", ("log_softmax", "log_softmax.with_dtype"), _functional("log_softmax"), magnitude=True,
-        refused=_kwarg("dtype", why="taifuse computes in the input's dtype; cast with .to()")),
-    Row("F.layer_norm", ("nn.functional.layer_norm",), _functional("layer_norm"), magnitude=True,
-        refused=_negative_eps, tol={F32: LAYER_NORM_F32}),
-    Row("F.rms_norm", ("nn.functional.rms_norm",), _functional("rms_norm"), magnitude=True,
-        refused=_negative_eps),
+    Row(
+        "F.softmax",
+        ("softmax", "softmax.with_dtype"),
+        _functional("softmax"),
+        magnitude=True,
+        refused=_kwarg("dtype", why="taifuse computes in the input's dtype; cast with .to()"),
+    ),
+    Row(
+        "F.log_softmax",
+        ("log_softmax", "log_softmax.with_dtype"),
+        _functional("log_softmax"),
+        magnitude=True,
+        refused=_kwarg("dtype", why="taifuse computes in the input's dtype; cast with .to()"),
+    ),
+    Row(
+        "F.layer_norm",
+        ("nn.functional.layer_norm",),
+        _functional("layer_norm"),
+        magnitude=True,
+        refused=_negative_eps,
+        tol={F32: LAYER_NORM_F32},
+    ),
+    Row(
+        "F.rms_norm",
+        ("nn.functional.rms_norm",),
+        _functional("rms_norm"),
+        magnitude=True,
+        refused=_negative_eps,
+    ),
     # OpInfo's embedding takes (weight, indices)
-    Row("F.embedding", ("nn.functional.embedding",), lambda weight, idx, **kw: F.embedding(idx, weight, **kw)),
-    Row("F.dropout", ("nn.functional.dropout",), _functional("dropout"),
-        reference=_dropout_reference, mask_shape=_dropout_mask_shape,
-        refused=_kwarg("inplace", why="taifuse's functional ops write in place through out=")),
-    Row("F.scaled_dot_product_attention", ("nn.functional.scaled_dot_product_attention",),
-        _functional("scaled_dot_product_attention"), magnitude=True,
-        reference=_sdpa_reference, mask_shape=_sdpa_mask_shape, tol=SDPA_TOL, no_grad=_sdpa_mask_no_grad,
-        xfail=_sdpa_half, tensor_scale=True,
-        refused=_kwarg("enable_gqa", why="taifuse's attention has no grouped-query mode")),
+    Row(
+        "F.embedding", ("nn.functional.embedding",), lambda weight, idx, **kw: F.embedding(idx, weight, **kw)
+    ),
+    Row(
+        "F.dropout",
+        ("nn.functional.dropout",),
+        _functional("dropout"),
+        reference=_dropout_reference,
+        mask_shape=_dropout_mask_shape,
+        refused=_kwarg("inplace", why="taifuse's functional ops write in place through out="),
+    ),
+    Row(
+        "F.scaled_dot_product_attention",
+        ("nn.functional.scaled_dot_product_attention",),
+        _functional("scaled_dot_product_attention"),
+        magnitude=True,
+        reference=_sdpa_reference,
+        mask_shape=_sdpa_mask_shape,
+        tol=SDPA_TOL,
+        no_grad=_sdpa_mask_no_grad,
+        xfail=_sdpa_half,
+        tensor_scale=True,
+        refused=_kwarg("enable_gqa", why="taifuse's attention has no grouped-query mode"),
+    ),
     Row("F.mse_loss", ("nn.functional.mse_loss",), _functional("mse_loss"), magnitude=True),
-    Row("F.cross_entropy", ("nn.functional.cross_entropy",), _functional("cross_entropy"), magnitude=True,
+    Row(
+        "F.cross_entropy",
+        ("nn.functional.cross_entropy",),
+        _functional("cross_entropy"),
+        magnitude=True,
         refused=_either(
-            _kwarg("weight", "ignore_index", "label_smoothing", why="taifuse's cross_entropy takes only reduction"),
+            _kwarg(
+                "weight",
+                "ignore_index",
+                "label_smoothing",
+                why="taifuse's cross_entropy takes only reduction",
+            ),
             _cross_entropy_target,
-        )),
+        ),
+    ),
     # ---- Tensor operators and methods
     Row("Tensor.__add__", ("add",), _binary(operator.add), no_spelling=NO_ALPHA),
     Row("Tensor.__radd__", ("__radd__",), _method("__radd__")),
@@ -392,20 +444,35 @@ TABLE: tuple[Row, ...] = (
     Row("Tensor.__rsub__", ("__rsub__",), _method("__rsub__")),
     Row("Tensor.__mul__", ("mul",), _binary(operator.mul)),
     Row("Tensor.__rmul__", ("__rmul__",), _method("__rmul__")),
-    Row("Tensor.__truediv__", ("div.no_rounding_mode", "true_divide"), _binary(operator.truediv),
-        no_spelling=_kwarg("rounding_mode", why="taifuse's / is true division")),
+    Row(
+        "Tensor.__truediv__",
+        ("div.no_rounding_mode", "true_divide"),
+        _binary(operator.truediv),
+        no_spelling=_kwarg("rounding_mode", why="taifuse's / is true division"),
+    ),
     Row("Tensor.__rtruediv__", ("__rdiv__",), _method("__rtruediv__")),
     Row("Tensor.__matmul__", ("matmul",), _binary(operator.matmul), magnitude=True),
     Row("Tensor.__rmatmul__", ("__rmatmul__",), _method("__rmatmul__"), magnitude=True),
     Row("Tensor.__neg__", ("neg",), operator.neg),
     Row("Tensor.__pos__", ("positive",), operator.pos),
     Row("Tensor.__pow__", ("pow",), _binary(operator.pow), refused=_tensor_other),
-    Row("Tensor.__iadd__", ("add",), _binary(operator.iadd), inplace=True, no_spelling=NO_ALPHA,
-        refused=_broadcasts_input),
-    Row("Tensor.__isub__", ("sub",), _binary(operator.isub), inplace=True, no_spelling=NO_ALPHA,
-        refused=_broadcasts_input),
-    Row("Tensor.__imul__", ("mul",), _binary(operator.imul), inplace=True,
-        refused=_broadcasts_input),
+    Row(
+        "Tensor.__iadd__",
+        ("add",),
+        _binary(operator.iadd),
+        inplace=True,
+        no_spelling=NO_ALPHA,
+        refused=_broadcasts_input,
+    ),
+    Row(
+        "Tensor.__isub__",
+        ("sub",),
+        _binary(operator.isub),
+        inplace=True,
+        no_spelling=NO_ALPHA,
+        refused=_broadcasts_input,
+    ),
+    Row("Tensor.__imul__", ("mul",), _binary(operator.imul), inplace=True, refused=_broadcasts_input),
     Row("Tensor.zero_", ("zero_",), _method("zero_"), inplace=True),
     Row("Tensor.sum", ("sum",), _method("sum"), magnitude=True),
     Row("Tensor.mean", ("mean",), _method("mean"), magnitude=True),
@@ -423,17 +490,26 @@ TABLE: tuple[Row, ...] = (
     Row("Tensor.exp", ("exp",), _method("exp")),
     Row("Tensor.log", ("log",), _method("log")),
     Row("Tensor.sqrt", ("sqrt",), _method("sqrt")),
-    Row("Tensor.masked_fill", ("masked_fill",), _method("masked_fill"), refused=_tensor_value,
-        xfail=_zero_d_masked_fill),
+    Row(
+        "Tensor.masked_fill",
+        ("masked_fill",),
+        _method("masked_fill"),
+        refused=_tensor_value,
+    ),
     Row("Tensor.amax", ("amax",), _method("amax")),
-    Row("Tensor.max", ("max.reduction_with_dim", "max.reduction_no_dim", "max.binary"), _method("max"),
-        refused=_tensor_other_max, int32_indices_on_taichi=True),
+    Row(
+        "Tensor.max",
+        ("max.reduction_with_dim", "max.reduction_no_dim", "max.binary"),
+        _method("max"),
+        refused=_tensor_other_max,
+        int32_indices_on_taichi=True,
+    ),
     Row("Tensor.to", ("to",), _tensor_to),
     Row("Tensor.half", ("half",), _method("half")),
     Row("Tensor.float", ("float",), _method("float")),
     Row("Tensor.double", ("double",), _method("double"), float64_result=True),
     Row("Tensor.item", ("item",), _method("item")),
-    Row("taifuse.cat", ("cat",), lambda tensors, *a, **kw: taifuse.cat(tensors, *a, **kw), xfail=_legacy_empty),
+    Row("taifuse.cat", ("cat",), lambda tensors, *a, **kw: taifuse.cat(tensors, *a, **kw)),
     Row("taifuse.stack", ("stack",), lambda tensors, *a, **kw: taifuse.stack(tensors, *a, **kw)),
 )
 
@@ -579,8 +655,9 @@ def _check_values(
 def _grads(outs: list, leaves: list, upstream: list, pairs: list) -> list:
     wanted = [leaf for _, leaf in leaves if leaf.requires_grad]
     targets = [outs[i] for i, _, _ in pairs]
-    grads = torch.autograd.grad(targets, wanted, [u.to(t.dtype) for u, t in zip(upstream, targets)],
-                                allow_unused=True)
+    grads = torch.autograd.grad(
+        targets, wanted, [u.to(t.dtype) for u, t in zip(upstream, targets)], allow_unused=True
+    )
     return [None if g is None else g.detach().to(torch.float64).numpy() for g in grads]
 
 
@@ -602,8 +679,10 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
         return args, {k: _to_taifuse(v, leaves) for k, v in s.kwargs.items()}
 
     refused = row.refused(s)
-    if refused is None and not backend.supports_f64 and (
-        row.float64_result or _uses_float64((s.input, s.args, s.kwargs))
+    if (
+        refused is None
+        and not backend.supports_f64
+        and (row.float64_result or _uses_float64((s.input, s.args, s.kwargs)))
     ):
         refused = f"float64 on {backend.param} (DESIGN.md: the Taichi backend refuses float64)"
     try:
@@ -632,7 +711,9 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
             pytest.skip(f"taifuse cannot express it: {exc}")
     if row.inplace:
         assert got is args[0], f"{row.name} should return the tensor it updated"
-    own, own_leaves = _torch(case, _leaves_in(None), None if mask is None else mask.to(TORCH_DTYPES[case.dtype]))
+    own, own_leaves = _torch(
+        case, _leaves_in(None), None if mask is None else mask.to(TORCH_DTYPES[case.dtype])
+    )
     ref, ref_leaves = _torch(case, _leaves_in(torch.float64), mask)
     ref_abs = abs_leaves = None
     if row.magnitude:
@@ -657,27 +738,41 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
         if not e.is_floating_point():
             np.testing.assert_array_equal(g_np, r_np.astype(g_np.dtype), err_msg=what, strict=True)
             continue
-        _check_values(g_np, r_np, _numpy(e), None if m is None else _numpy(m), _tolerance(row, g_np.dtype), what,
-                      row.tensor_scale)
+        _check_values(
+            g_np,
+            r_np,
+            _numpy(e),
+            None if m is None else _numpy(m),
+            _tolerance(row, g_np.dtype),
+            what,
+            row.tensor_scale,
+        )
 
     # Backward: one random upstream gradient for every float result that has a graph.
     if row.inplace:
         return
-    pairs = [(i, g, r) for i, (g, r) in enumerate(zip(got_outs, ref_outs))
-             if isinstance(r, torch.Tensor) and r.requires_grad]
+    pairs = [
+        (i, g, r)
+        for i, (g, r) in enumerate(zip(got_outs, ref_outs))
+        if isinstance(r, torch.Tensor) and r.requires_grad
+    ]
     grad_leaves = [t for (_, t), (_, leaf) in zip(leaves, ref_leaves) if leaf.requires_grad]
     if not pairs or not grad_leaves:
         return
     rng = np.random.default_rng(case.index)
     upstream = [rng.standard_normal(r.shape).astype(g.dtype) for _, g, r in pairs]
     for (_, g, _), u in zip(pairs, upstream):
-        assert isinstance(g, Tensor) and g.requires_grad, f"{case.id} on {backend.param}: the result has no graph"
+        assert isinstance(g, Tensor) and g.requires_grad, (
+            f"{case.id} on {backend.param}: the result has no graph"
+        )
         with np.errstate(all="ignore"):  # float16 gradients may overflow to inf, as PyTorch's
             g.backward(u, retain_graph=True)
     up64 = [torch.from_numpy(u.astype(np.float64)) for u in upstream]
     ref_grads = _grads(ref_outs, ref_leaves, up64, pairs)
     own_grads = _grads(own_outs, own_leaves, up64, pairs)
-    abs_grads = _grads(_outputs(ref_abs), abs_leaves, [u.abs() for u in up64], pairs) if row.magnitude else None
+    abs_grads = (
+        _grads(_outputs(ref_abs), abs_leaves, [u.abs() for u in up64], pairs) if row.magnitude else None
+    )
     no_grad = row.no_grad(s)
     for j, t in enumerate(grad_leaves):
         what = f"{case.id} on {backend.param}: gradient of input {j}"
