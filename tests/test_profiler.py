@@ -387,3 +387,62 @@ def test_cli_profiles_a_script(tmp_path, capsys):
     assert "Profiled wall time" in out and f"wrote {trace}" in out
     assert any(e["name"] == "gelu" for e in json.loads(trace.read_text())["traceEvents"])
     assert main(["profile", str(tmp_path / "missing.py")]) == 2
+
+
+def test_a_restarted_profile_sums_the_wall_time_of_its_runs():
+    # Issue 26 #3: stop() kept only the last run's wall time, so 20 gelus then one relu read as
+    # ops' self time 351.8% of the wall time.
+    taifuse.set_backend("numpy")
+    x = np.ones(4096, np.float32)
+    prof = profile(ceilings=CEILINGS)
+    prof.start()
+    for _ in range(20):
+        F.gelu(x)
+    prof.stop()
+    first = prof.wall_ns
+    prof.start()
+    F.relu(x)
+    prof.stop()
+    assert prof.wall_ns > first
+    ops_self = sum(r.self_ns for r in prof.key_averages() if r.is_op)
+    assert ops_self <= prof.wall_ns  # the ops ran inside the runs: their self time fits the sum
+    footer = prof.key_averages().table().splitlines()[-2]
+    share = float(footer.split("(")[1].split("%")[0])
+    assert 0 < share <= 100.0, footer
+
+
+def test_a_range_open_at_stop_ends_at_the_stop_and_not_in_the_next_profile():
+    # Issue 26 #9: a record_function left open across two profiles landed in the second at a
+    # negative time. As torch.profiler: it ends at the first profile's stop; the second never sees it.
+    taifuse.set_backend("numpy")
+    x = np.ones(8, np.float32)
+    rf = record_function("left open")
+    first = profile(ceilings=CEILINGS)
+    first.start()
+    rf.__enter__()
+    F.relu(x)
+    first.stop()
+    second = profile(ceilings=CEILINGS)
+    with second:
+        F.gelu(x)
+        rf.__exit__(None, None, None)
+        F.relu(x)
+    [left] = [e for e in first.events() if e.name == "left open"]
+    relu = next(e for e in first.events() if e.name == "relu")
+    assert left.start_ns <= relu.start_ns and relu.end_ns <= left.end_ns <= first.wall_ns
+    assert left.self_ns == left.duration_ns - relu.duration_ns
+    events = [e for e in second.events() if e.kind != "pool"]
+    assert [(e.name, e.depth) for e in events] == [("gelu", 0), ("relu", 0)]
+    assert all(0 <= e.start_ns <= e.end_ns <= second.wall_ns for e in events)
+
+
+def test_record_function_exit_without_enter_is_a_clear_error():
+    # Issue 26 #9: it raised IndexError (pop from an empty list); torch's raises too.
+    taifuse.set_backend("numpy")
+    with pytest.raises(RuntimeError, match="without a matching __enter__"):
+        record_function("never entered").__exit__(None, None, None)
+    with profile(ceilings=CEILINGS) as prof:
+        with pytest.raises(RuntimeError, match="without a matching __enter__"):
+            record_function("never entered").__exit__(None, None, None)
+        F.relu(np.ones(2, np.float32))
+    assert [(e.name, e.depth) for e in prof.events() if e.kind != "pool"] == [("relu", 0)]

@@ -433,6 +433,9 @@ class _Recorder:
         "array_op",
         "backward",
         "bind",
+        "close_ranges",
+        "enter_range",
+        "exit_range",
         "forward",
         "module",
         "profile",
@@ -465,12 +468,18 @@ def _recorder() -> _Recorder:
     caller: tuple | None = None  # the (module, name) entry of the innermost module call open
     module_name: Callable | None = None
     depth, op_open = 0, False  # nesting of the open events; an op (or backward, update) is open
+    # NOTE [ Ranges open at stop ]: the record_function ranges open in the bound profile, as
+    # [name, start, depth, binding]; a binding is one start()..stop() of one profile.
+    open_ranges: list[list] = []
+    binding = 0
 
     def bind(prof):
         nonlocal tid, append, pool_append, syncs, range_sync, names, caller, module_name
-        nonlocal depth, op_open
+        nonlocal depth, op_open, binding
         rec.profile = prof
         depth, op_open, caller = 0, False, None
+        binding += 1
+        open_ranges.clear()
         if prof is None:
             tid, append, pool_append, names, module_name = None, _discard, _discard, {}, None
             rec.acquired = not_acquired
@@ -635,23 +644,48 @@ def _recorder() -> _Recorder:
             depth, caller = d, outer
             append(("range", name, None, start, end, d))
 
-    def range_(name):  # a generator: range() makes it a context manager
+    def enter_range(name):
+        """Open a range; its token for exit_range (None when this thread is not recorded)."""
         nonlocal depth
-        d = depth
-        depth = d + 1
-        start = pc()
+        if get_ident() != tid:
+            return None
+        entry = [name, 0.0, depth, binding]
+        depth += 1
+        open_ranges.append(entry)
+        entry[1] = pc()
+        return entry
+
+    def exit_range(entry):
+        """Close a range opened by enter_range; nothing if its profile stopped since (NOTE
+        [ Ranges open at stop ]: stop() closed it then)."""
+        nonlocal depth
+        if entry is None or entry[3] != binding:
+            return
+        if range_sync is not None:
+            range_sync()
+        end = pc()
+        open_ranges.remove(entry)
+        depth = entry[2]
+        append(("range", entry[0], None, entry[1], end, entry[2]))
+
+    def close_ranges():
+        """At stop(): the ranges still open end now, in the profile they began in."""
+        end = pc()
+        for name, start, d, _ in open_ranges:
+            append(("range", name, None, start, end, d))
+        open_ranges.clear()
+
+    def range_(name):  # a generator: range() makes it a context manager
+        entry = enter_range(name)
         try:
             yield
         finally:
-            if range_sync is not None:
-                range_sync()
-            end = pc()
-            depth = d
-            append(("range", name, None, start, end, d))
+            exit_range(entry)
 
     rec = _Recorder()
     rec.forward, rec.backward, rec.array_op, rec.step = forward, backward, array_op, step
     rec.module, rec._mine, rec.bind = module, mine, bind
+    rec.enter_range, rec.exit_range, rec.close_ranges = enter_range, exit_range, close_ranges
     rec.range = lambda name: contextlib.contextmanager(range_)(name)
     bind(None)
     return rec
@@ -750,7 +784,9 @@ class profile:
         if rec is not None and rec.profile is self:
             if self._range_sync is not None:
                 self._range_sync()
-            self.wall_ns = round((time.perf_counter() - self._t0) * 1e9)
+            rec.close_ranges()
+            # The wall time of every run of this profile (a restarted profile's runs add up).
+            self.wall_ns += round((time.perf_counter() - self._t0) * 1e9)
             _profile_hook.ACTIVE = None
             rec.bind(None)
             self._module_names.clear()
@@ -1137,15 +1173,19 @@ class record_function(contextlib.ContextDecorator):
 
     def __enter__(self) -> Self:
         rec = _profile_hook.ACTIVE
-        if rec is not None and rec._mine():
-            cm = rec.range(self.name)
-            cm.__enter__()
-            self._ranges.append(cm)
-        else:
-            self._ranges.append(None)
+        self._ranges.append(rec.enter_range(self.name) if rec is not None else None)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        cm = self._ranges.pop()
-        if cm is not None:
-            cm.__exit__(*exc)
+        # NOTE [ Ranges open at stop ]: a range still open when its profile stops ends at the
+        # stop (torch.profiler's behaviour); its __exit__ after that records nothing, in that
+        # profile or in one started since.
+        if not self._ranges:
+            raise RuntimeError(
+                f"record_function({self.name!r}): __exit__ without a matching __enter__ "
+                "(torch's record_function raises here too)"
+            )
+        entry = self._ranges.pop()
+        rec = _profile_hook.ACTIVE
+        if entry is not None and rec is not None:
+            rec.exit_range(entry)
