@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import itertools
@@ -41,6 +42,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -59,10 +61,12 @@ __all__ = [
     "Ceilings",
     "EventAverage",
     "EventList",
+    "ProfilerAction",
     "ProfilerEvent",
     "measure_ceilings",
     "profile",
     "record_function",
+    "schedule",
 ]
 
 # Working sets (source + destination bytes) of the measured copy ceilings: one per size class, so
@@ -220,21 +224,36 @@ def ceilings_from_results(path: str | os.PathLike) -> Ceilings:
 
     Raises ValueError naming ``path`` when the file has no roofline rows.
     """
-    with open(path) as f:
-        data = json.load(f)
+    copy, gemm = roofline_from_results(path)
+    return Ceilings(copy, gemm, _call_overhead_ns(), f"taifuse bench results {os.fspath(path)}")
+
+
+def roofline_from_results(path: str | os.PathLike) -> tuple[tuple[tuple[int, float], ...], float]:
+    """``(copy, gemm_gflops)`` of a ``taifuse bench`` results.json's roofline rows, measuring
+    nothing (``taifuse profile --ceilings`` checks its file with it before the script runs).
+
+    Raises ValueError naming ``path`` when it cannot be read, is not JSON, or holds no roofline rows.
+    """
+    where = repr(os.fspath(path))
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"ceilings: cannot read {where}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"ceilings: {where} is not JSON (a taifuse bench results.json): {exc}") from None
     copy, gemm = [], None
-    for row in data.get("rows", []):
-        if row.get("kind") != "roofline" or row.get("value") is None:
+    rows = data.get("rows", []) if isinstance(data, dict) else []
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict) or row.get("kind") != "roofline" or row.get("value") is None:
             continue
-        if row["id"] == "roofline/gemm":
+        if row.get("id") == "roofline/gemm":
             gemm = float(row["value"])
-        elif row["id"].startswith("roofline/copy-") and row.get("bytes_moved"):
+        elif str(row.get("id", "")).startswith("roofline/copy-") and row.get("bytes_moved"):
             copy.append((int(row["bytes_moved"]), float(row["value"])))
     if gemm is None or not copy:
-        raise ValueError(
-            f"ceilings: {os.fspath(path)!r} holds no roofline rows (a taifuse bench results.json)"
-        )
-    return Ceilings(tuple(copy), gemm, _call_overhead_ns(), f"taifuse bench results {os.fspath(path)}")
+        raise ValueError(f"ceilings: {where} holds no roofline rows (a taifuse bench results.json)")
+    return tuple(copy), gemm
 
 
 # ----------------------------------------------------------------------------- op names and costs
@@ -388,6 +407,67 @@ def _cost_of(name: str, phase: str, sig: tuple, out_bytes: int, needs_grad: tupl
 @functools.cache
 def _step_name(cls: type) -> str:
     return f"{cls.__name__}.step"
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+class ProfilerAction(enum.Enum):
+    """What a :func:`schedule` asks of the profiler at a step, as ``torch.profiler.ProfilerAction``:
+    ``NONE`` (not recording), ``WARMUP`` (recording, then dropped), ``RECORD`` and
+    ``RECORD_AND_SAVE`` (the last step of an active cycle: ``on_trace_ready`` is called after it)."""
+
+    NONE = 0
+    WARMUP = 1
+    RECORD = 2
+    RECORD_AND_SAVE = 3
+
+
+def schedule(
+    *, wait: int, warmup: int, active: int, repeat: int = 0, skip_first: int = 0
+) -> Callable[[int], ProfilerAction]:
+    """The step -> :class:`ProfilerAction` function of ``torch.profiler.schedule``: skip the first
+    ``skip_first`` steps, then cycles of ``wait`` steps not recorded, ``warmup`` steps recorded
+    and dropped, and ``active`` steps recorded (the last of them ``RECORD_AND_SAVE``); ``repeat``
+    cycles, or without end when 0.
+
+    Example::
+
+        >>> from taifuse.profiler import schedule
+        >>> s = schedule(wait=1, warmup=1, active=2, repeat=1)
+        >>> [s(step).name for step in range(5)]
+        ['NONE', 'WARMUP', 'RECORD', 'RECORD_AND_SAVE', 'NONE']
+    """
+    for name, value, least in (
+        ("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1), ("repeat", repeat, 0),
+        ("skip_first", skip_first, 0),
+    ):  # fmt: skip
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"schedule: {name} should be an int, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"schedule: {name} should be at least {least}, got {value}")
+    wait, warmup, active, repeat, skip_first = map(int, (wait, warmup, active, repeat, skip_first))
+    cycle = wait + warmup + active
+
+    def schedule_fn(step: int) -> ProfilerAction:
+        if step < 0:
+            raise ValueError(f"schedule: step should be non-negative, got {step}")
+        if step < skip_first:
+            return ProfilerAction.NONE
+        step -= skip_first
+        if repeat > 0 and step >= repeat * cycle:
+            return ProfilerAction.NONE
+        at = step % cycle
+        if at < wait:
+            return ProfilerAction.NONE
+        if at < wait + warmup:
+            return ProfilerAction.WARMUP
+        return ProfilerAction.RECORD if at < cycle - 1 else ProfilerAction.RECORD_AND_SAVE
+
+    return schedule_fn
+
+
+_RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
 # ----------------------------------------------------------------------------- the profiler
@@ -710,6 +790,13 @@ class profile:
         ceilings: where the ceilings come from: None measures them once per process
             (:func:`measure_ceilings`), a path reads a ``taifuse bench`` results.json, or a
             :class:`Ceilings`.
+        schedule: ``step -> ProfilerAction`` (:func:`schedule`), as torch.profiler's: which of
+            the steps that :meth:`step` marks are recorded. Each step is then a range
+            ``ProfilerStep#N``; the results are those of the current cycle (the events of its
+            active steps, its warmup dropped; a cycle starts afresh after ``RECORD_AND_SAVE``).
+            None: every step is recorded, and a restarted profile adds to its results.
+        on_trace_ready: called with the profile at the end of each active cycle (after a
+            ``RECORD_AND_SAVE`` step, or at stop() while recording), as torch.profiler's.
 
     Only the thread that entered the profile is recorded; the others run unrecorded. Profiles do
     not nest (entering a second while one is active raises RuntimeError).
@@ -734,11 +821,24 @@ class profile:
         profile_memory: bool = True,
         sync: bool = True,
         ceilings: Ceilings | str | os.PathLike | None = None,
+        schedule: Callable[[int], ProfilerAction] | None = None,
+        on_trace_ready: Callable[[profile], Any] | None = None,
     ) -> None:
         if ceilings is not None and not isinstance(ceilings, (Ceilings, str, os.PathLike)):
             raise TypeError(
                 f"profile: ceilings should be a Ceilings, a path or None, got {type(ceilings).__name__}"
             )
+        for name, fn in (("schedule", schedule), ("on_trace_ready", on_trace_ready)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"profile: {name} should be callable or None, got {type(fn).__name__}")
+        self.schedule = schedule
+        self.on_trace_ready = on_trace_ready
+        self.step_num = 0
+        self.current_action = ProfilerAction.RECORD if schedule is None else self._action(0)
+        self._running = False
+        self._bound = False
+        self._cycle_saved = False  # the last cycle ended with RECORD_AND_SAVE: the next starts afresh
+        self._step_range: record_function | None = None
         self.record_shapes = bool(record_shapes)
         self.profile_memory = bool(profile_memory)
         self.sync = bool(sync)
@@ -767,8 +867,89 @@ class profile:
     def start(self) -> None:
         if _profile_hook.ACTIVE is not None:
             raise RuntimeError("profile: another taifuse profiler is already active (profiles do not nest)")
+        self._running = True
+        if self.schedule is None:
+            self._bind()
+            return
+        self._transit(ProfilerAction.NONE, self.current_action)
+        self._open_step_range()
+
+    def stop(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        if self.schedule is None:
+            self._unbind()
+            return
+        self._close_step_range()
+        self._transit(self.current_action, None)
+
+    def step(self) -> None:
+        """Mark the end of a step (as ``torch.profiler.profile.step``): the schedule's action for
+        the next step takes effect (recording starts, stops, or a cycle ends and
+        ``on_trace_ready`` is called)."""
+        if not self._running:
+            raise RuntimeError("profile.step: the profile is not running (start() it or enter it first)")
+        self._close_step_range()
+        prev = self.current_action
+        self.step_num += 1
+        self.current_action = ProfilerAction.RECORD if self.schedule is None else self._action(self.step_num)
+        self._transit(prev, self.current_action)
+        self._open_step_range()
+
+    def _action(self, step: int) -> ProfilerAction:
+        action = self.schedule(step)
+        if not isinstance(action, ProfilerAction):
+            raise TypeError(f"profile: schedule({step}) should return a ProfilerAction, got {action!r}")
+        return action
+
+    def _open_step_range(self) -> None:
+        if self.schedule is not None and self._bound:
+            self._step_range = record_function(f"ProfilerStep#{self.step_num}")
+            self._step_range.__enter__()
+
+    def _close_step_range(self) -> None:
+        if self._step_range is not None:
+            rf, self._step_range = self._step_range, None
+            rf.__exit__(None, None, None)
+
+    def _transit(self, prev: ProfilerAction, now: ProfilerAction | None) -> None:
+        """torch.profiler's transitions between actions (``now`` None: stop())."""
+        A = ProfilerAction
+        if prev in _RECORDING and (now not in _RECORDING or prev is A.RECORD_AND_SAVE):
+            if prev is A.RECORD and now is not None:
+                warnings.warn(f"profile: incorrect schedule: RECORD followed by {now.name}", stacklevel=3)
+            self._unbind()
+            if prev is A.RECORD_AND_SAVE or now is None:
+                self._cycle_saved = prev is A.RECORD_AND_SAVE
+                if self.on_trace_ready is not None:
+                    self.on_trace_ready(self)
+        elif prev is A.WARMUP and now not in (A.WARMUP, *_RECORDING):
+            if now is not None:
+                warnings.warn("profile: incorrect schedule: WARMUP followed by NONE", stacklevel=3)
+            self._unbind()
+            self._clear()  # what the warmup recorded is dropped
+        if now in (A.WARMUP, *_RECORDING):
+            if not self._bound:
+                if self._cycle_saved:  # a new cycle: the last one was delivered
+                    self._clear()
+                self._bind()
+            elif prev is A.WARMUP and now in _RECORDING:  # the warmup ends: drop it, time from here
+                self._clear()
+                self._t0 = time.perf_counter()
+
+    def _clear(self) -> None:
+        self._events.clear()
+        self._raw.clear()
+        self._pool_raw.clear()
+        self._done, self.wall_ns, self._cycle_saved = 0, 0, False
+        if not self._bound:  # while bound, the modules named so far keep their names
+            self._roots = 0
+
+    def _bind(self) -> None:
         if self._done < len(self._raw) or self._pool_raw:  # a restart: times of the last run from its start
             self._materialize()
+        self._bound = True
         self._tid = threading.get_ident()
         # A range waits for the active backend's device at its end, so that it encloses its kernels.
         self._range_sync = _SYNCS[self.sync][backends.active()]
@@ -779,7 +960,8 @@ class profile:
         rec.bind(self)
         _profile_hook.ACTIVE = rec
 
-    def stop(self) -> None:
+    def _unbind(self) -> None:
+        self._bound = False
         rec = _profile_hook.ACTIVE
         if rec is not None and rec.profile is self:
             if self._range_sync is not None:
