@@ -815,6 +815,16 @@ class profile:
         (8000, 4000)
     """
 
+    # Defaults of the schedule's state, set on the instance when they change.
+    schedule: Callable[[int], ProfilerAction] | None = None
+    on_trace_ready: Callable[[profile], Any] | None = None
+    step_num = 0  # steps ended by step()
+    current_action = _RECORD  # the schedule's action for the current step
+    _running = False  # between start() and stop()
+    _bound = False  # the recorder records into this profile
+    _cycle_saved = False  # the last cycle ended with RECORD_AND_SAVE: the next starts afresh
+    _step_range: record_function | None = None  # the open ProfilerStep#N range
+
     def __init__(
         self,
         record_shapes: bool = True,
@@ -828,19 +838,19 @@ class profile:
             raise TypeError(
                 f"profile: ceilings should be a Ceilings, a path or None, got {type(ceilings).__name__}"
             )
-        if schedule is not None and not callable(schedule):
-            raise TypeError(f"profile: schedule should be callable or None, got {type(schedule).__name__}")
-        if on_trace_ready is not None and not callable(on_trace_ready):
-            raise TypeError(
-                f"profile: on_trace_ready should be callable or None, got {type(on_trace_ready).__name__}"
-            )
-        self.schedule = schedule
-        self.on_trace_ready = on_trace_ready
-        self.step_num = 0
-        self.current_action = _RECORD if schedule is None else self._action(0)
-        self._running = self._bound = False
-        self._cycle_saved = False  # the last cycle ended with RECORD_AND_SAVE: the next starts afresh
-        self._step_range: record_function | None = None
+        if schedule is not None:  # else the class's defaults below: profile() is on the step's clock
+            if not callable(schedule):
+                raise TypeError(
+                    f"profile: schedule should be callable or None, got {type(schedule).__name__}"
+                )
+            self.schedule = schedule
+            self.current_action = self._action(0)
+        if on_trace_ready is not None:
+            if not callable(on_trace_ready):
+                raise TypeError(
+                    f"profile: on_trace_ready should be callable or None, got {type(on_trace_ready).__name__}"
+                )
+            self.on_trace_ready = on_trace_ready
         self.record_shapes = bool(record_shapes)
         self.profile_memory = bool(profile_memory)
         self.sync = bool(sync)
