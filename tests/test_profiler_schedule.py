@@ -135,3 +135,18 @@ def test_a_schedule_drops_the_first_optimizer_steps_bucket_build():
 def test_step_needs_a_running_profile():
     with pytest.raises(RuntimeError, match="not running"):
         profile(schedule=schedule(wait=0, warmup=0, active=1)).step()
+
+
+def test_a_range_opened_in_the_warmup_is_dropped_with_it():
+    prof = profile(ceilings=CEILINGS, schedule=schedule(wait=0, warmup=1, active=2))
+    outer = record_function("across the warmup")
+    with prof:
+        outer.__enter__()
+        F.relu(np.ones(1, np.float32))
+        prof.step()  # warmup -> record
+        F.relu(np.ones(2, np.float32))
+        outer.__exit__(None, None, None)
+        prof.step()
+    events = [e for e in prof.events() if e.kind != "pool"]
+    assert [(e.name, e.depth) for e in events] == [("ProfilerStep#1", 0), ("relu", 1), ("ProfilerStep#2", 0)]
+    assert all(0 <= e.start_ns <= e.end_ns <= prof.wall_ns for e in events)

@@ -946,9 +946,12 @@ class profile:
                 if self._cycle_saved:  # a new cycle: the last one was delivered
                     self._clear()
                 self._bind()
-            elif prev is A.WARMUP and now in _RECORDING:  # the warmup ends: drop it, time from here
+            elif prev is A.WARMUP and now in _RECORDING:
+                # The warmup ends: what it recorded is dropped, ranges it opened too (NOTE
+                # [ Ranges open at stop ]), and the cycle is timed from here.
+                self._unbind()
                 self._clear()
-                self._t0 = time.perf_counter()
+                self._bind()
 
     def _clear(self) -> None:
         self._events.clear()
