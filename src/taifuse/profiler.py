@@ -993,7 +993,8 @@ class profile:
     # While a profile runs, each op, backward, optimizer update and range is one tuple appended to
     # the profile when it ends: (kind, op class or name, backend module, start, end, depth,
     # then what its cost needs: the raw signatures of its inputs, (shape, dtype) pairs, and the
-    # bytes it wrote, an int read off its results), and each pool acquisition a tuple (time, the
+    # bytes it wrote, an int read off its results; for an optimizer update, the signatures of the
+    # parameter and gradient and the bytes of its state), and each pool acquisition a tuple (time, the
     # pool, shape, dtype as the pool normalized them, bytes in use, depth); times are raw
     # perf_counter readings. Nothing else is done during the step: times from the profile's
     # start, op names, backend names, dtype names, ProfilerEvents, costs and self times (from the
