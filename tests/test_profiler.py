@@ -386,4 +386,160 @@ def test_cli_profiles_a_script(tmp_path, capsys):
     assert gelu.split()[1] == "3"  # calls
     assert "Profiled wall time" in out and f"wrote {trace}" in out
     assert any(e["name"] == "gelu" for e in json.loads(trace.read_text())["traceEvents"])
-    assert main(["profile", str(tmp_path / "missing.py")]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", str(tmp_path / "missing.py")])
+    assert exit_.value.code == 2
+
+
+def test_a_restarted_profile_sums_the_wall_time_of_its_runs():
+    # Issue 26 #3: stop() kept only the last run's wall time, so 20 gelus then one relu read as
+    # ops' self time 351.8% of the wall time.
+    taifuse.set_backend("numpy")
+    x = np.ones(4096, np.float32)
+    prof = profile(ceilings=CEILINGS)
+    prof.start()
+    for _ in range(20):
+        F.gelu(x)
+    prof.stop()
+    first = prof.wall_ns
+    prof.start()
+    F.relu(x)
+    prof.stop()
+    assert prof.wall_ns > first
+    ops_self = sum(r.self_ns for r in prof.key_averages() if r.is_op)
+    assert ops_self <= prof.wall_ns  # the ops ran inside the runs: their self time fits the sum
+    footer = prof.key_averages().table().splitlines()[-2]
+    share = float(footer.split("(")[1].split("%")[0])
+    assert 0 < share <= 100.0, footer
+
+
+def test_a_range_open_at_stop_ends_at_the_stop_and_not_in_the_next_profile():
+    # Issue 26 #9: a record_function left open across two profiles landed in the second at a
+    # negative time. As torch.profiler: it ends at the first profile's stop; the second never sees it.
+    taifuse.set_backend("numpy")
+    x = np.ones(8, np.float32)
+    rf = record_function("left open")
+    first = profile(ceilings=CEILINGS)
+    first.start()
+    rf.__enter__()
+    F.relu(x)
+    first.stop()
+    second = profile(ceilings=CEILINGS)
+    with second:
+        F.gelu(x)
+        rf.__exit__(None, None, None)
+        F.relu(x)
+    [left] = [e for e in first.events() if e.name == "left open"]
+    relu = next(e for e in first.events() if e.name == "relu")
+    assert left.start_ns <= relu.start_ns and relu.end_ns <= left.end_ns <= first.wall_ns
+    assert left.self_ns == left.duration_ns - relu.duration_ns
+    events = [e for e in second.events() if e.kind != "pool"]
+    assert [(e.name, e.depth) for e in events] == [("gelu", 0), ("relu", 0)]
+    assert all(0 <= e.start_ns <= e.end_ns <= second.wall_ns for e in events)
+
+
+def test_record_function_exit_without_enter_is_a_clear_error():
+    # Issue 26 #9: it raised IndexError (pop from an empty list); torch's raises too.
+    taifuse.set_backend("numpy")
+    with pytest.raises(RuntimeError, match="without a matching __enter__"):
+        record_function("never entered").__exit__(None, None, None)
+    with profile(ceilings=CEILINGS) as prof:
+        with pytest.raises(RuntimeError, match="without a matching __enter__"):
+            record_function("never entered").__exit__(None, None, None)
+        F.relu(np.ones(2, np.float32))
+    assert [(e.name, e.depth) for e in prof.events() if e.kind != "pool"] == [("relu", 0)]
+
+
+def _script(tmp_path, body: str):
+    path = tmp_path / "script.py"
+    path.write_text(
+        "import numpy as np, taifuse, taifuse.functional as F\n"
+        "taifuse.set_backend('numpy')\n"
+        "open(__file__ + '.ran', 'w').close()\n" + body
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ceilings", "{missing}"], "cannot read"),
+        (["--ceilings", "{not_json}"], "not JSON"),
+        (["--ceilings", "{no_rows}"], "no roofline rows"),
+        (["--trace", "{no_dir}/t.json"], "no such directory"),
+        (["--row-limit", "0"], "--row-limit"),
+        (["--wait", "2"], "need --active"),
+        (["--active", "0"], "--active should be at least 1"),
+        (["--warmup", "-1", "--active", "1"], "--warmup should be at least 0"),
+        (["--sort", "nope"], "--sort"),
+    ],
+)
+def test_cli_checks_its_arguments_before_the_script_runs(tmp_path, capsys, flags, message):
+    # Issue 26 #6: --ceilings of a missing or non-JSON file ran the whole script, then printed a
+    # traceback; --trace into a missing directory printed the table, then a traceback.
+    from taifuse.cli import main
+
+    (tmp_path / "not.json").write_text("{not json")
+    (tmp_path / "rows.json").write_text(json.dumps({"rows": []}))
+    names = {"missing": tmp_path / "missing.json", "not_json": tmp_path / "not.json",
+             "no_rows": tmp_path / "rows.json", "no_dir": tmp_path / "no-such-dir"}  # fmt: skip
+    script = _script(tmp_path, "F.relu(np.ones(4, np.float32))\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", *(f.format(**names) for f in flags), str(script)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "script.py.ran").exists()  # the script never ran
+
+
+def test_cli_without_a_script_names_what_is_missing(capsys):
+    # Issue 26 #9: it said "the following arguments are required: script, args".
+    from taifuse.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "a SCRIPT to run is required" in err and "script, args" not in err
+
+
+def test_cli_keeps_the_scripts_exit_status_and_message(tmp_path, capsys):
+    # Issue 26 #6: sys.exit("message") lost its message.
+    from taifuse.cli import main
+
+    script = _script(tmp_path, "F.relu(np.ones(4, np.float32))\nimport sys\nsys.exit('target missed')\n")
+    assert main(["profile", str(script)]) == 1
+    captured = capsys.readouterr()
+    assert "target missed" in captured.err and "relu" in captured.out  # the table is still printed
+    script.write_text(script.read_text().replace("sys.exit('target missed')", "sys.exit(3)"))
+    assert main(["profile", str(script)]) == 3
+
+
+def test_cli_schedule_counts_optimizer_steps(tmp_path, capsys):
+    # Issue 25 #5: --wait/--warmup/--active record only some steps; a step ends at each optimizer step.
+    from taifuse.cli import main
+
+    script = _script(
+        tmp_path,
+        "from taifuse import nn, optim\n"
+        "p = nn.Parameter(taifuse.tensor(np.ones(8, np.float32)))\n"
+        "opt = optim.SGD([p], lr=0.1)\n"
+        "for i in range(6):\n"
+        "    opt.zero_grad()\n"
+        "    F.gelu(np.ones(i + 1, np.float32))\n"
+        "    (p * p).sum().backward()\n"
+        "    opt.step()\n",
+    )
+    trace = tmp_path / "t.json"
+    code = main(["profile", "--group-by-shape", "--wait", "1", "--warmup", "1", "--active", "2",
+                 "--trace", str(trace), str(script)])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    gelu = sorted(line.split()[1] for line in out.splitlines() if line.startswith("gelu"))
+    assert gelu == ["[(3,),", "[(4,),"]  # steps 2 and 3 of 0..5 (shapes (i + 1,), then the approximate arg)
+    steps = [
+        e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["name"].startswith("Profiler")
+    ]
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
+    code = main(["profile", "--wait", "10", "--active", "2", str(script)])
+    assert code == 0 and "nothing recorded" in capsys.readouterr().err

@@ -109,7 +109,9 @@ def _add_profile_parser(sub) -> None:
         "profile",
         help="run a Python script under taifuse.profiler and print its op table (like python -m cProfile)",
         description="Run SCRIPT as __main__ (with ARGS as its sys.argv[1:]) under taifuse.profiler.profile, "
-        "then print the table of its ops and optionally write a Chrome trace. Options go before SCRIPT.",
+        "then print the table of its ops and optionally write a Chrome trace. Options go before SCRIPT. "
+        "With --wait/--warmup/--active only some steps are recorded (torch.profiler.schedule): a step "
+        "ends at each optimizer step() the script makes.",
     )
     prof.add_argument("--trace", metavar="PATH", help="write Trace Event JSON (Perfetto, chrome://tracing)")
     prof.add_argument("--sort", default="self_time_total", metavar="KEY",
@@ -117,33 +119,100 @@ def _add_profile_parser(sub) -> None:
     prof.add_argument("--row-limit", type=int, default=30, metavar="N", help="rows in the table (default 30)")
     prof.add_argument("--group-by-shape", action="store_true", help="one row per op and input shapes")
     prof.add_argument("--ceilings", metavar="FILE", help="a taifuse bench results.json to take the ceilings from")
-    prof.add_argument("script", help="the Python script to run")
+    prof.add_argument("--skip-first", type=int, metavar="N",
+                      help="steps before the schedule's wait (default 0; needs --active)")
+    prof.add_argument("--wait", type=int, metavar="N", help="steps not recorded first (default 0; needs --active)")
+    prof.add_argument("--warmup", type=int, metavar="N",
+                      help="steps then recorded and dropped (default 0; needs --active)")
+    prof.add_argument("--active", type=int, metavar="N",
+                      help="steps then recorded, once; the table and trace are theirs (default: the whole run)")
+    prof.add_argument("script", nargs="?", help="the Python script to run")
     prof.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def _check_profile_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every argument of ``taifuse profile``, before the script runs (argparse errors, exit 2)."""
+    from taifuse.profiler import SORT_KEYS, roofline_from_results
+
+    if args.script is None:
+        parser.error("profile: a SCRIPT to run is required (taifuse profile [options] SCRIPT [ARGS...])")
+    if not os.path.isfile(args.script):
+        parser.error(f"profile: no such script {args.script!r}")
+    if args.sort not in SORT_KEYS:
+        parser.error(f"profile: --sort should be one of {', '.join(SORT_KEYS)}, got {args.sort!r}")
+    if args.row_limit < 1:
+        parser.error(f"profile: --row-limit should be at least 1, got {args.row_limit}")
+    if args.ceilings is not None:
+        try:
+            roofline_from_results(args.ceilings)
+        except ValueError as exc:
+            parser.error(f"profile: --ceilings: {exc}")
+    if args.trace is not None:
+        folder = os.path.dirname(os.path.abspath(args.trace))
+        if os.path.isdir(args.trace):
+            parser.error(f"profile: --trace {args.trace!r} is a directory; give a file path")
+        if not os.path.isdir(folder):
+            parser.error(f"profile: --trace {args.trace!r}: no such directory {folder!r}")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"profile: --trace {args.trace!r}: directory {folder!r} is not writable")
+    counts = {"--skip-first": args.skip_first, "--wait": args.wait, "--warmup": args.warmup}
+    for flag, value in counts.items():
+        if value is not None and value < 0:
+            parser.error(f"profile: {flag} should be at least 0, got {value}")
+    if args.active is not None and args.active < 1:
+        parser.error(f"profile: --active should be at least 1, got {args.active}")
+    given = [flag for flag, value in counts.items() if value is not None]
+    if given and args.active is None:
+        parser.error(f"profile: {', '.join(given)} need --active (how many steps to record)")
 
 
 def _profile(args: argparse.Namespace) -> int:
     import runpy
 
     from taifuse import profiler
+    from taifuse.optim.optimizer import Optimizer
 
-    if args.row_limit < 1:
-        print("taifuse profile: --row-limit should be at least 1", file=sys.stderr)
-        return 2
-    if not os.path.isfile(args.script):
-        print(f"taifuse profile: error: no such script {args.script!r}", file=sys.stderr)
-        return 2
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     code = 0
-    prof = profiler.profile(ceilings=args.ceilings)
+    scheduled = args.active is not None
+    plan = (args.skip_first or 0, args.wait or 0, args.warmup or 0, args.active)
+    prof = profiler.profile(
+        ceilings=args.ceilings,
+        schedule=profiler.schedule(
+            skip_first=plan[0], wait=plan[1], warmup=plan[2], active=plan[3], repeat=1
+        ) if scheduled else None,
+    )  # fmt: skip
+    optimizer_step = Optimizer.step
+    if scheduled:
+        # A step ends at each optimizer step (where a torch user calls prof.step()).
+        def step(self, *a, **kw):
+            out = optimizer_step(self, *a, **kw)
+            prof.step()
+            return out
+
+        Optimizer.step = step
     try:
         with prof:
             runpy.run_path(args.script, run_name="__main__")
-    except SystemExit as exc:  # the script's own exit: still print what was recorded
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except SystemExit as exc:  # the script's own exit: still print what was recorded, then exit as it did
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message"): Python prints the message to stderr and exits 1
+            print(exc.code, file=sys.stderr)
+            code = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        Optimizer.step = optimizer_step
+    if scheduled and not prof.events():
+        first = plan[0] + plan[1] + plan[2]
+        print(
+            f"taifuse profile: nothing recorded: the script made {prof.step_num} optimizer step(s) and the "
+            f"schedule records steps {first} to {first + plan[3] - 1} (counting from 0)",
+            file=sys.stderr,
+        )
+        return code
     averages = prof.key_averages(group_by_input_shape=args.group_by_shape)
     print(averages.table(sort_by=args.sort, row_limit=args.row_limit))
     if args.trace:
@@ -165,10 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args, argv)
     if args.command == "profile":
-        from taifuse.profiler import SORT_KEYS
-
-        if args.sort not in SORT_KEYS:  # checked before the script runs
-            parser.error(f"profile: --sort should be one of {', '.join(SORT_KEYS)}, got {args.sort!r}")
+        _check_profile_args(parser, args)  # before the script runs
         return _profile(args)
     parser.error(f"unknown command {args.command!r}")
     return 2

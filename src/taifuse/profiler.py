@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import itertools
@@ -41,6 +42,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -59,10 +61,12 @@ __all__ = [
     "Ceilings",
     "EventAverage",
     "EventList",
+    "ProfilerAction",
     "ProfilerEvent",
     "measure_ceilings",
     "profile",
     "record_function",
+    "schedule",
 ]
 
 # Working sets (source + destination bytes) of the measured copy ceilings: one per size class, so
@@ -220,21 +224,36 @@ def ceilings_from_results(path: str | os.PathLike) -> Ceilings:
 
     Raises ValueError naming ``path`` when the file has no roofline rows.
     """
-    with open(path) as f:
-        data = json.load(f)
+    copy, gemm = roofline_from_results(path)
+    return Ceilings(copy, gemm, _call_overhead_ns(), f"taifuse bench results {os.fspath(path)}")
+
+
+def roofline_from_results(path: str | os.PathLike) -> tuple[tuple[tuple[int, float], ...], float]:
+    """``(copy, gemm_gflops)`` of a ``taifuse bench`` results.json's roofline rows, measuring
+    nothing (``taifuse profile --ceilings`` checks its file with it before the script runs).
+
+    Raises ValueError naming ``path`` when it cannot be read, is not JSON, or holds no roofline rows.
+    """
+    where = repr(os.fspath(path))
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"ceilings: cannot read {where}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"ceilings: {where} is not JSON (a taifuse bench results.json): {exc}") from None
     copy, gemm = [], None
-    for row in data.get("rows", []):
-        if row.get("kind") != "roofline" or row.get("value") is None:
+    rows = data.get("rows", []) if isinstance(data, dict) else []
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict) or row.get("kind") != "roofline" or row.get("value") is None:
             continue
-        if row["id"] == "roofline/gemm":
+        if row.get("id") == "roofline/gemm":
             gemm = float(row["value"])
-        elif row["id"].startswith("roofline/copy-") and row.get("bytes_moved"):
+        elif str(row.get("id", "")).startswith("roofline/copy-") and row.get("bytes_moved"):
             copy.append((int(row["bytes_moved"]), float(row["value"])))
     if gemm is None or not copy:
-        raise ValueError(
-            f"ceilings: {os.fspath(path)!r} holds no roofline rows (a taifuse bench results.json)"
-        )
-    return Ceilings(tuple(copy), gemm, _call_overhead_ns(), f"taifuse bench results {os.fspath(path)}")
+        raise ValueError(f"ceilings: {where} holds no roofline rows (a taifuse bench results.json)")
+    return tuple(copy), gemm
 
 
 # ----------------------------------------------------------------------------- op names and costs
@@ -390,6 +409,68 @@ def _step_name(cls: type) -> str:
     return f"{cls.__name__}.step"
 
 
+# ----------------------------------------------------------------------------- schedule
+
+
+class ProfilerAction(enum.Enum):
+    """What a :func:`schedule` asks of the profiler at a step, as ``torch.profiler.ProfilerAction``:
+    ``NONE`` (not recording), ``WARMUP`` (recording, then dropped), ``RECORD`` and
+    ``RECORD_AND_SAVE`` (the last step of an active cycle: ``on_trace_ready`` is called after it)."""
+
+    NONE = 0
+    WARMUP = 1
+    RECORD = 2
+    RECORD_AND_SAVE = 3
+
+
+def schedule(
+    *, wait: int, warmup: int, active: int, repeat: int = 0, skip_first: int = 0
+) -> Callable[[int], ProfilerAction]:
+    """The step -> :class:`ProfilerAction` function of ``torch.profiler.schedule``: skip the first
+    ``skip_first`` steps, then cycles of ``wait`` steps not recorded, ``warmup`` steps recorded
+    and dropped, and ``active`` steps recorded (the last of them ``RECORD_AND_SAVE``); ``repeat``
+    cycles, or without end when 0.
+
+    Example::
+
+        >>> from taifuse.profiler import schedule
+        >>> s = schedule(wait=1, warmup=1, active=2, repeat=1)
+        >>> [s(step).name for step in range(5)]
+        ['NONE', 'WARMUP', 'RECORD', 'RECORD_AND_SAVE', 'NONE']
+    """
+    for name, value, least in (
+        ("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1), ("repeat", repeat, 0),
+        ("skip_first", skip_first, 0),
+    ):  # fmt: skip
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"schedule: {name} should be an int, got {type(value).__name__}")
+        if value < least:
+            raise ValueError(f"schedule: {name} should be at least {least}, got {value}")
+    wait, warmup, active, repeat, skip_first = map(int, (wait, warmup, active, repeat, skip_first))
+    cycle = wait + warmup + active
+
+    def schedule_fn(step: int) -> ProfilerAction:
+        if step < 0:
+            raise ValueError(f"schedule: step should be non-negative, got {step}")
+        if step < skip_first:
+            return ProfilerAction.NONE
+        step -= skip_first
+        if repeat > 0 and step >= repeat * cycle:
+            return ProfilerAction.NONE
+        at = step % cycle
+        if at < wait:
+            return ProfilerAction.NONE
+        if at < wait + warmup:
+            return ProfilerAction.WARMUP
+        return ProfilerAction.RECORD if at < cycle - 1 else ProfilerAction.RECORD_AND_SAVE
+
+    return schedule_fn
+
+
+_RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+_RECORD = ProfilerAction.RECORD  # NOTE: an Enum member read costs about 0.2 us; profile() reads this
+
+
 # ----------------------------------------------------------------------------- the profiler
 
 
@@ -433,8 +514,12 @@ class _Recorder:
         "array_op",
         "backward",
         "bind",
+        "close_ranges",
+        "enter_range",
+        "exit_range",
         "forward",
         "module",
+        "open_ranges",
         "profile",
         "range",
         "step",
@@ -465,12 +550,18 @@ def _recorder() -> _Recorder:
     caller: tuple | None = None  # the (module, name) entry of the innermost module call open
     module_name: Callable | None = None
     depth, op_open = 0, False  # nesting of the open events; an op (or backward, update) is open
+    # NOTE [ Ranges open at stop ]: the record_function ranges open in the bound profile, as
+    # [name, start, depth, binding]; a binding is one start()..stop() of one profile.
+    open_ranges: list[list] = []
+    binding = 0
 
     def bind(prof):
         nonlocal tid, append, pool_append, syncs, range_sync, names, caller, module_name
-        nonlocal depth, op_open
+        nonlocal depth, op_open, binding
         rec.profile = prof
         depth, op_open, caller = 0, False, None
+        binding += 1
+        open_ranges.clear()
         if prof is None:
             tid, append, pool_append, names, module_name = None, _discard, _discard, {}, None
             rec.acquired = not_acquired
@@ -594,17 +685,14 @@ def _recorder() -> _Recorder:
                 sync()
             end = pc()
             depth, op_open = d, outer
-        append(
-            (
-                "optimizer",
-                type(optimizer),
-                be,
-                start,
-                end,
-                d,
-                signature((param, grad, *state)),  # param, grad, then the state's fields
-            )
-        )
+        state_bytes = 0  # of the state's arrays: its cost needs no more of them
+        for v in state:
+            t = type(v)
+            if t in array_types:
+                state_bytes += v.nbytes
+            elif t not in scalars:
+                state_bytes += _raw_bytes((other(v),))
+        append(("optimizer", type(optimizer), be, start, end, d, signature((param, grad)), state_bytes))
         return new
 
     def acquired(pool, out, shape, dtype):  # shape and dtype as the pool normalized them
@@ -635,23 +723,49 @@ def _recorder() -> _Recorder:
             depth, caller = d, outer
             append(("range", name, None, start, end, d))
 
-    def range_(name):  # a generator: range() makes it a context manager
+    def enter_range(name):
+        """Open a range; its token for exit_range (None when this thread is not recorded)."""
         nonlocal depth
-        d = depth
-        depth = d + 1
-        start = pc()
+        if get_ident() != tid:
+            return None
+        entry = [name, 0.0, depth, binding]
+        depth += 1
+        open_ranges.append(entry)
+        entry[1] = pc()
+        return entry
+
+    def exit_range(entry):
+        """Close a range opened by enter_range; nothing if its profile stopped since (NOTE
+        [ Ranges open at stop ]: stop() closed it then)."""
+        nonlocal depth
+        if entry is None or entry[3] != binding:
+            return
+        if range_sync is not None:
+            range_sync()
+        end = pc()
+        open_ranges.remove(entry)
+        depth = entry[2]
+        append(("range", entry[0], None, entry[1], end, entry[2]))
+
+    def close_ranges():
+        """At stop(): the ranges still open end now, in the profile they began in."""
+        end = pc()
+        for name, start, d, _ in open_ranges:
+            append(("range", name, None, start, end, d))
+        open_ranges.clear()
+
+    def range_(name):  # a generator: range() makes it a context manager
+        entry = enter_range(name)
         try:
             yield
         finally:
-            if range_sync is not None:
-                range_sync()
-            end = pc()
-            depth = d
-            append(("range", name, None, start, end, d))
+            exit_range(entry)
 
     rec = _Recorder()
     rec.forward, rec.backward, rec.array_op, rec.step = forward, backward, array_op, step
     rec.module, rec._mine, rec.bind = module, mine, bind
+    rec.enter_range, rec.exit_range, rec.close_ranges = enter_range, exit_range, close_ranges
+    rec.open_ranges = open_ranges
     rec.range = lambda name: contextlib.contextmanager(range_)(name)
     bind(None)
     return rec
@@ -676,6 +790,13 @@ class profile:
         ceilings: where the ceilings come from: None measures them once per process
             (:func:`measure_ceilings`), a path reads a ``taifuse bench`` results.json, or a
             :class:`Ceilings`.
+        schedule: ``step -> ProfilerAction`` (:func:`schedule`), as torch.profiler's: which of
+            the steps that :meth:`step` marks are recorded. Each step is then a range
+            ``ProfilerStep#N``; the results are those of the current cycle (the events of its
+            active steps, its warmup dropped; a cycle starts afresh after ``RECORD_AND_SAVE``).
+            None: every step is recorded, and a restarted profile adds to its results.
+        on_trace_ready: called with the profile at the end of each active cycle (after a
+            ``RECORD_AND_SAVE`` step, or at stop() while recording), as torch.profiler's.
 
     Only the thread that entered the profile is recorded; the others run unrecorded. Profiles do
     not nest (entering a second while one is active raises RuntimeError).
@@ -694,17 +815,42 @@ class profile:
         (8000, 4000)
     """
 
+    # Defaults of the schedule's state, set on the instance when they change.
+    schedule: Callable[[int], ProfilerAction] | None = None
+    on_trace_ready: Callable[[profile], Any] | None = None
+    step_num = 0  # steps ended by step()
+    current_action = _RECORD  # the schedule's action for the current step
+    _running = False  # between start() and stop()
+    _bound = False  # the recorder records into this profile
+    _cycle_saved = False  # the last cycle ended with RECORD_AND_SAVE: the next starts afresh
+    _step_range: record_function | None = None  # the open ProfilerStep#N range
+
     def __init__(
         self,
         record_shapes: bool = True,
         profile_memory: bool = True,
         sync: bool = True,
         ceilings: Ceilings | str | os.PathLike | None = None,
+        schedule: Callable[[int], ProfilerAction] | None = None,
+        on_trace_ready: Callable[[profile], Any] | None = None,
     ) -> None:
         if ceilings is not None and not isinstance(ceilings, (Ceilings, str, os.PathLike)):
             raise TypeError(
                 f"profile: ceilings should be a Ceilings, a path or None, got {type(ceilings).__name__}"
             )
+        if schedule is not None:  # else the class's defaults below: profile() is on the step's clock
+            if not callable(schedule):
+                raise TypeError(
+                    f"profile: schedule should be callable or None, got {type(schedule).__name__}"
+                )
+            self.schedule = schedule
+            self.current_action = self._action(0)
+        if on_trace_ready is not None:
+            if not callable(on_trace_ready):
+                raise TypeError(
+                    f"profile: on_trace_ready should be callable or None, got {type(on_trace_ready).__name__}"
+                )
+            self.on_trace_ready = on_trace_ready
         self.record_shapes = bool(record_shapes)
         self.profile_memory = bool(profile_memory)
         self.sync = bool(sync)
@@ -733,8 +879,92 @@ class profile:
     def start(self) -> None:
         if _profile_hook.ACTIVE is not None:
             raise RuntimeError("profile: another taifuse profiler is already active (profiles do not nest)")
+        self._running = True
+        if self.schedule is None:
+            self._bind()
+            return
+        self._transit(ProfilerAction.NONE, self.current_action)
+        self._open_step_range()
+
+    def stop(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        if self.schedule is None:
+            self._unbind()
+            return
+        self._close_step_range()
+        self._transit(self.current_action, None)
+
+    def step(self) -> None:
+        """Mark the end of a step (as ``torch.profiler.profile.step``): the schedule's action for
+        the next step takes effect (recording starts, stops, or a cycle ends and
+        ``on_trace_ready`` is called)."""
+        if not self._running:
+            raise RuntimeError("profile.step: the profile is not running (start() it or enter it first)")
+        self._close_step_range()
+        prev = self.current_action
+        self.step_num += 1
+        self.current_action = _RECORD if self.schedule is None else self._action(self.step_num)
+        self._transit(prev, self.current_action)
+        self._open_step_range()
+
+    def _action(self, step: int) -> ProfilerAction:
+        action = self.schedule(step)
+        if not isinstance(action, ProfilerAction):
+            raise TypeError(f"profile: schedule({step}) should return a ProfilerAction, got {action!r}")
+        return action
+
+    def _open_step_range(self) -> None:
+        if self.schedule is not None and self._bound:
+            self._step_range = record_function(f"ProfilerStep#{self.step_num}")
+            self._step_range.__enter__()
+
+    def _close_step_range(self) -> None:
+        if self._step_range is not None:
+            rf, self._step_range = self._step_range, None
+            rf.__exit__(None, None, None)
+
+    def _transit(self, prev: ProfilerAction, now: ProfilerAction | None) -> None:
+        """torch.profiler's transitions between actions (``now`` None: stop())."""
+        A = ProfilerAction
+        if prev in _RECORDING and (now not in _RECORDING or prev is A.RECORD_AND_SAVE):
+            if prev is A.RECORD and now is not None:
+                warnings.warn(f"profile: incorrect schedule: RECORD followed by {now.name}", stacklevel=3)
+            self._unbind()
+            if prev is A.RECORD_AND_SAVE or now is None:
+                self._cycle_saved = prev is A.RECORD_AND_SAVE
+                if self.on_trace_ready is not None:
+                    self.on_trace_ready(self)
+        elif prev is A.WARMUP and now not in (A.WARMUP, *_RECORDING):
+            if now is not None:
+                warnings.warn("profile: incorrect schedule: WARMUP followed by NONE", stacklevel=3)
+            self._unbind()
+            self._clear()  # what the warmup recorded is dropped
+        if now in (A.WARMUP, *_RECORDING):
+            if not self._bound:
+                if self._cycle_saved:  # a new cycle: the last one was delivered
+                    self._clear()
+                self._bind()
+            elif prev is A.WARMUP and now in _RECORDING:
+                # The warmup ends: what it recorded is dropped, ranges it opened too (NOTE
+                # [ Ranges open at stop ]), and the cycle is timed from here.
+                self._unbind()
+                self._clear()
+                self._bind()
+
+    def _clear(self) -> None:
+        self._events.clear()
+        self._raw.clear()
+        self._pool_raw.clear()
+        self._done, self.wall_ns, self._cycle_saved = 0, 0, False
+        if not self._bound:  # while bound, the modules named so far keep their names
+            self._roots = 0
+
+    def _bind(self) -> None:
         if self._done < len(self._raw) or self._pool_raw:  # a restart: times of the last run from its start
             self._materialize()
+        self._bound = True
         self._tid = threading.get_ident()
         # A range waits for the active backend's device at its end, so that it encloses its kernels.
         self._range_sync = _SYNCS[self.sync][backends.active()]
@@ -745,12 +975,16 @@ class profile:
         rec.bind(self)
         _profile_hook.ACTIVE = rec
 
-    def stop(self) -> None:
+    def _unbind(self) -> None:
+        self._bound = False
         rec = _profile_hook.ACTIVE
         if rec is not None and rec.profile is self:
             if self._range_sync is not None:
                 self._range_sync()
-            self.wall_ns = round((time.perf_counter() - self._t0) * 1e9)
+            if rec.open_ranges:
+                rec.close_ranges()
+            # The wall time of every run of this profile (a restarted profile's runs add up).
+            self.wall_ns += round((time.perf_counter() - self._t0) * 1e9)
             _profile_hook.ACTIVE = None
             rec.bind(None)
             self._module_names.clear()
@@ -759,7 +993,8 @@ class profile:
     # While a profile runs, each op, backward, optimizer update and range is one tuple appended to
     # the profile when it ends: (kind, op class or name, backend module, start, end, depth,
     # then what its cost needs: the raw signatures of its inputs, (shape, dtype) pairs, and the
-    # bytes it wrote, an int read off its results), and each pool acquisition a tuple (time, the
+    # bytes it wrote, an int read off its results; for an optimizer update, the signatures of the
+    # parameter and gradient and the bytes of its state), and each pool acquisition a tuple (time, the
     # pool, shape, dtype as the pool normalized them, bytes in use, depth); times are raw
     # perf_counter readings. Nothing else is done during the step: times from the profile's
     # start, op names, backend names, dtype names, ProfilerEvents, costs and self times (from the
@@ -784,7 +1019,6 @@ class profile:
             sig = r[6]
             if kind == "optimizer":
                 name = _step_name(who)
-                sig, state_raw = sig[:2], sig[2:]
             else:
                 name = who if type(who) is str else _op_name(who)
                 if kind == "backward":
@@ -795,7 +1029,7 @@ class profile:
                 ev.shapes, ev.dtypes = split[0], tuple(None if d is None else str(d) for d in split[1])
             if kind == "optimizer":  # read param, grad, state; write param, state
                 param_bytes, grad_bytes = (_raw_bytes((item,)) for item in sig)
-                ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, _raw_bytes(state_raw))
+                ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, r[7])
             elif kind == "op" and r[7] is not False:
                 ev.cost = _cost_of(name, "forward", split, r[7], (), 0)
             elif kind == "backward" and r[7] is not None:
@@ -1137,15 +1371,19 @@ class record_function(contextlib.ContextDecorator):
 
     def __enter__(self) -> Self:
         rec = _profile_hook.ACTIVE
-        if rec is not None and rec._mine():
-            cm = rec.range(self.name)
-            cm.__enter__()
-            self._ranges.append(cm)
-        else:
-            self._ranges.append(None)
+        self._ranges.append(rec.enter_range(self.name) if rec is not None else None)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        cm = self._ranges.pop()
-        if cm is not None:
-            cm.__exit__(*exc)
+        # NOTE [ Ranges open at stop ]: a range still open when its profile stops ends at the
+        # stop (torch.profiler's behaviour); its __exit__ after that records nothing, in that
+        # profile or in one started since.
+        if not self._ranges:
+            raise RuntimeError(
+                f"record_function({self.name!r}): __exit__ without a matching __enter__ "
+                "(torch's record_function raises here too)"
+            )
+        entry = self._ranges.pop()
+        rec = _profile_hook.ACTIVE
+        if entry is not None and rec is not None:
+            rec.exit_range(entry)
