@@ -36,10 +36,12 @@ to 1, except that P is recomputed from the saved ``lse`` (float32 for float16 in
 error e in ``lse`` scales the row by exp(-e); dividing by the row's sum cancels that scale in
 D, where it would otherwise come out as e * P * D in dS (on scores of magnitude 100, float32's
 rounding of ``lse`` alone then made grad_q 35-140x PyTorch's float16 error). The reference and
-numba's kernels hold a whole row of P and dP and sum it first; taichi's float16 kernels walk the
-keys in tiles and need D before they have seen the row, so they sum P dP K and P K alongside and
-take grad_q = (sum P dP K - D sum P K) * scale at the end. taichi's float32 kernels keep
-rowsum(grad_out * out): float32's rounding of ``out`` is below their own error.
+numba's kernels hold a whole row of P and dP and sum it first. taichi's float16 kernels walk the
+keys and need D before they have seen the row: the untiled one (one thread per query row) walks
+them twice, D first; the tiled one sums P dP K and P K alongside and takes
+grad_q = (sum P dP K - D sum P K) * scale at the end, in twice the float32 scratch for grad_q (O(L * E), not saved
+between forward and backward). taichi's float32 kernels keep rowsum(grad_out * out): float32's
+rounding of ``out`` is below their own error.
 
 A fully masked row (every score -inf) gives an output row of 0, ``lse`` -inf and zero
 gradients: what PyTorch's CPU ``F.scaled_dot_product_attention`` gives (torch 2.13, every

@@ -230,33 +230,42 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         mask_rows: ti.i32, causal: ti.i32, scale: ti.f32, key: ti.u32, threshold: ti.u32, dscale: ti.f32,
         write_q: ti.i32,
     ):  # fmt: skip
-        # float32: D = rowsum(dO * O) first, acc[r * E + d] sums grad_q. float16 (NOTE [ Attention
-        # backward's D ] in backends/reference/attention.py): D = rowsum(P * dP * Z) / rowsum(P)
-        # over the keys, acc sums P * dP * Z * K (r * E + d) and P * K ((nr + r) * E + d), whatever
-        # write_q.
-        nr = bh_n * L
-        for r in range(nr):
+        # D first, then acc[r * E + d] sums grad_q. float32: D = rowsum(dO * O). float16 (NOTE
+        # [ Attention backward's D ] in backends/reference/attention.py): D = rowsum(P * dP * Z) /
+        # rowsum(P), a pass over the keys of its own (summing P dP K and P K alongside instead, as
+        # the tiled kernel does, took the backward 1.5x as long here: twice the scratch traffic).
+        for r in range(bh_n * L):
             b = r // L
             qi = r % L
             go = r * EV
+            lim = S
+            if causal != 0:
+                lim = ti.min(qi + 1, S)
+            if lse[r] == -ti.math.inf:
+                lim = 0
+            mrow = ((b if mask_rows > 1 else 0) * L + qi) * S
             di = 0.0
-            psum = 0.0
-            if ti.static(not IS16):
+            if ti.static(IS16):
+                psum = 0.0
+                for j in range(lim):
+                    s = score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
+                    p = ti.exp(s - lse[r])
+                    vo = (b * S + j) * EV
+                    dp = 0.0
+                    for d in range(EV):
+                        dp += ti.cast(g[go + d], ti.f32) * ti.cast(v[vo + d], ti.f32)
+                    di += p * dp * keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
+                    psum += p
+                if psum > 0.0:  # 0 on a fully masked row
+                    di /= psum
+            else:
                 for d in range(EV):
                     di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
-            if write_q != 0 or ti.static(IS16):
-                lim = S
-                if causal != 0:
-                    lim = ti.min(qi + 1, S)
-                if lse[r] == -ti.math.inf:
-                    lim = 0
-                mrow = ((b if mask_rows > 1 else 0) * L + qi) * S
+            dsum[r] = di
+            if write_q != 0:
                 ao = r * E
-                bo = (nr + r) * E
                 for d in range(E):
                     acc[ao + d] = 0.0
-                    if ti.static(IS16):
-                        acc[bo + d] = 0.0
                 for j in range(lim):
                     s = score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
                     p = ti.exp(s - lse[r])
@@ -265,28 +274,12 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     for d in range(EV):
                         dp += ti.cast(g[go + d], ti.f32) * ti.cast(v[vo + d], ti.f32)
                     z = keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
+                    ds = p * (dp * z - di)
                     ko = (b * S + j) * E
-                    if ti.static(IS16):
-                        pdp = p * dp * z
-                        di += pdp
-                        psum += p
-                        for d in range(E):
-                            kd = ti.cast(k[ko + d], ti.f32)
-                            acc[ao + d] += pdp * kd
-                            acc[bo + d] += p * kd
-                    else:
-                        ds = p * (dp * z - di)
-                        for d in range(E):
-                            acc[ao + d] += ds * ti.cast(k[ko + d], ti.f32)
-                if psum > 0.0:  # float16 only (float32 sums no psum); 0 on a fully masked row
-                    di /= psum
-                if write_q != 0:
                     for d in range(E):
-                        a = acc[ao + d]
-                        if ti.static(IS16):
-                            a -= di * acc[bo + d]
-                        gq[ao + d] = ti.cast(a * scale, T)
-            dsum[r] = di
+                        acc[ao + d] += ds * ti.cast(k[ko + d], ti.f32)
+                for d in range(E):
+                    gq[ao + d] = ti.cast(acc[ao + d] * scale, T)
 
     @ti.kernel
     def backward_kv(
@@ -710,8 +703,9 @@ def attention_backward(
     ks = kernels_for(q.dtype)
     suffix = "_tiled" if _tiled(E, ev, q.dtype) else ""
     dsum = _new((bh * L,), np.float32)
-    # float16 sums two float32 rows per query (NOTE [ Attention backward's D ]).
-    acc_q = _new((max(bh * L * E * (2 if q.dtype == np.float16 else 1), 1),), np.float32)
+    # The tiled float16 kernel sums two float32 rows per query (NOTE [ Attention backward's D ]).
+    rows = 2 if suffix and q.dtype == np.float16 else 1
+    acc_q = _new((max(bh * L * E * rows, 1),), np.float32)
     _launch(
         ks, "backward_q" + suffix,
         _arg(q), _arg(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(grad_out),
