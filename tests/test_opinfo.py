@@ -245,19 +245,6 @@ def _sdpa_mask_no_grad(sample: Any) -> str | None:
     return None
 
 
-# Found by this test (issue 25 §2, not yet routed): in float16 the backward's dq and dk are off by
-# up to 3.4% of their largest element on the CPU backends (sample 4; PyTorch's float16: 0.02%),
-# and more on taichi-vulkan; dv is as accurate as PyTorch's. These are the samples past
-# tests/test_attention.py's bound, per backend; the others are off as well, by less.
-SDPA_HALF = {"numpy": {4}, "numba": {4}, "taichi-cpu": {4}, "taichi-vulkan": {1, 4, 10}}
-
-
-def _sdpa_half(case: Any, backend: str) -> str | None:
-    if case.dtype == F16 and case.index in SDPA_HALF.get(backend, ()):
-        return "float16 scaled_dot_product_attention: dq/dk up to 170x PyTorch's float16 error"
-    return None
-
-
 def _sdpa_mask_shape(sample: Any) -> tuple[int, ...] | None:
     q, k = sample.input, sample.args[0]
     if sample.kwargs.get("dropout_p", 0.0) == 0:
@@ -417,7 +404,6 @@ TABLE: tuple[Row, ...] = (
         mask_shape=_sdpa_mask_shape,
         tol=SDPA_TOL,
         no_grad=_sdpa_mask_no_grad,
-        xfail=_sdpa_half,
         tensor_scale=True,
         refused=_kwarg("enable_gqa", why="taifuse's attention has no grouped-query mode"),
     ),

@@ -21,9 +21,10 @@ nothing measurable at B=8, H=8, L=512, E=64 (143 and 138 ms). The scratch is
 
 The backward (FlashAttention-2's) recomputes each block's scores the same way, with a second
 block-sized buffer for ``grad_out @ v.T``: P = exp(s - lse), dS = P * (dP * Z - D) with
-D = rowsum(grad_out * out) computed in the same pass; grad_q of the block is one product, and
-grad_k, grad_v of a group are summed over its query blocks through an ``(S, E)``-per-head
-buffer.
+D = rowsum(P * dP * Z) / rowsum(P) summed over the block's row, which holds every key (NOTE
+[ Attention backward's D ] in ``backends/reference/attention.py``; ``out`` is not read).
+grad_q of the block is one product, and grad_k, grad_v of a group are summed over its query
+blocks through an ``(S, E)``-per-head buffer.
 
 NOTE [ Numba attention threads ]
 A block's products are small (64 x 64 by 64 x 512 at E = 64): one BLAS call runs them at about
@@ -130,11 +131,10 @@ def _scale_rows(o, inv):
 
 
 @njit(**_FMA_REDUCE)
-def _gradient_rows(
-    sc, dp, go, o, mask, has_mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse
-):
+def _gradient_rows(sc, dp, mask, has_mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse):
     # In: sc = q_blk @ k.T, dp = grad_out_blk @ v.T over heads h0 .. h0 + g. Out: sc = P * Z (for
-    # grad_v), dp = dS * scale, with dS = P * (dP * Z - D) and D = rowsum(grad_out * out).
+    # grad_v), dp = dS * scale, with dS = P * (dP * Z - D) and D = rowsum(P * dP * Z) / rowsum(P),
+    # summed from the row itself (NOTE [ Attention backward's D ] in backends/reference/attention.py).
     gn, nq, sn = sc.shape
     zero = sc.dtype.type(0.0)
     mrow = mask[0, 0]
@@ -150,20 +150,30 @@ def _gradient_rows(
             lim = 0
         if has_mask:
             mrow = mask[h if mask.shape[0] > 1 else 0, qi]
-        di = zero
-        for e in range(go.shape[2]):
-            di += go[g, i, e] * o[g, i, e]
+        total = zero
+        for j in range(lim):
+            p = _exp_neg(row[j] * scale + (mrow[j] if has_mask else zero) - row_lse)
+            row[j] = p
+            total += p
         if drop:
             for j in range(lim):
-                p = _exp_neg(row[j] * scale + (mrow[j] if has_mask else zero) - row_lse)
-                z = dscale if _keep(h, qi, j, L, S, key, threshold) else zero
-                row[j] = p * z
-                drow[j] = p * (drow[j] * z - di) * scale
-        else:
+                if not _keep(h, qi, j, L, S, key, threshold):
+                    drow[j] = zero
+                else:
+                    drow[j] *= dscale
+        di = zero
+        for j in range(lim):
+            di += row[j] * drow[j]
+        if lim > 0:
+            di /= total
+        for j in range(lim):
+            drow[j] = row[j] * (drow[j] - di) * scale
+        if drop:
             for j in range(lim):
-                p = _exp_neg(row[j] * scale + (mrow[j] if has_mask else zero) - row_lse)
-                row[j] = p
-                drow[j] = p * (drow[j] - di) * scale
+                if not _keep(h, qi, j, L, S, key, threshold):
+                    row[j] = zero
+                else:
+                    row[j] *= dscale
         row[lim:] = zero
         drow[lim:] = zero
 
@@ -349,15 +359,15 @@ def attention_backward(
     own = [g is None or half for g in (grad_q, grad_k, grad_v)]
     sizes = [gs * rows * S, gs * rows * S, gs * S * max(e, ev)]
     sizes += [gs * n if o else 0 for n, o in zip((L * e, S * e, S * ev), own)]
-    sizes += [gs * n for n in (L * e, S * e, S * ev, L * ev, L * ev)] if half else [0] * 5
+    sizes += [gs * n for n in (L * e, S * e, S * ev, L * ev)] if half else [0] * 4
     scratch = _scratch(workers, ct, *sizes)
 
     def task(w: int, h0: int) -> None:
-        buf_s, buf_p, buf_t, bdq, bdk, bdv, bq, bk, bv, bg, bo = scratch[w]
+        buf_s, buf_p, buf_t, bdq, bdk, bdv, bq, bk, bv, bg = scratch[w]
         h1 = min(h0 + gs, bh)
         gn = h1 - h0
         qh, kh, vh = (_widened(a[h0:h1], ct, b) for a, b in ((q, bq), (k, bk), (v, bv)))
-        gh, oh = _widened(grad_out[h0:h1], ct, bg), _widened(out[h0:h1], ct, bo)
+        gh = _widened(grad_out[h0:h1], ct, bg)
         dq = _block(bdq, gn, L, e) if own[0] else grad_q[h0:h1]
         dk = _block(bdk, gn, S, e) if own[1] else grad_k[h0:h1]
         dv = _block(bdv, gn, S, ev) if own[2] else grad_v[h0:h1]
@@ -371,8 +381,7 @@ def attention_backward(
             np.matmul(qh[:, q0:q1], kh[:, :sn].transpose(0, 2, 1), out=sc)
             np.matmul(gh[:, q0:q1], vh[:, :sn].transpose(0, 2, 1), out=dp)
             _gradient_rows(
-                sc, dp, gh[:, q0:q1], oh[:, q0:q1], m, has_mask, h0, q0, L, S, is_causal, sc_scale,
-                drop, key, threshold, dscale, lc,
+                sc, dp, m, has_mask, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc
             )  # fmt: skip
             t = _block(buf_t, gn, sn, ev)
             np.matmul(sc.transpose(0, 2, 1), gh[:, q0:q1], out=t)

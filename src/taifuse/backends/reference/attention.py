@@ -24,6 +24,25 @@ so every backend's kernels see:
   the scaled, masked scores (float32, float64 for float64 inputs): all the backward needs
   besides the inputs.
 
+NOTE [ Attention backward's D ]
+The backward's D_i = sum_j P_ij dP_ij equals rowsum(grad_out * out) (FlashAttention-2's form,
+cheaper: Ev products instead of S), but only for the exact ``out``. The saved ``out`` is rounded
+to q's dtype, and dS = P * (dP - D) subtracts two nearly equal numbers where a row's dP barely
+varies, so in float16 the rounding of ``out`` (2**-11 relative) came out in grad_q and grad_k as
+up to 3.4% of their largest element (OpInfo's float16 sample 4; PyTorch's float16: 0.02%), on
+every backend, the float64 reference included. So the kernels form D from P and dP, in their
+compute precision, as sum_j P_ij dP_ij / sum_j P_ij: the same number, since a row of P sums
+to 1, except that P is recomputed from the saved ``lse`` (float32 for float16 inputs), and an
+error e in ``lse`` scales the row by exp(-e); dividing by the row's sum cancels that scale in
+D, where it would otherwise come out as e * P * D in dS (on scores of magnitude 100, float32's
+rounding of ``lse`` alone then made grad_q 35-140x PyTorch's float16 error). The reference and
+numba's kernels hold a whole row of P and dP and sum it first. taichi's float16 kernels walk the
+keys and need D before they have seen the row: the untiled one (one thread per query row) walks
+them twice, D first; the tiled one sums P dP K and P K alongside and takes
+grad_q = (sum P dP K - D sum P K) * scale at the end, in twice the float32 scratch for grad_q (O(L * E), not saved
+between forward and backward). taichi's float32 kernels keep rowsum(grad_out * out): float32's
+rounding of ``out`` is below their own error.
+
 A fully masked row (every score -inf) gives an output row of 0, ``lse`` -inf and zero
 gradients: what PyTorch's CPU ``F.scaled_dot_product_attention`` gives (torch 2.13, every
 SDPBackend on the CPU, its math path included, through its ``_safe_softmax``), not softmax's NaN.
@@ -124,10 +143,10 @@ def attention_backward(
     """The gradients of :func:`attention` from its saved ``out`` and ``lse``.
 
     With P = exp(s - lse) (the probabilities, recomputed), Z the dropout factors and
-    D = rowsum(grad_out * out) (FlashAttention-2's form of rowsum(P * dP)):
-    grad_v = (P * Z).T @ grad_out, dP = (grad_out @ v.T) * Z, dS = P * (dP - D),
-    grad_q = dS @ k * scale, grad_k = dS.T @ q * scale. A gradient output passed as ``None``
-    is not computed. The mask gets no gradient.
+    D = rowsum(P * dP) / rowsum(P): grad_v = (P * Z).T @ grad_out, dP = (grad_out @ v.T) * Z,
+    dS = P * (dP - D), grad_q = dS @ k * scale, grad_k = dS.T @ q * scale. A gradient output
+    passed as ``None`` is not computed. The mask gets no gradient. ``out`` is not read: see
+    NOTE [ Attention backward's D ].
     """
     s = _scores(q, k, mask, is_causal, scale)
     p = _probabilities(s, _f64(lse))
@@ -136,7 +155,8 @@ def attention_backward(
     if grad_v is not None:
         _store(grad_v, (p * z).transpose(0, 2, 1) @ g)
     dp = (g @ _f64(v).transpose(0, 2, 1)) * z
-    d = (g * _f64(out)).sum(axis=-1, keepdims=True)
+    psum = p.sum(axis=-1, keepdims=True)  # 0 on a fully masked row
+    d = np.divide((p * dp).sum(axis=-1, keepdims=True), psum, out=np.zeros_like(psum), where=psum > 0)
     ds = p * (dp - d)
     if grad_q is not None:
         _store(grad_q, (ds @ _f64(k)) * scale)

@@ -18,7 +18,9 @@ kernels ]), and never an (L, S) score matrix:
   and sum ``l``) and adds the tile's ``P V``; a second barrier before the next tile overwrites
   the shared arrays. Only ``TILE_K`` scores per thread ever exist. Backward, two kernels, so that
   no two threads ever add into one element (Metal has no float atomics): ``backward_q_tiled``
-  (one thread per query row, K/V tiles as the forward: writes grad_q and D = rowsum(dO * O)),
+  (one thread per query row, K/V tiles as the forward: writes grad_q and D, which is
+  rowsum(dO * O) in float32 and rowsum(P * dP * Z) / rowsum(P) in float16: NOTE [ Attention
+  backward's D ] in ``backends/reference/attention.py``),
   then ``backward_kv_tiled`` (a block of ``BLOCK_KV`` threads owns ``BLOCK_KV`` key rows; it walks
   the queries in tiles of ``TILE_Q``: Q, dO, lse and D loaded into threadgroup memory; each thread
   adds its key row's grad_k and grad_v). Under ``is_causal`` a block stops (forward, grad_q) or
@@ -228,21 +230,39 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         mask_rows: ti.i32, causal: ti.i32, scale: ti.f32, key: ti.u32, threshold: ti.u32, dscale: ti.f32,
         write_q: ti.i32,
     ):  # fmt: skip
+        # D first, then acc[r * E + d] sums grad_q. float32: D = rowsum(dO * O). float16 (NOTE
+        # [ Attention backward's D ] in backends/reference/attention.py): D = rowsum(P * dP * Z) /
+        # rowsum(P), a pass over the keys of its own (summing P dP K and P K alongside instead, as
+        # the tiled kernel does, took the backward 1.5x as long here: twice the scratch traffic).
         for r in range(bh_n * L):
             b = r // L
             qi = r % L
             go = r * EV
+            lim = S
+            if causal != 0:
+                lim = ti.min(qi + 1, S)
+            if lse[r] == -ti.math.inf:
+                lim = 0
+            mrow = ((b if mask_rows > 1 else 0) * L + qi) * S
             di = 0.0
-            for d in range(EV):
-                di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
+            if ti.static(IS16):
+                psum = 0.0
+                for j in range(lim):
+                    s = score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
+                    p = ti.exp(s - lse[r])
+                    vo = (b * S + j) * EV
+                    dp = 0.0
+                    for d in range(EV):
+                        dp += ti.cast(g[go + d], ti.f32) * ti.cast(v[vo + d], ti.f32)
+                    di += p * dp * keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
+                    psum += p
+                if psum > 0.0:  # 0 on a fully masked row
+                    di /= psum
+            else:
+                for d in range(EV):
+                    di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
             dsum[r] = di
             if write_q != 0:
-                lim = S
-                if causal != 0:
-                    lim = ti.min(qi + 1, S)
-                if lse[r] == -ti.math.inf:
-                    lim = 0
-                mrow = ((b if mask_rows > 1 else 0) * L + qi) * S
                 ao = r * E
                 for d in range(E):
                     acc[ao + d] = 0.0
@@ -386,7 +406,10 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         mask_rows: ti.i32, causal: ti.i32, scale: ti.f32, key: ti.u32, threshold: ti.u32, dscale: ti.f32,
         write_q: ti.i32,
     ):  # fmt: skip
-        # The forward's blocks and K/V tiles; acc[d * nr + r] sums grad_q's row r.
+        # The forward's blocks and K/V tiles; acc[d * nr + r] sums grad_q's row r. float16 (NOTE
+        # [ Attention backward's D ] in backends/reference/attention.py): D = rowsum(P * dP * Z) /
+        # rowsum(P) over the tiles, acc sums P * dP * Z * K (d * nr + r) and P * K
+        # ((E + d) * nr + r), whatever write_q.
         qblocks = (L + BLOCK_Q - 1) // BLOCK_Q
         nr = bh_n * L
         ti.loop_config(block_dim=BLOCK_Q)
@@ -402,22 +425,26 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             vs = ti.simt.block.SharedArray((TILE_K * HEAD,), T)
             go = r * EV
             di = 0.0
+            psum = 0.0
             lr = -ti.math.inf
             lim = 0
+            walk = write_q != 0 or ti.static(IS16)
             if live:
-                for d in range(EV):
-                    di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
-                dsum[r] = di
+                if ti.static(not IS16):
+                    for d in range(EV):
+                        di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
                 lr = lse[r]
-                if write_q != 0:
+                if walk:
                     for d in range(E):
                         acc[d * nr + r] = 0.0
+                        if ti.static(IS16):
+                            acc[(E + d) * nr + r] = 0.0
                     if lr > -ti.math.inf:  # a fully masked row has no gradient
                         lim = S
                         if causal != 0:
                             lim = ti.min(qi + 1, S)
             block_lim = 0
-            if write_q != 0:
+            if walk:
                 block_lim = S
                 if causal != 0:
                     block_lim = ti.min(ti.min(q0 + BLOCK_Q, L), S)
@@ -440,20 +467,45 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         for j in ti.static(range(TILE_K)):
                             if not finite(dp[j]):  # loss scaling makes large dO likely
                                 dp[j] = dot32(g, go, vs, j * EV, EV)
-                    ds = ti.Vector.zero(ti.f32, TILE_K)
-                    for j in ti.static(range(TILE_K)):
-                        p = ti.exp(s[j] - lr)
-                        z = keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
-                        ds[j] = p * (dp[j] * z - di)
+                    if ti.static(IS16):
+                        p = ti.Vector.zero(ti.f32, TILE_K)
+                        pdp = ti.Vector.zero(ti.f32, TILE_K)
+                        for j in ti.static(range(TILE_K)):
+                            p[j] = ti.exp(s[j] - lr)
+                            pdp[j] = p[j] * dp[j] * keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                            di += pdp[j]
+                            psum += p[j]
+                        for d in range(E):
+                            a = acc[d * nr + r]
+                            c = acc[(E + d) * nr + r]
+                            for j in ti.static(range(TILE_K)):
+                                kd = ti.cast(ks[j * E + d], ti.f32)  # P and P dP are float32 data
+                                a += pdp[j] * kd
+                                c += p[j] * kd
+                            acc[d * nr + r] = a
+                            acc[(E + d) * nr + r] = c
+                    else:
+                        ds = ti.Vector.zero(ti.f32, TILE_K)
+                        for j in ti.static(range(TILE_K)):
+                            p = ti.exp(s[j] - lr)
+                            z = keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                            ds[j] = p * (dp[j] * z - di)
+                        for d in range(E):
+                            a = acc[d * nr + r]
+                            for j in ti.static(range(TILE_K)):
+                                a += ds[j] * ti.cast(ks[j * E + d], ti.f32)  # dS is float32 data
+                            acc[d * nr + r] = a
+                ti.simt.block.sync()  # the next tile overwrites ks/vs
+            if live:
+                if psum > 0.0:  # float16 only (float32 sums no psum); 0 on a fully masked row
+                    di /= psum
+                dsum[r] = di
+                if write_q != 0:
                     for d in range(E):
                         a = acc[d * nr + r]
-                        for j in ti.static(range(TILE_K)):
-                            a += ds[j] * ti.cast(ks[j * E + d], ti.f32)  # dS is float32 data
-                        acc[d * nr + r] = a
-                ti.simt.block.sync()  # the next tile overwrites ks/vs
-            if live and write_q != 0:
-                for d in range(E):
-                    gq[r * E + d] = ti.cast(acc[d * nr + r] * scale, T)
+                        if ti.static(IS16):
+                            a -= di * acc[(E + d) * nr + r]
+                        gq[r * E + d] = ti.cast(a * scale, T)
 
     @ti.kernel
     def backward_kv_tiled(
@@ -651,7 +703,9 @@ def attention_backward(
     ks = kernels_for(q.dtype)
     suffix = "_tiled" if _tiled(E, ev, q.dtype) else ""
     dsum = _new((bh * L,), np.float32)
-    acc_q = _new((max(bh * L * E, 1),), np.float32)
+    # The tiled float16 kernel sums two float32 rows per query (NOTE [ Attention backward's D ]).
+    rows = 2 if suffix and q.dtype == np.float16 else 1
+    acc_q = _new((max(bh * L * E * rows, 1),), np.float32)
     _launch(
         ks, "backward_q" + suffix,
         _arg(q), _arg(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(grad_out),
