@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import F16, F32, TOLERANCES, Tol, assert_close
+from helpers import CANNOT_EXPRESS, F16, F32, REFUSED_BY_DESIGN, TOLERANCES, Tol, assert_close
 
 import taifuse
 import taifuse.functional as F
@@ -656,7 +656,7 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
         request.applymarker(pytest.mark.xfail(strict=True, reason=defect))
     why = row.no_spelling(s)
     if why is not None:
-        pytest.skip(f"taifuse cannot express it: {why}")
+        pytest.skip(CANNOT_EXPRESS + str(why))
     leaves: list = []
 
     def convert() -> tuple[tuple, dict]:
@@ -670,22 +670,22 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
         and not backend.supports_f64
         and (row.float64_result or _uses_float64((s.input, s.args, s.kwargs)))
     ):
-        refused = f"float64 on {backend.param} (DESIGN.md: the Taichi backend refuses float64)"
+        refused = f"float64 on {backend.param} (docs/backends.md: the Taichi backend refuses float64)"
     try:
         args, kwargs = convert()
     except NoSpelling as exc:
-        pytest.skip(f"taifuse cannot express it: {exc}")
+        pytest.skip(CANNOT_EXPRESS + str(exc))
     except (ValueError, TypeError):
         if refused is None:
             raise
-        pytest.skip(f"refused by design: {refused}")  # a float64 tensor argument, refused on arrival
+        pytest.skip(REFUSED_BY_DESIGN + refused)  # a float64 tensor argument, refused on arrival
     if refused is not None:
         try:
             with pytest.raises((ValueError, TypeError)):
                 row.call(*args, **kwargs)
         except NoSpelling as exc:
-            pytest.skip(f"taifuse cannot express it: {exc}")
-        pytest.skip(f"refused by design: {refused}")
+            pytest.skip(CANNOT_EXPRESS + str(exc))
+        pytest.skip(REFUSED_BY_DESIGN + refused)
 
     mask = _mask(case)
     if mask is not None:
@@ -694,7 +694,7 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
         try:
             got = row.call(*args, **kwargs)
         except NoSpelling as exc:
-            pytest.skip(f"taifuse cannot express it: {exc}")
+            pytest.skip(CANNOT_EXPRESS + str(exc))
     if row.inplace:
         assert got is args[0], f"{row.name} should return the tensor it updated"
     own, own_leaves = _torch(
