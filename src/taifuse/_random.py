@@ -15,7 +15,16 @@ import threading
 import numpy as np
 
 _lock = threading.Lock()
-_generator = np.random.Generator(np.random.PCG64())
+# Made on first draw: an unseeded PCG64 draws OS entropy through ``secrets``, whose import
+# (hashlib, hmac) would otherwise cost every ``import taifuse`` ~10 ms.
+_generator: np.random.Generator | None = None
+
+
+def _get() -> np.random.Generator:
+    global _generator
+    if _generator is None:
+        _generator = np.random.Generator(np.random.PCG64())
+    return _generator
 
 
 def manual_seed(seed: int) -> None:
@@ -41,15 +50,15 @@ def manual_seed(seed: int) -> None:
 def next_seed() -> int:
     """Draw the 32-bit seed for one random kernel launch."""
     with _lock:
-        return int(_generator.integers(0, 2**32, dtype=np.uint64))
+        return int(_get().integers(0, 2**32, dtype=np.uint64))
 
 
 def get_rng_state() -> dict:
     """The generator state, for checkpointing to replay random ops."""
     with _lock:
-        return _generator.bit_generator.state
+        return _get().bit_generator.state
 
 
 def set_rng_state(state: dict) -> None:
     with _lock:
-        _generator.bit_generator.state = state
+        _get().bit_generator.state = state
