@@ -17,8 +17,8 @@ from helpers import load_gpt_example
 import taifuse
 import taifuse.functional as F
 from taifuse import _autocast_state, backends, nn
+from taifuse._tensor_functions import _Cast
 from taifuse.amp import autocast, clear_autocast_cache, get_autocast_dtype, is_autocast_enabled
-from taifuse.tensor import _Cast
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 

@@ -1,5 +1,5 @@
 """The autograd graph keeps only what the backward reads (NOTE [ The graph keeps no data ] in
-taifuse/tensor.py): an intermediate that no node saved is freed when the forward drops it, under
+taifuse/_engine.py): an intermediate that no node saved is freed when the forward drops it, under
 autocast too, and one that a node saved lives until that node's backward ran."""
 
 from __future__ import annotations

@@ -595,7 +595,7 @@ def _drop_grads(how: str, opt, params) -> None:
 def test_a_kept_gradient_is_not_overwritten_by_the_next_backward(grad_backend, how):
     """PyTorch's .grad is a tensor of its own: dropping it (zero_grad(), or p.grad = None) makes the
     next backward create a new one, so a gradient the user kept, or an array or view of it, keeps
-    its values through later backward passes and steps (NOTE [ Gradient slots ] in tensor.py)."""
+    its values through later backward passes and steps (NOTE [ Gradient slots ] in _grad_slots.py)."""
     w, v = Parameter(np.ones(3, np.float32)), Parameter(np.ones(2, np.float32))
     opt = optim.SGD([w, v], lr=0.1)
     ((w * 2.0).sum() + (v * 3.0).sum()).backward()

@@ -36,7 +36,7 @@ def _mlp(rng: np.random.Generator) -> nn.Module:
 
 def _graph_nodes(root: Tensor) -> list:
     """Every Function node of root's graph (each once). A node's parents hold the creators of its
-    non-leaf inputs (NOTE [ The graph keeps no data ] in taifuse/tensor.py)."""
+    non-leaf inputs (NOTE [ The graph keeps no data ] in taifuse/_engine.py)."""
     seen, stack, nodes = set(), [root._ctx], []
     while stack:
         ctx = stack.pop()

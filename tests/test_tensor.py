@@ -214,7 +214,7 @@ def test_matmul_shape_mismatch_names_shapes(grad_backend):
         a @ t64(1.0)
 
 
-# NOTE [ Mixed dtypes ] in tensor.py: the rule these pin, and why.
+# NOTE [ Mixed dtypes ] in _tensor_functions.py: the rule these pin, and why.
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
 

@@ -128,8 +128,8 @@ def _shares_memory(a: Any, b: Any) -> bool:
         return np.shares_memory(a, b)
     # A device array (the taichi backend's DeviceArray) is a view of a whole flat storage from its start
     # (reshape is its only view), so two share memory exactly when they share that storage.
-    storage = getattr(a, "_storage", None)
-    return storage is not None and storage is getattr(b, "_storage", None)
+    storage = getattr(a, "storage", None)
+    return storage is not None and storage is getattr(b, "storage", None)
 
 
 def _same_view(a: Any, b: Any) -> bool:

@@ -1,6 +1,6 @@
 """Autocast's state and cast policy, at the bottom of the layers (it imports nothing of taifuse).
 
-The Tensor ops (``taifuse.tensor.autocast_args``, NOTE [ Autocast ] there), the autograd ops and
+The Tensor ops (``taifuse._tensor_functions.autocast_args``, NOTE [ Autocast ] there), the autograd ops and
 ``taifuse.checkpoint`` read autocast's state here; ``taifuse.amp.autocast`` is the public face
 (the ``autocast`` context manager and decorator) and re-exports the public functions. The state
 is thread-local, as PyTorch's: whether autocast is on, its dtype, the nesting depth and the cache
@@ -139,7 +139,7 @@ def region(dtype: np.dtype, enabled: bool, cache_enabled: bool) -> Iterator[None
 
 def cast_target(current: State, policy: str, float_dtypes: Iterable[np.dtype]) -> np.dtype:
     """The dtype an op's floating arguments go to under ``policy`` (NOTE [ Autocast ] in
-    tensor.py): ``"lower"`` the autocast dtype, ``"float32"`` float32, else (``"widest"``) the
+    _tensor_functions.py): ``"lower"`` the autocast dtype, ``"float32"`` float32, else (``"widest"``) the
     widest of ``float_dtypes``."""
     if policy == "lower":
         return current.dtype

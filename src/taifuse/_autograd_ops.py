@@ -1,6 +1,6 @@
 """Differentiable versions of the ``taifuse.functional`` ops, for Tensor arguments.
 
-Each op is a :class:`taifuse.tensor.Function`: its forward runs the array path
+Each op is a :class:`taifuse._engine.Function`: its forward runs the array path
 (``taifuse._array_ops``) on the tensors' arrays and keeps what the backward needs; its backward
 calls the backend's hand-written backward kernel (the ``*_backward`` kernels, specified in
 ``taifuse.backends.reference``). ``taifuse.functional`` sends a call here when any array argument
@@ -18,8 +18,11 @@ import numpy as np
 
 from taifuse import _array_ops as A
 from taifuse import _autocast_state, _random, backends, pool
+from taifuse._engine import Function
+from taifuse._internal import backend, common_backend, data, wrap
+from taifuse._tensor_functions import autocast_args
 from taifuse._tensor_math import sum_to_shape
-from taifuse.tensor import Function, Tensor, _common_backend, autocast_args
+from taifuse.tensor import Tensor
 
 # ----------------------------------------------------------------------------- plumbing
 
@@ -51,15 +54,15 @@ def _tensor_arg(
     """A floating-point Tensor argument (a NumPy array becomes a constant Tensor), of the dtype of
     ``like`` (the argument ``like_name``) if given."""
     if isinstance(value, np.ndarray):
-        be = backends.active() if like is None else like._be
+        be = backends.active() if like is None else backend(like)
         A.check_float_array(value.dtype, be, op, argname)
         # NOTE: not np.ascontiguousarray, which turns a 0-d array into shape (1,).
-        value = Tensor._wrap(be.from_numpy(np.asarray(value, order="C")), be)
+        value = wrap(be.from_numpy(np.asarray(value, order="C")), be)
     if not isinstance(value, Tensor):
         raise TypeError(f"{op}: {argname} should be a Tensor or numpy.ndarray, got {type(value).__name__}")
     if value.dtype.kind != "f":
         raise TypeError(f"{op}: {argname} should be floating-point, got dtype {value.dtype}")
-    value._be.check_dtype(value.dtype, f"{op}: {argname}")
+    backend(value).check_dtype(value.dtype, f"{op}: {argname}")
     if like is not None and value.dtype != like.dtype:
         raise TypeError(f"{op}: {argname} has dtype {value.dtype} but {like_name} has dtype {like.dtype}")
     return value
@@ -91,7 +94,7 @@ class _Op(Function):
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Tensor:
-        be = _common_backend([a for a in args if isinstance(a, Tensor)], cls.__name__)
+        be = common_backend([a for a in args if isinstance(a, Tensor)], cls.__name__)
         _check_active(be, cls.__name__.lstrip("_").lower())
         return super().apply(*args, **kwargs)
 
@@ -488,9 +491,9 @@ def _embedding_indices(input: Any, num_embeddings: int, be: ModuleType) -> tuple
     if isinstance(input, Tensor):
         if input.requires_grad:
             raise TypeError("embedding: input (the indices) cannot require grad")
-        if input._be is not be:
+        if backend(input) is not be:
             raise TypeError(f"embedding: input lives on backend {input.backend!r}, weight on {be.NAME!r}")
-        input = input._data
+        input = data(input)
     indices, shape, _ = A.embedding_indices(input, num_embeddings, be)
     return indices, shape
 
@@ -512,7 +515,7 @@ def embedding(
     w = _tensor_arg(weight, "embedding", "weight")
     A.check_embedding_weight(w.shape)
     pad = A.embedding_padding_idx(padding_idx, w.shape[0])
-    indices, shape = _embedding_indices(input, w.shape[0], w._be)
+    indices, shape = _embedding_indices(input, w.shape[0], backend(w))
     out = _Embedding.apply(w, indices, shape, pad)
     return out.numpy() if host else out
 
@@ -601,7 +604,7 @@ def scaled_dot_product_attention(
 ) -> Tensor:
     """Attention on Tensors; see ``taifuse.functional.scaled_dot_product_attention``. The mask
     (a NumPy array or a Tensor) is a constant: it gets no gradient."""
-    op = A._SDPA
+    op = "scaled_dot_product_attention"
     q = _tensor_arg(query, op, "query")
     k, v = _tensor_arg(key, op, "key"), _tensor_arg(value, op, "value")
     if (
@@ -616,8 +619,8 @@ def scaled_dot_product_attention(
     batch, L, S, E, _ = A.attention_shapes(q.shape, k.shape, v.shape)
     p, causal, scale = A.attention_options(dropout_p, is_causal, scale, attn_mask is not None, E)
     if isinstance(attn_mask, Tensor):
-        attn_mask = attn_mask._data
-    mask = A.attention_mask(q._be, attn_mask, q.dtype, batch, L, S)
+        attn_mask = data(attn_mask)
+    mask = A.attention_mask(backend(q), attn_mask, q.dtype, batch, L, S)
     return _Attention.apply(q, k, v, mask, batch, causal, scale, p)
 
 
@@ -669,15 +672,15 @@ class _CrossEntropy(_Op):
 
 def _class_indices(target: Any, rows: int | None, classes: int, be: ModuleType) -> Any:
     if isinstance(target, Tensor):
-        if target._be is not be:
+        if backend(target) is not be:
             raise TypeError(
                 f"cross_entropy: target lives on backend {target.backend!r}, logits on {be.NAME!r}"
             )
-        if not isinstance(target._data, np.ndarray):
+        if not isinstance(data(target), np.ndarray):
             # A device-resident target is used as is: a host range check would copy it back every
             # step (NOTE [ Class indices on the device ] in backends/taichi/backward.py).
             A.check_class_indices(target.dtype, target.shape, rows)
-            return target._data
+            return data(target)
         host = target.numpy()
     else:
         host = np.asarray(target)
@@ -694,6 +697,6 @@ def cross_entropy(logits: Any, target: Any, reduction: str) -> Any:
     if x.ndim not in (1, 2):
         raise ValueError(f"cross_entropy: logits should be (N, C) or (C,), got shape {x.shape}")
     rows = None if x.ndim == 1 else x.shape[0]
-    t = _class_indices(target, rows, x.shape[-1], x._be)
+    t = _class_indices(target, rows, x.shape[-1], backend(x))
     out = _CrossEntropy.apply(x, t, reduction)
     return out.numpy() if host else out

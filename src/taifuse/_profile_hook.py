@@ -2,7 +2,7 @@
 
 NOTE [ Profiler hooks ]
 Every op a user can time passes one of a few places: ``Function.apply`` (the forward of every
-autograd op and Tensor method), the backward loop in ``taifuse.tensor`` (every node's backward),
+autograd op and Tensor method), the backward loop in ``taifuse._engine`` (every node's backward),
 the array path's op wrapper at the end of ``taifuse._array_ops`` (ops on NumPy arrays),
 ``Optimizer.step``'s fused update call, ``BufferPool.acquire`` and ``nn.Module.__call__``. Each of
 them reads :data:`ACTIVE` once; when it is None (no profiler running) the op runs as it would

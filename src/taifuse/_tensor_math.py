@@ -1,8 +1,8 @@
 """Plain tensor arithmetic on a backend's arrays, in one place.
 
-``tensor.py`` does its arithmetic (``+ - * / @``, reductions, reshapes) and its gradient
-bookkeeping (broadcast reductions, accumulation) only through the object :func:`math_for`
-returns. On the host backends (``numpy``, ``numba``) that is :class:`HostMath`, NumPy on
+The Tensor's Functions (``_tensor_functions.py``) and the engine (``_engine.py``) do their
+arithmetic (``+ - * / @``, reductions, reshapes) and their gradient bookkeeping (broadcast
+reductions, accumulation) only through the object :func:`math_for` returns. On the host backends (``numpy``, ``numba``) that is :class:`HostMath`, NumPy on
 ``numpy.ndarray``. A device backend supplies its own object with the same methods as the module
 attribute ``TENSOR_MATH``, so that tensor data stays on the device.
 
@@ -14,7 +14,6 @@ attribute ``TENSOR_MATH``, so that tensor data stays on the device.
 from __future__ import annotations
 
 import math
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -65,7 +64,7 @@ def _half_binary(ufunc: np.ufunc, a: Any, b: Any, out: np.ndarray) -> bool:
         or out.dtype not in (np.float16, np.float32)
         or not any(x.dtype == np.float16 for x in operands)
         or any(x.dtype not in (np.float16, np.float32) for x in operands)
-        or "taifuse.backends.numba._jit" not in sys.modules
+        or not _host.fast_f16()
         or out.size == 0
     ):
         return False
@@ -135,11 +134,7 @@ def _convert(dst: np.ndarray, src: np.ndarray) -> None:
     backends/numba/_jit.py). The two round identically (a signalling NaN's payload aside; tested),
     so which one runs changes no result; the numpy backend alone, without Numba, keeps NumPy's.
     """
-    jit = sys.modules.get("taifuse.backends.numba._jit")
-    if jit is None:
-        np.copyto(dst, src)
-    else:
-        jit._convert(dst, src)
+    _host.convert_f16(dst, src)  # NOTE [ Hardware float16 conversions ] in backends/_host.py
 
 
 def _half_matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -338,7 +333,7 @@ class HostMath:
     def item(a: np.ndarray) -> float | int:
         return a.reshape(()).item()
 
-    # -- views and gathers (NOTE [ Views copy ] in tensor.py)
+    # -- views and gathers (NOTE [ Views copy ] in _tensor_functions.py)
 
     @staticmethod
     def as_strided(
@@ -470,7 +465,7 @@ def math_for(backend: ModuleType) -> Any:
 
 def astype(m: Any, a: Any, dtype: Any) -> Any:
     """A copy of array ``a`` in ``dtype``, through ``m`` (type promotion and its gradient: NOTE [ Mixed
-    dtypes ] in tensor.py)."""
+    dtypes ] in _tensor_functions.py)."""
     dtype = np.dtype(dtype)
     if isinstance(a, np.ndarray):
         out = _buffer(a.shape, dtype)

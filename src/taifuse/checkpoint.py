@@ -41,9 +41,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from taifuse import _autocast_state, _random
+from taifuse import _autocast_state, _engine, _random
+from taifuse._engine import Function, enable_grad, is_grad_enabled
+from taifuse._internal import attach, backend, data, grad_data, wrap
 from taifuse._tensor_math import math_for
-from taifuse.tensor import Function, Tensor, _run_backward, enable_grad, is_grad_enabled
+from taifuse.tensor import Tensor
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -64,9 +66,9 @@ class _Checkpoint(Function):
         out = [_recompute(self.fn, inputs, self.rng_state, self.autocast)]
         if out[0].requires_grad:
             # Handed over, not kept: the engine frees the recomputed output once its node has run.
-            _run_backward(out.pop(), grad, retain_graph=False)
+            _engine.run_backward(out.pop(), grad, retain_graph=False)
         return tuple(
-            a.grad._data if needed and isinstance(a, Tensor) and a.grad is not None else None
+            grad_data(a) if needed and isinstance(a, Tensor) else None
             for a, needed in zip(inputs, self.needs_grad)
         )
 
@@ -77,8 +79,8 @@ def _detached(args: Sequence[Any], needs_grad: Sequence[bool]) -> tuple[Any, ...
     out = []
     for a, needed in zip(args, needs_grad):
         if isinstance(a, Tensor):
-            leaf = Tensor._wrap(a._data, a._be)
-            leaf._requires_grad = needed
+            leaf = wrap(data(a), backend(a))
+            leaf.requires_grad = needed
             a = leaf
         out.append(a)
     return tuple(out)
@@ -162,15 +164,16 @@ def checkpoint(fn: Callable[..., Tensor], *args: Any, preserve_rng_state: bool =
     if not out.requires_grad:
         return out
     ctx = _Checkpoint()
-    ctx.be, ctx.m = out._be, math_for(out._be)
+    ctx.be = backend(out)
+    ctx.m = math_for(ctx.be)
     ctx.fn, ctx.args, ctx.rng_state = fn, tuple(args), rng_state
     ctx.autocast = _autocast_state.autocast_kwargs()
     ctx.needs_grad = needs_grad
     ctx.parents = tuple(a if isinstance(a, Tensor) else None for a in args)
     # A new Tensor on the output's array: dropping `out` drops the graph fn built (nothing else
     # refers to it), which frees the forward's activations now.
-    result = Tensor._wrap(out._data, out._be)
-    result._ctx, result._requires_grad = ctx, True
+    result = wrap(data(out), backend(out))
+    attach(result, ctx)
     return result
 
 

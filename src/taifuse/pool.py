@@ -359,6 +359,17 @@ class BufferPool:
             with self._lock:
                 self._disabled -= 1
 
+    @property
+    def on_host(self) -> bool:
+        """Whether the pool's buffers are host (NumPy) memory."""
+        return self._on_host
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the buffers handed out and not yet returned, as last counted: without
+        accounting the buffers dropped since (unlike :meth:`stats`), so that it costs nothing on
+        an ``acquire`` (the profiler reads it there)."""
+        return self._bytes_in_use
+
     def stats(self) -> PoolStats:
         """The counters now (buffers dropped since the last call are accounted first)."""
         with self._lock:

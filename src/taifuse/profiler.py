@@ -590,7 +590,7 @@ def _recorder() -> _Recorder:
         for v in (*arrays, *kwargs.values()) if kwargs else arrays:
             t = type(v)
             sig.append((v.shape, v.dtype) if t in array_types else v if t in scalars else other(v))
-        ctx._profile_signature = sig
+        ctx.profile_signature = sig
         sync = syncs[be]
         if sync is not None:
             sync()
@@ -638,7 +638,7 @@ def _recorder() -> _Recorder:
             if x is not None and x is not grad:
                 written += x.nbytes if type(x) in array_types else _raw_bytes((other(x),))
         gsig = ((grad.shape, grad.dtype) if type(grad) in array_types else other(grad),)
-        fsig = getattr(ctx, "_profile_signature", ())
+        fsig = ctx.profile_signature
         append(("backward", type(ctx), be, start, end, d, gsig, written, ctx.needs_grad, fsig))
         return grads
 
@@ -697,7 +697,7 @@ def _recorder() -> _Recorder:
 
     def acquired(pool, out, shape, dtype):  # shape and dtype as the pool normalized them
         if get_ident() == tid:
-            pool_append((pc(), pool, shape, dtype, pool._bytes_in_use, depth))
+            pool_append((pc(), pool, shape, dtype, pool.bytes_in_use(), depth))
         return out
 
     def not_acquired(pool, out, shape, dtype):
@@ -1040,7 +1040,7 @@ class profile:
             self._events.append(ev)
         self._done = len(self._raw)
         for now, pool, shape, dtype, in_use, depth in self._pool_raw:
-            where = "host" if pool._on_host else "device"
+            where = "host" if pool.on_host else "device"
             ev = ProfilerEvent("pool.acquire", "pool", where, "", round((now - self._t0) * 1e9), depth=depth)
             if self.record_shapes:
                 ev.shapes, ev.dtypes = (tuple(shape),), (str(dtype),)
@@ -1075,7 +1075,7 @@ class profile:
         else:
             parent, parent_name = caller
             name = None
-            for key, sub in parent._modules.items():  # named_children(), without its generator
+            for key, sub in parent.children_by_name().items():  # named_children(), without its generator
                 if sub is mod:
                     name = f"{parent_name}.{key}"
                     break

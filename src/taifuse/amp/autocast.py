@@ -3,7 +3,7 @@
 Autocast's state (thread-local, as PyTorch's), its cast cache (NOTE [ Autocast cache ]) and its
 cast policy live in ``taifuse._autocast_state``, at the bottom of the layers, so that the Tensor
 layer reads them without importing this package; this module re-exports its public functions. The
-casts themselves are autograd ops of the Tensor layer (``taifuse.tensor.autocast_args``, NOTE
+casts themselves are autograd ops of the Tensor layer (``taifuse._tensor_functions.autocast_args``, NOTE
 [ Autocast ] there).
 """
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from taifuse._internal import backend, grad_data
 from taifuse.optim.optimizer import Optimizer
 from taifuse.tensor import Tensor
 
@@ -437,14 +438,11 @@ def _grad_arrays(optimizer: Any) -> dict[int, tuple[ModuleType, list[Any]]]:
     """
     out: dict[int, tuple[ModuleType, list[Any]]] = {}
     if isinstance(optimizer, Optimizer):
-        for buckets in optimizer._buckets:
-            for bucket in buckets:
-                parts = bucket.grads_in_place()
-                if parts:
-                    out.setdefault(id(bucket.be), (bucket.be, []))[1].extend(parts)
+        for be, parts in optimizer.grad_buffers():
+            out.setdefault(id(be), (be, []))[1].extend(parts)
         return out
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None:
-                out.setdefault(id(p.grad._be), (p.grad._be, []))[1].append(p.grad._data.reshape(-1))
+                out.setdefault(id(backend(p.grad)), (backend(p.grad), []))[1].append(grad_data(p).reshape(-1))
     return out

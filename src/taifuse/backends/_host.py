@@ -51,6 +51,34 @@ def f16_weight_rows(rows: int, cols: int) -> int:
     return max(1, min(rows, F16_BLOCK_BYTES // (4 * max(cols, 1))))
 
 
+# NOTE [ Hardware float16 conversions ]
+# NumPy's float16 casts run in software, 20-40x slower than the F16C conversions the numba backend
+# compiles (the note above ``_convert`` in backends/numba/_jit.py); the two round identically. The
+# numba backend hands its conversion in here when it is loaded (``set_f16_converter``), and the
+# host array code (``taifuse._tensor_math``) converts through ``convert_f16``: the hardware's
+# where Numba is loaded, NumPy's otherwise, so that the numpy backend alone never loads Numba.
+_f16_converter: Any = None
+
+
+def set_f16_converter(convert: Any) -> None:
+    """Make ``convert(dst, src)`` (``dst[...] = src`` of one shape) the host's float16 conversion."""
+    global _f16_converter
+    _f16_converter = convert
+
+
+def fast_f16() -> bool:
+    """Whether float16 conversions run in hardware (NOTE [ Hardware float16 conversions ])."""
+    return _f16_converter is not None
+
+
+def convert_f16(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src``, float16 through the hardware conversions when the numba backend is loaded."""
+    if _f16_converter is None:
+        np.copyto(dst, src)
+    else:
+        _f16_converter(dst, src)
+
+
 def check_dtype(dtype: np.dtype, argname: str) -> None:
     if np.dtype(dtype) not in FLOAT_DTYPES:
         raise TypeError(f"{argname} should be float16, float32 or float64, got {np.dtype(dtype)}")

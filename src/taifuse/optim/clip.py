@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from taifuse import pool as _pool
+from taifuse._internal import backend, data, wrap
 from taifuse._tensor_math import astype, math_for
 from taifuse.tensor import Tensor
 
@@ -58,13 +59,13 @@ def clip_grad_norm_(
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return _scalar(0.0)
-    be = grads[0]._be
+    be = backend(grads[0])
     # Through the backend's tensor math, so that on a device nothing leaves it (the total stays a
     # 0-d array there); only error_if_nonfinite reads the total back, as PyTorch syncs then.
     m = math_for(be)
     # NOTE: infinity * 0 and NaN * x are NaN, silently, as in PyTorch (the caller asked for them).
     with np.errstate(invalid="ignore", over="ignore"):
-        total = _total_norm(m, _accumulation_dtype(be), [g._data for g in grads], norm_type)
+        total = _total_norm(m, _accumulation_dtype(be), [data(g) for g in grads], norm_type)
     if error_if_nonfinite:
         value = m.item(total)
         if not math.isfinite(value):
@@ -77,10 +78,10 @@ def clip_grad_norm_(
         coef = m.minimum(m.div(float(max_norm), m.add(total, 1e-6)), 1.0)
         for g in grads:
             # In place, as PyTorch's mul_: a reference to a gradient sees the clipped values.
-            m.mul_(g._data, coef if coef.dtype == g.dtype else astype(m, coef, g.dtype))
+            m.mul_(data(g), coef if coef.dtype == g.dtype else astype(m, coef, g.dtype))
     if total.dtype != np.float32:
         total = astype(m, total, np.float32)
-    return Tensor._wrap(total, be)
+    return wrap(total, be)
 
 
 def _accumulation_dtype(be: ModuleType) -> np.dtype:

@@ -4,14 +4,14 @@
 # On the host backends (numpy, numba) the optimizer gathers each parameter group's parameters of
 # one dtype into a *bucket*: one contiguous 1-D array for the parameters, one for the gradients
 # and one per state array (momentum, moments). Every Parameter's data becomes a C-contiguous view
-# into the parameter buffer (``tensor.bind_storage``, once, values unchanged), and every Parameter
-# gets a ``GradSlot`` in the gradient buffer (``tensor.set_grad_slot``): autograd writes a leaf's
-# first gradient into that slot instead of allocating (NOTE [ Gradient slots ] in tensor.py), so
+# into the parameter buffer (``bind_storage`` in taifuse/_grad_slots.py, once, values unchanged), and every Parameter
+# gets a ``GradSlot`` in the gradient buffer (``set_grad_slot``): autograd writes a leaf's
+# first gradient into that slot instead of allocating (NOTE [ Gradient slots ] in _grad_slots.py), so
 # after ``backward()`` the gradients already lie side by side and a step is one kernel launch over
 # the whole bucket, one pass over memory, however many parameters it holds.
 #
 # Anything that bypasses that path still works, at the cost of a copy: a ``.grad`` assigned by hand
-# is copied into its slot before the step, and a parameter whose ``_data`` was replaced
+# is copied into its slot before the step, and a parameter whose storage was replaced
 # (``Module.load_state_dict``) is copied back into the buffer and re-viewed. A gradient kept by the
 # user across ``zero_grad()`` is never written to: while it lives, its slot is not lent again,
 # and when a gradient has to be copied into such a slot the bucket moves to a fresh gradient
@@ -45,8 +45,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from taifuse import _profile_hook, pool
+from taifuse._engine import enable_grad
+from taifuse._grad_slots import GradSlot, bind_storage, set_grad_slot, storage_is
+from taifuse._internal import backend, data, grad_data, wrap
 from taifuse.backends.reference.optim import BFLOAT16_BITS, from_bfloat16_bits, to_bfloat16_bits
-from taifuse.tensor import GradSlot, Tensor, bind_storage, enable_grad, set_grad_slot, storage_is
+from taifuse.tensor import Tensor
 
 _NEEDED = object()  # what the zeros factory returns when we only ask which state arrays exist
 
@@ -114,11 +117,11 @@ class _Bucket:
 
     def __init__(self, params: list[Tensor], bf16_state: bool = False) -> None:
         self.params = params
-        self.be: ModuleType = params[0]._be
+        self.be: ModuleType = backend(params[0])
         self.dtype = params[0].dtype
         # NOTE [ bfloat16 optimizer state ] in backends/reference/optim.py: uint16 bit patterns.
         self.state_dtype = BFLOAT16_BITS if bf16_state else self.dtype
-        self.flat = _is_host(params[0]._data)
+        self.flat = _is_host(data(params[0]))
         sizes = [p.size for p in params]
         self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
         self.size = self.bounds[-1]
@@ -135,7 +138,7 @@ class _Bucket:
 
     def _new_grad_buffer(self) -> None:
         """A fresh flat gradient buffer and a slot in it for every parameter (NOTE [ Gradient slots ]
-        in tensor.py: gradients lent from the old buffer keep it alive for as long as they live)."""
+        in _grad_slots.py: gradients lent from the old buffer keep it alive for as long as they live)."""
         self.grad_buf = np.zeros(self.size, self.dtype)
         self.slots = []
         for p, lo, hi in zip(self.params, self.bounds, self.bounds[1:]):
@@ -152,10 +155,10 @@ class _Bucket:
         return pool.zeros(self.be, (self.size,), self.state_dtype)
 
     def param_flat(self) -> Any:
-        return self.param_buf if self.flat else self.params[0]._data.reshape(-1)
+        return self.param_buf if self.flat else data(self.params[0]).reshape(-1)
 
     def grad_flat(self) -> Any:
-        return self.grad_buf if self.flat else self.params[0].grad._data.reshape(-1)
+        return self.grad_buf if self.flat else grad_data(self.params[0]).reshape(-1)
 
     def grads_in_place(self) -> list[Any]:
         """Every gradient of this bucket as flat arrays that are the ``.grad`` storage itself, so
@@ -167,14 +170,14 @@ class _Bucket:
         lo = None
         for i, p in enumerate(self.params):
             g = p.grad
-            if self.flat and g is not None and self.slots[i].holds(g._data):
+            if self.flat and g is not None and self.slots[i].holds(data(g)):
                 lo = self.bounds[i] if lo is None else lo
                 continue
             if lo is not None:
                 parts.append(self.grad_buf[lo : self.bounds[i]])
                 lo = None
             if g is not None:
-                parts.append(g._data.reshape(-1))
+                parts.append(data(g).reshape(-1))
         if lo is not None:
             parts.append(self.grad_buf[lo : self.size])
         return parts
@@ -197,9 +200,9 @@ class _Bucket:
                         f"parameter of shape {p.shape} and dtype {p.dtype} has a gradient of shape "
                         f"{tuple(g.shape)} and dtype {g.dtype}"
                     )
-                if g._be is not self.be:
+                if backend(g) is not self.be:
                     raise ValueError(
-                        f"gradient lives on backend {g._be.NAME!r}, its parameter on {self.be.NAME!r}"
+                        f"gradient lives on backend {backend(g).NAME!r}, its parameter on {self.be.NAME!r}"
                     )
             if self.flat and not storage_is(p, self.param_views[i]):
                 bind_storage(p, self.param_views[i])  # replaced from outside: its values back into the buffer
@@ -228,7 +231,7 @@ class _Bucket:
         foreign = [
             i
             for i, p in enumerate(self.params)
-            if p.grad is not None and not self.slots[i].holds(p.grad._data)
+            if p.grad is not None and not self.slots[i].holds(grad_data(p))
         ]
         if not foreign:
             return
@@ -236,7 +239,7 @@ class _Bucket:
             self._new_grad_buffer()
             foreign = [i for i, p in enumerate(self.params) if p.grad is not None]
         for i in foreign:
-            np.copyto(self.slots[i].array, self.params[i].grad._data)
+            np.copyto(self.slots[i].array, grad_data(self.params[i]))
 
     def ensure_arrays(self, init: Callable, hyper: NamedTuple) -> None:
         """Allocate (zeroed) every state array the hyperparameters call for that is not there yet."""
@@ -372,10 +375,10 @@ class Optimizer:
         # Buckets by (backend, dtype), in first-appearance order (NOTE [ Flat buffers ]).
         by_key: dict[tuple, list[Tensor]] = {}
         for p in params:
-            by_key.setdefault((id(p._be), p.dtype), []).append(p)
+            by_key.setdefault((id(backend(p)), p.dtype), []).append(p)
         buckets = []
         for members in by_key.values():
-            if _is_host(members[0]._data):
+            if _is_host(data(members[0])):
                 buckets.append(_Bucket(members, self._bf16_state))
             else:
                 buckets.extend(_Bucket([p], self._bf16_state) for p in members)
@@ -431,6 +434,29 @@ class Optimizer:
                     bucket.steps[i] = new.step
         return loss
 
+    def grad_buffers(self) -> list[tuple[ModuleType, list[Any]]]:
+        """The gradients the next step will read, as flat buffers, for code that works on all of
+        them at once (``GradScaler.unscale_``; later, a data-parallel all-reduce).
+
+        One ``(backend, arrays)`` per bucket (a parameter group's parameters of one dtype and
+        backend: NOTE [ Flat buffers ]), in group order; buckets without any gradient are left out.
+        ``arrays`` are 1-D arrays of the bucket's dtype on ``backend`` that *are* the ``.grad``
+        storage, not copies: writing them changes ``p.grad``. On the host backends the gradients
+        that lie in their slots come as slices of the bucket's flat gradient buffer, one per run
+        of neighbouring parameters (one array in the usual loop); a gradient elsewhere (assigned
+        by hand, or kept by the user across ``zero_grad()``) comes as its own array. On the
+        taichi backend each parameter is a bucket and its ``.grad`` the one array. Parameters
+        without a gradient are left out (their slots may hold stale values). The arrays are valid
+        until the next ``backward()`` or ``zero_grad()``.
+        """
+        out = []
+        for buckets in self._buckets:
+            for bucket in buckets:
+                parts = bucket.grads_in_place()
+                if parts:
+                    out.append((bucket.be, parts))
+        return out
+
     def _check_finite(self, plan: list) -> None:
         """One ``all_finite`` call per backend over every gradient the step will use; on failure,
         find and name the first offending parameter."""
@@ -444,7 +470,7 @@ class Optimizer:
         for _, bucket, runs in plan:
             for run in runs:
                 for i in range(run.first, run.last):
-                    g = bucket.slots[i].array if bucket.flat else bucket.params[i].grad._data
+                    g = bucket.slots[i].array if bucket.flat else grad_data(bucket.params[i])
                     if not bucket.be.all_finite([g]):
                         raise ValueError(
                             f"{self._name}.step: the gradient of parameter {self._index_of(bucket.params[i])} "
@@ -488,9 +514,7 @@ class Optimizer:
                         continue
                     entry: dict[str, Any] = {"step": float(bucket.steps[i])} if self._STEP_IN_STATE else {}
                     for name in names:
-                        entry[name] = (
-                            Tensor._wrap(bucket.view(name, i), bucket.be) if name in bucket.arrays else None
-                        )
+                        entry[name] = wrap(bucket.view(name, i), bucket.be) if name in bucket.arrays else None
                     out[p] = entry
         return out
 

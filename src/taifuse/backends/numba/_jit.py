@@ -24,6 +24,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from taifuse.backends import _host
 from taifuse.backends._spec import Activation
 
 # NOTE [ float16 storage ]
@@ -773,3 +774,8 @@ def _convert(dst: np.ndarray, src: np.ndarray) -> None:
         # gather the block first, a same-dtype copy.
         src = np.ascontiguousarray(src)
     _convert_rows(_bits(src), _bits(dst))
+
+
+# The host array code's float16 conversions go through this one from now on (NOTE [ Hardware float16
+# conversions ] in backends/_host.py).
+_host.set_f16_converter(_convert)

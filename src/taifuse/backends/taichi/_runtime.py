@@ -317,6 +317,12 @@ class DeviceArray:
         self.dtype = np.dtype(dtype)
 
     @property
+    def storage(self) -> Any:
+        """The flat Taichi ndarray this array views from its start (None when it is empty): two
+        arrays share memory exactly when they share it (reshape is the only view)."""
+        return self._storage
+
+    @property
     def size(self) -> int:
         return math.prod(self.shape)
 

@@ -34,8 +34,8 @@ _HOOK_SPLIT = " if rec is None else "
 
 # (module, owner attribute or None for a module-level function, function name)
 _HOOKED = (
-    ("taifuse.tensor", "Function", "apply"),
-    ("taifuse.tensor", None, "_run_backward"),
+    ("taifuse._engine", "Function", "apply"),
+    ("taifuse._engine", None, "run_backward"),  # called as _engine.run_backward, so swapped there
     ("taifuse.pool", "BufferPool", "acquire"),
     ("taifuse.nn.module", "Module", "__call__"),
     ("taifuse.optim.optimizer", "Optimizer", "step"),
@@ -69,7 +69,7 @@ class HookSwitch:
     """Sets the hooked functions to the shipped ones (``use(True)``) or to their stripped copies."""
 
     def __init__(self) -> None:
-        from taifuse import _array_ops, checkpoint
+        from taifuse import _array_ops
 
         self._slots: list[tuple[Any, str, Any, Any]] = []  # (owner, name, hooked, bypassed)
         for module_name, owner_name, name in _HOOKED:
@@ -79,8 +79,6 @@ class HookSwitch:
             is_classmethod = isinstance(raw, classmethod)
             stripped = strip_hooks(raw.__func__ if is_classmethod else raw)
             self._slots.append((owner, name, raw, classmethod(stripped) if is_classmethod else stripped))
-            if owner_name is None and name == "_run_backward":  # imported by name there
-                self._slots.append((checkpoint, name, raw, stripped))
         for name in _array_ops.PROFILED_OPS:
             wrapper = getattr(_array_ops, name)
             self._slots.append((_array_ops, name, wrapper, wrapper.__wrapped__))

@@ -1,0 +1,368 @@
+"""The autograd engine: grad mode, the graph node :class:`Function`, and the backward walk.
+
+A Tensor (taifuse/tensor.py) that came out of a differentiable op keeps the :class:`Function`
+node that made it; each node keeps what its backward needs of its arguments (NOTE [ The graph
+keeps no data ]). :func:`run_backward` walks the nodes in reverse topological order (iteratively:
+a deep MLP is a long chain), calls each node's backward (its backend's hand-written backward
+kernels) and accumulates the gradients into the ``.grad`` of the leaves that require grad, in a
+leaf's optimizer slot when it has one (taifuse/_grad_slots.py). The Tensor's fields are reached
+through taifuse/_internal.py. The Functions of the Tensor methods are in
+taifuse/_tensor_functions.py, those of the functional ops in taifuse/_autograd_ops.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from taifuse import _profile_hook
+from taifuse._internal import (
+    TensorCore,
+    attach,
+    backend,
+    common_backend,
+    data,
+    grad_data,
+    grad_slot,
+    node,
+    set_grad,
+    wrap,
+)
+from taifuse._tensor_math import math_for
+
+__all__ = [
+    "Function",
+    "enable_grad",
+    "graph_node",
+    "is_grad_enabled",
+    "no_grad",
+    "run_backward",
+    "set_grad_enabled",
+]
+
+# ----------------------------------------------------------------------------- grad mode
+
+_grad_mode = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """Whether ops record the graph in this thread (False inside :class:`no_grad`)."""
+    return getattr(_grad_mode, "enabled", True)
+
+
+def set_grad_enabled(enabled: bool) -> None:
+    """Turn graph recording on or off in this thread (what :class:`no_grad` does on entry)."""
+    _grad_mode.enabled = enabled
+
+
+class _GradModeGuard:
+    _enabled: bool
+
+    def __enter__(self) -> None:
+        # A stack, not one saved flag, so that one instance can be entered re-entrantly.
+        self.__dict__.setdefault("_saved", []).append(is_grad_enabled())
+        set_grad_enabled(self._enabled)
+
+    def __exit__(self, *exc: object) -> None:
+        set_grad_enabled(self._saved.pop())
+
+    def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with type(self)():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+class no_grad(_GradModeGuard):
+    """Context manager and decorator: ops inside record no graph (per thread), as ``torch.no_grad``.
+
+    Example::
+
+        >>> import taifuse
+        >>> taifuse.set_backend("numpy")
+        >>> w = taifuse.tensor([1.0], requires_grad=True)
+        >>> with taifuse.no_grad():
+        ...     y = w * 2
+        >>> y.requires_grad
+        False
+    """
+
+    _enabled = False
+
+
+class enable_grad(_GradModeGuard):
+    """Context manager and decorator that turns graph recording back on inside :class:`no_grad`."""
+
+    _enabled = True
+
+
+# ----------------------------------------------------------------------------- graph nodes
+
+
+class Function:
+    """One differentiable op: ``forward`` on arrays, ``backward`` from the output's gradient.
+
+    Subclasses implement ``forward(*args)`` (Tensor arguments arrive as their arrays, everything
+    else unchanged; returns the output array) and ``backward(grad)`` (returns one gradient per
+    positional argument, ``None`` where there is none or ``self.needs_grad[i]`` is False). They keep
+    what the backward needs on ``self``; :meth:`release` drops the saved data after a backward pass
+    (NOTE [ Released nodes ]).
+    """
+
+    be: ModuleType  # the backend the forward ran on; the backward runs there too
+    m: Any  # its tensor math (taifuse._tensor_math)
+    needs_grad: tuple[bool, ...]
+    # True when backward returns freshly allocated arrays, none of them shared with another
+    # input, an output or saved state: a leaf's first gradient then takes the array, not a copy.
+    owns_grads: bool = False
+    # True when backward can add its one input's gradient into a buffer the engine hands it in
+    # ``accumulate_into`` (NOTE [ Gradients summed in place ]).
+    accumulates: bool = False
+    accumulate_into: Any = None
+    # What the profiler records of the forward's arguments (shapes, dtypes), for the backward's
+    # row: written by taifuse/profiler.py while a profile is active, kept on release.
+    profile_signature: Any = ()
+
+    def __init__(self) -> None:
+        # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
+        # (NOTE [ The graph keeps no data ]).
+        self.parents: tuple[TensorCore | Function | None, ...] = ()
+        self.released = False
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Run the op on ``args`` and, if a Tensor argument requires grad, record it in the graph."""
+        tensors = [a for a in args if isinstance(a, TensorCore)]
+        be = common_backend(tensors, cls.__name__)
+        ctx = cls()
+        ctx.be, ctx.m = be, math_for(be)
+        record = is_grad_enabled() and any(t.requires_grad for t in tensors)
+        ctx.needs_grad = tuple(isinstance(a, TensorCore) and a.requires_grad and record for a in args)
+        arrays = tuple(data(a) if isinstance(a, TensorCore) else a for a in args)
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+        result = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, arrays, kwargs)
+        out = wrap(result, be)
+        if record:
+            ctx.parents = tuple(graph_node(a) for a in args)
+            attach(out, ctx)
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def backward(self, grad: Any) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the data the forward saved (after this node's backward ran without
+        ``retain_graph``), so that the intermediates are freed while the output lives on; keep
+        the shapes, dims and dtypes, and the links to the inputs (NOTE [ Released nodes ])."""
+        state = self.__dict__
+        freed = {k for k, v in state.items() if k not in _KEPT_ON_RELEASE and not _is_metadata(v)}
+        for k in freed:
+            del state[k]
+        state["_freed"] = frozenset(freed | state.get("_freed", frozenset()))
+        # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays.
+        self.parents = tuple(graph_node(p) if isinstance(p, TensorCore) else p for p in self.parents)
+        self.released = True
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for a name the instance lacks: one that release() dropped is needed again.
+        if name in self.__dict__.get("_freed", ()):
+            raise RuntimeError(_SECOND_BACKWARD)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+
+# NOTE [ Released nodes ]
+# As PyTorch frees a node's saved tensors once its backward ran (unless ``retain_graph``), and
+# nothing else: the node, its edges and what it keeps besides tensors (sizes, dims, dtypes) live on
+# as long as an output refers to them. A node that saved no data (an addition, a reshape, a sum, a
+# cast: autocast's cached weight casts among them) can therefore run again, so that a second loss
+# sharing part of the graph (``l1 = y.sum(); l2 = (2 * y).sum()``) or gradient accumulation under
+# one autocast region backpropagates as in PyTorch; a node whose backward reads freed data raises
+# PyTorch's "second time" error when, and only when, it is reached again. What counts as kept is
+# decided by value (_is_metadata), not per subclass: ints, strings, dtypes, flags and tuples of
+# them; arrays, Tensors, floats (a scalar operand: PyTorch saves it as a tensor too) and callables
+# go.
+_KEPT_ON_RELEASE = frozenset({"be", "m", "needs_grad", "parents", "released", "_freed", "profile_signature"})
+
+
+def _is_metadata(value: Any) -> bool:
+    """Whether a node keeps ``value`` after its backward ran (NOTE [ Released nodes ])."""
+    if value is None or isinstance(value, (numbers.Integral, str, np.dtype, type, ModuleType)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_is_metadata(v) for v in value)
+    return False
+
+
+# ----------------------------------------------------------------------------- the graph walk
+
+
+# NOTE [ The graph keeps no data ]
+# A node's ``parents`` hold what the backward needs of each argument, as PyTorch's edges do: a
+# leaf that requires grad (its ``.grad`` is written), the creator (``Function``) of a non-leaf
+# tensor, None for anything else. Never a non-leaf Tensor: that would keep its array alive as long
+# as the graph, although only the arrays a node saves for its backward need to live that long.
+# An intermediate that no backward reads (a residual branch's output, the float32 input of an
+# autocast cast to float16, a cast's float32 copy that an addition consumed) is then freed as soon
+# as the forward drops it, not at the end of the backward. A Tensor that is a non-leaf (a
+# checkpoint's arguments) stands for its creator.
+
+
+def graph_node(a: Any) -> TensorCore | Function | None:
+    """What a node keeps of argument ``a``: NOTE [ The graph keeps no data ]."""
+    if not isinstance(a, TensorCore) or not a.requires_grad:
+        return None
+    creator = node(a)
+    return a if creator is None else creator
+
+
+def _creator(parent: TensorCore | Function | None) -> Function | None:
+    return parent if isinstance(parent, Function) else None if parent is None else node(parent)
+
+
+def _graph_order(root: Function) -> list[Function]:
+    """Nodes reachable from ``root``, each after every node that computed one of its inputs.
+
+    An iterative depth-first post-order: recursion would overflow on long chains.
+    """
+    order: list[Function] = []
+    seen: set[int] = set()
+    stack: list[tuple[Function, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for p in node.parents:
+            creator = _creator(p)
+            if creator is not None and id(creator) not in seen:
+                stack.append((creator, False))
+    return order
+
+
+_SECOND_BACKWARD = (
+    "backward: trying to backward through the graph a second time (or after its saved values were "
+    "freed); pass retain_graph=True to the first backward() if you need to do that"
+)
+
+
+def _accumulate_leaf(leaf: TensorCore, grad: Any, m: Any, owned: bool = False) -> None:
+    # owned: ``grad`` is a fresh array nothing else refers to (Function.owns_grads), so a leaf
+    # without a gradient may keep it as is.
+    if tuple(grad.shape) != leaf.shape:
+        raise RuntimeError(
+            f"internal error: gradient of shape {tuple(grad.shape)} for a leaf of shape {leaf.shape}"
+        )
+    so_far = grad_data(leaf)
+    if so_far is None:
+        # A copy: backward functions may hand the same array to several inputs, and .grad is
+        # accumulated in place afterwards. An optimizer may have given the leaf a slot in its
+        # flat gradient buffer: copy there when it is free (NOTE [ Gradient slots ]).
+        slot = grad_slot(leaf)
+        lent = slot.lend() if slot is not None and isinstance(grad, np.ndarray) else None
+        if lent is not None:
+            np.copyto(lent, grad)
+            set_grad(leaf, wrap(lent, backend(leaf)))
+        else:
+            set_grad(leaf, wrap(grad if owned else m.copy(grad), backend(leaf)))
+    else:
+        m.add_(so_far, grad)
+
+
+def run_backward(root: TensorCore, grad: Any, retain_graph: bool) -> None:
+    """Backpropagate ``grad`` (an array of ``root``'s shape, dtype and backend) from ``root``
+    through the graph into the ``.grad`` of the leaves that require grad: ``Tensor.backward``
+    after its argument checks, and a checkpoint's recomputation. Call it as
+    ``_engine.run_backward``: the profiler suite swaps it for a copy without the profiler hook
+    (taifuse/bench/suites/profiler.py)."""
+    m = math_for(backend(root))
+    top = node(root)
+    if top is None:
+        _accumulate_leaf(root, grad, m)
+        return
+    order = _graph_order(top)
+    pending: dict[int, Any] = {id(top): grad}
+    # The ids in `pending` whose gradient is an array the engine may add into in place (NOTE
+    # [ Gradients summed in place ]).
+    summable: set[int] = set()
+    del root, grad, top
+    for i in range(len(order) - 1, -1, -1):
+        # NOTE: each node leaves `order` as it runs, and no local outlives its iteration, so that
+        # arrays are freed as the backward goes (a checkpoint's segment boundaries and recomputed
+        # activations, say), not when it ends. `pending` only ever holds the ids of nodes still in
+        # `order`, so ids stay unique.
+        ctx, order[i] = order[i], None
+        g = pending.pop(id(ctx), None)
+        summable.discard(id(ctx))
+        if g is None:
+            continue
+        acc = _summed_so_far(ctx, g, pending, summable)
+        ctx.accumulate_into = acc
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+        grads = ctx.backward(g) if rec is None else rec.backward(ctx, g)
+        ctx.accumulate_into = None
+        parents = ctx.parents
+        if not retain_graph:
+            ctx.release()
+        for parent, pg, needed in zip(parents, grads, ctx.needs_grad):
+            if parent is None or pg is None or not needed:
+                continue
+            creator = _creator(parent)
+            if creator is None:
+                _accumulate_leaf(parent, pg, m, owned=ctx.owns_grads)  # type: ignore[arg-type]
+            elif id(creator) in pending:
+                so_far = pending[id(creator)]
+                if pg is so_far:  # added in place by ctx.backward (acc)
+                    continue
+                if id(creator) in summable and _same_layout(so_far, pg):
+                    m.add_(so_far, pg)
+                else:
+                    pending[id(creator)] = m.add(so_far, pg)
+                    summable.add(id(creator))
+            else:
+                pending[id(creator)] = pg
+                if ctx.accumulates:  # a fresh array of the input's shape (owns_grads)
+                    summable.add(id(creator))
+        g = grads = parents = parent = creator = pg = ctx = acc = so_far = None
+
+
+# NOTE [ Gradients summed in place ]
+# A tensor read by several ops gets one gradient from each, summed before its creator's backward
+# runs. The engine sums into the first array it made itself (a sum, or a Function's fresh
+# ``accumulates`` gradient) in place instead of allocating a sum per contribution, and a Function
+# that ``accumulates`` (a strided gather: indexing, ``split``) adds its slice's gradient straight
+# into that sum instead of scattering into a zeroed array of its input's shape first. So
+# CausalSelfAttention's q, k, v split of c_attn's output builds one gradient of that output, not
+# three full ones and their sums (the GPT step's peak: the transformer suite's memory row).
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _summed_so_far(ctx: Function, g: Any, pending: dict[int, Any], summable: set[int]) -> Any:
+    """The gradient of ctx's input summed so far, when ctx may add into it in place; else None."""
+    if not ctx.accumulates or not ctx.parents or not ctx.needs_grad[0]:
+        return None
+    creator = _creator(ctx.parents[0])
+    if creator is None or id(creator) not in summable:
+        return None
+    acc = pending[id(creator)]
+    return acc if acc.dtype == g.dtype else None

@@ -1,0 +1,113 @@
+"""The package's internal API to a Tensor's fields: the bottom of the Tensor layer.
+
+A :class:`taifuse.tensor.Tensor` is an array of one backend plus its place in the autograd graph.
+Those fields are private (``_data``, ``_be``, ``_ctx``, ...); code elsewhere in the package that
+needs them (the engine, the Functions, the optimizers, checkpointing, gradient clipping and
+scaling) goes through the functions here, so that a field can change in one module and the
+architecture test can check that no module reads another's private names
+(tests/test_architecture.py, "private reach"). They do no checking: they are for the package's
+own code, which keeps a Tensor's invariants (NOTE [ Tensor storage ] in _tensor_math.py); users
+have the Tensor's public API.
+
+``TensorCore`` declares the fields; ``Tensor`` is its one subclass that :func:`wrap` makes (it is
+registered by taifuse/tensor.py, which sits above this module: that is how ``wrap`` makes one
+without importing it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from taifuse import backends
+
+
+class TensorCore:
+    """A Tensor's fields: its array, the backend it lives on, the node that made it and its
+    gradient. Subclassed by :class:`taifuse.tensor.Tensor`, which is the public face."""
+
+    _data: Any  # an array of backend _be (C-contiguous: NOTE [ Tensor storage ])
+    _be: ModuleType
+    _ctx: Any  # the Function that made it (taifuse/_engine.py); None for a leaf
+    _requires_grad: bool
+    _grad: TensorCore | None
+    # Where autograd may put this leaf's first gradient, a GradSlot (NOTE [ Gradient slots ]).
+    _grad_slot: Any = None
+
+
+_tensor_class: type[TensorCore] = TensorCore
+
+
+def register_tensor_class(cls: type[TensorCore]) -> None:
+    """Make ``cls`` what :func:`wrap` returns (taifuse/tensor.py registers ``Tensor``)."""
+    global _tensor_class
+    _tensor_class = cls
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, TensorCore)
+
+
+def wrap(array: Any, be: ModuleType) -> Any:
+    """A new Tensor on ``array`` (no copy) of backend ``be``, outside the graph."""
+    t = _tensor_class.__new__(_tensor_class)
+    t._data, t._be, t._ctx, t._requires_grad, t._grad = array, be, None, False, None
+    return t
+
+
+def data(t: TensorCore) -> Any:
+    """``t``'s array itself (not a copy)."""
+    return t._data
+
+
+def backend(t: TensorCore) -> ModuleType:
+    """The backend module ``t``'s array lives on."""
+    return t._be
+
+
+def node(t: TensorCore) -> Any:
+    """The Function that made ``t`` (None for a leaf): ``t.grad_fn``."""
+    return t._ctx
+
+
+def attach(t: TensorCore, node: Any) -> None:
+    """Make ``node`` the creator of ``t`` in the graph (``t`` then requires grad)."""
+    t._ctx, t._requires_grad = node, True
+
+
+def set_data(t: TensorCore, array: Any) -> None:
+    """Replace ``t``'s array by ``array`` (of ``t``'s shape, dtype and backend: not checked)."""
+    t._data = array
+
+
+def grad_data(t: TensorCore) -> Any:
+    """The array of ``t.grad`` (None when ``t`` has no gradient)."""
+    return None if t._grad is None else t._grad._data
+
+
+def set_grad(t: TensorCore, grad: TensorCore | None) -> None:
+    """Set ``t.grad`` without the public setter's checks (the engine's gradients are right)."""
+    t._grad = grad
+
+
+def grad_slot(t: TensorCore) -> Any:
+    return t._grad_slot
+
+
+def set_grad_slot_field(t: TensorCore, slot: Any) -> None:
+    t._grad_slot = slot
+
+
+def common_backend(tensors: Sequence[TensorCore], op: str) -> ModuleType:
+    """The backend the Tensor arguments share (the active one when there are none)."""
+    if not tensors:
+        return backends.active()
+    be = tensors[0]._be
+    for t in tensors[1:]:
+        if t._be is not be:
+            raise TypeError(
+                f"{op}: tensors live on different backends ({be.NAME!r} and {t._be.NAME!r}); "
+                "create them under the same backend"
+            )
+    return be
