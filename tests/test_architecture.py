@@ -1,5 +1,7 @@
 """The import rule of docs/architecture.md, checked on the source: no import circle inside
-``src/taifuse``, and no import that goes up a layer.
+``src/taifuse``, no import that goes up a layer, and no module that reads or writes another
+module's ``_``-prefixed names (``python tests/test_architecture.py --private-reach`` lists and
+counts those).
 
 Imports are read with ``ast`` from every module, including the lazy ones inside functions (a
 circle behind a lazy import is still a circle) and those under ``TYPE_CHECKING``. Modules a

@@ -23,6 +23,7 @@ import pytest
 
 import taifuse
 from taifuse import optim
+from taifuse._tensor_math import math_for
 from taifuse.backends.reference import optim as R
 from taifuse.nn import Parameter
 
@@ -622,6 +623,31 @@ def test_a_kept_gradient_is_not_overwritten_by_the_next_backward(grad_backend, h
         assert np.shares_memory(w.grad.numpy(), flat) and np.shares_memory(v.grad.numpy(), flat)
     opt.step()
     np.testing.assert_allclose(w.numpy(), [-0.1, -0.1, -0.1], rtol=1e-5)
+
+
+def test_grad_buffers_are_the_gradients_storage_per_bucket(grad_backend):
+    """Optimizer.grad_buffers() (GradScaler's unscale pass; later a data-parallel all-reduce): per
+    bucket, flat arrays on the bucket's backend that are the .grad storage itself, so that writing
+    them changes p.grad; parameters without a gradient are left out."""
+    be = grad_backend.module()
+    w, v, u = (Parameter(np.ones(n, np.float32)) for n in (3, 2, 4))
+    opt = optim.SGD([w, v, u], lr=0.1)
+    assert opt.grad_buffers() == []  # no gradient yet
+    ((w * 2.0).sum() + (v * 3.0).sum()).backward()  # u gets none
+    buffers = opt.grad_buffers()
+    assert all(b is be for b, _ in buffers)
+    arrays = [a for _, parts in buffers for a in parts]
+    if grad_backend.name == "taichi":  # one bucket per parameter, its .grad the one array
+        assert [len(parts) for _, parts in buffers] == [1, 1]
+    else:  # host: one bucket, w and v neighbours in its flat buffer: one slice for both
+        assert len(buffers) == 1 and len(arrays) == 1
+    np.testing.assert_array_equal(np.concatenate([be.to_numpy(a) for a in arrays]), [2.0] * 3 + [3.0] * 2)
+    m = math_for(be)
+    for a in arrays:
+        m.mul_(a, 0.5)
+    np.testing.assert_array_equal(w.grad.numpy(), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(v.grad.numpy(), [1.5, 1.5])
+    assert u.grad is None
 
 
 def test_zero_grad_without_set_to_none_zeroes_in_place_like_torch(grad_backend):

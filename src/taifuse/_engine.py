@@ -31,6 +31,7 @@ from taifuse._internal import (
     grad_data,
     grad_slot,
     node,
+    requires_grad,
     set_grad,
     wrap,
 )
@@ -223,7 +224,7 @@ def _is_metadata(value: Any) -> bool:
 
 def graph_node(a: Any) -> TensorCore | Function | None:
     """What a node keeps of argument ``a``: NOTE [ The graph keeps no data ]."""
-    if not isinstance(a, TensorCore) or not a.requires_grad:
+    if not isinstance(a, TensorCore) or not requires_grad(a):
         return None
     creator = node(a)
     return a if creator is None else creator
