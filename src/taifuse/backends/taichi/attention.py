@@ -107,27 +107,61 @@ def max_head_dim(dtype: np.dtype) -> int:
 launches: Counter = Counter()
 
 
+# ----------------------------------------------------------------------------- kernels
+#
+# Two cached factories, one per kernel set (untiled, tiled), over one set of ti.funcs holding the
+# math both share (_funcs): scores, the dropout keep, row limits, the softmax row's end, tile
+# loads and the float16-product dots with their float32 fallback.
+
+
 @functools.cache
-def kernels_for(dtype: np.dtype) -> SimpleNamespace:
-    """The attention kernels for storage dtype ``dtype`` (float32 or float16)."""
+def _funcs(dtype: np.dtype) -> SimpleNamespace:
+    """The ti.funcs the untiled and tiled kernels share, for storage dtype ``dtype``."""
     ti = _import_taichi()
     from taifuse.backends.taichi import _math as M
 
     IS16 = np.dtype(dtype) == np.float16
     T = ti.f16 if IS16 else ti.f32
-    X = ti.types.ndarray(dtype=T, ndim=1)
-    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
-    HEAD = max_head_dim(dtype)  # a shared tile row's capacity
+
+    @ti.func
+    def dot32(a: ti.template(), ao, b: ti.template(), bo, n):
+        # sum over d < n of a[ao + d] * b[bo + d] with float32 products: the untiled kernels' dots,
+        # and the fallback for a sum whose float16 products overflowed (NOTE [ float16 products in
+        # the attention kernels ]).
+        t = 0.0
+        for d in range(n):
+            t += ti.cast(a[ao + d], ti.f32) * ti.cast(b[bo + d], ti.f32)
+        return t
 
     @ti.func
     def score(q: ti.template(), k: ti.template(), mask: ti.template(), qo, ko, mo, E, scale, has_mask):
-        s = 0.0
-        for d in range(E):
-            s += ti.cast(q[qo + d], ti.f32) * ti.cast(k[ko + d], ti.f32)
-        s *= scale
+        s = dot32(q, qo, k, ko, E) * scale
         if has_mask != 0:
             s += ti.cast(mask[mo], ti.f32)
         return s
+
+    @ti.func
+    def visible(qi, S, causal):
+        # The keys [0, visible) query row qi sees.
+        lim = S
+        if causal != 0:
+            lim = ti.min(qi + 1, S)
+        return lim
+
+    @ti.func
+    def mask_row(b, qi, L, S, mask_rows):
+        # The offset of query row qi's mask row (one mask for every batch-head when mask_rows is 1).
+        return ((b if mask_rows > 1 else 0) * L + qi) * S
+
+    @ti.func
+    def finish_row(lse: ti.template(), r, m, total):
+        # Writes row r's log-sum-exp (-inf on a row that saw no key) and returns 1 / its sum.
+        inv = 0.0
+        lse[r] = -ti.math.inf
+        if total > 0.0:
+            inv = 1.0 / total
+            lse[r] = m + ti.log(total)
+        return inv
 
     @ti.func
     def keep_scale(r, L, S, j, key, threshold, dscale, drop):
@@ -156,26 +190,26 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         return ti.cast((ti.bit_cast(x, ti.i32) & 0x7F800000) != 0x7F800000, ti.i32)
 
     @ti.func
-    def dot32(a: ti.template(), ao, b: ti.template(), bo, n):
-        # sum over d < n of a[ao + d] * b[bo + d] with float32 products: the fallback for a sum
-        # whose float16 products overflowed (NOTE [ float16 products in the attention kernels ]).
-        t = 0.0
+    def tile_dots(a: ti.template(), ao, tile: ti.template(), n, width: ti.template()):
+        # dots[j] = sum over d < n of a[ao + d] * tile[j * n + d], j < width: products in the
+        # storage type, summed in float32; a float16 sum that overflowed (or met an input that is
+        # not finite) is redone with float32 products (NOTE [ float16 products in the attention
+        # kernels ]).
+        dots = ti.Vector.zero(ti.f32, width)
         for d in range(n):
-            t += ti.cast(a[ao + d], ti.f32) * ti.cast(b[bo + d], ti.f32)
-        return t
+            ad = a[ao + d]
+            for j in ti.static(range(width)):
+                dots[j] += ti.cast(ad * tile[j * n + d], ti.f32)
+        if ti.static(IS16):
+            for j in ti.static(range(width)):
+                if not finite(dots[j]):
+                    dots[j] = dot32(a, ao, tile, j * n, n)
+        return dots
 
     @ti.func
     def tile_scores(q: ti.template(), ks: ti.template(), mask: ti.template(), qo, mo, E, scale, has_mask, n):
         # The scaled, masked scores of one query row against a K tile: -inf past the n visible keys.
-        s = ti.Vector.zero(ti.f32, TILE_K)
-        for d in range(E):
-            qd = q[qo + d]
-            for j in ti.static(range(TILE_K)):
-                s[j] += ti.cast(qd * ks[j * E + d], ti.f32)
-        if ti.static(IS16):
-            for j in ti.static(range(TILE_K)):
-                if not finite(s[j]):  # a float16 product overflowed (or an input is not finite)
-                    s[j] = dot32(q, qo, ks, j * E, E)
+        s = tile_dots(q, qo, ks, E, TILE_K)
         for j in ti.static(range(TILE_K)):
             x = -ti.math.inf
             if j < n:
@@ -184,6 +218,50 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     x += ti.cast(mask[mo + j], ti.f32)
             s[j] = x
         return s
+
+    @ti.func
+    def block_keys(q0, L, S, causal):
+        # The most keys any row of the query block starting at q0 sees.
+        lim = S
+        if causal != 0:
+            lim = ti.min(ti.min(q0 + BLOCK_Q, L), S)
+        return lim
+
+    @ti.func
+    def load_kv(
+        k: ti.template(), v: ti.template(), ks: ti.template(), vs: ti.template(), b, S, j0, E, EV, tid
+    ):
+        # The block's K and V tiles of keys [j0, j0 + TILE_K), then a barrier.
+        nk = ti.min(TILE_K, S - j0)
+        load_tile(k, ks, (b * S + j0) * E, nk * E, TILE_K * E, tid, BLOCK_Q)
+        load_tile(v, vs, (b * S + j0) * EV, nk * EV, TILE_K * EV, tid, BLOCK_Q)
+        ti.simt.block.sync()
+
+    return SimpleNamespace(
+        dot32=dot32,
+        finite=finite,
+        score=score,
+        visible=visible,
+        mask_row=mask_row,
+        finish_row=finish_row,
+        keep_scale=keep_scale,
+        load_tile=load_tile,
+        tile_dots=tile_dots,
+        tile_scores=tile_scores,
+        block_keys=block_keys,
+        load_kv=load_kv,
+    )
+
+
+@functools.cache
+def untiled_kernels_for(dtype: np.dtype) -> SimpleNamespace:
+    """The untiled attention kernels (one thread per row) for storage dtype ``dtype``."""
+    ti = _import_taichi()
+    F = _funcs(dtype)
+    IS16 = np.dtype(dtype) == np.float16
+    T = ti.f16 if IS16 else ti.f32
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
 
     @ti.kernel
     def forward(
@@ -194,32 +272,26 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         for r in range(bh_n * L):
             b = r // L
             qi = r % L
-            lim = S
-            if causal != 0:
-                lim = ti.min(qi + 1, S)
-            mrow = ((b if mask_rows > 1 else 0) * L + qi) * S
+            lim = F.visible(qi, S, causal)
+            mrow = F.mask_row(b, qi, L, S, mask_rows)
             ao = r * EV
             for d in range(EV):
                 acc[ao + d] = 0.0
             m = -ti.math.inf
             total = 0.0
             for j in range(lim):
-                s = score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
+                s = F.score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
                 if s > -ti.math.inf:
                     m_new = ti.max(m, s)
                     c = ti.exp(m - m_new)
                     p = ti.exp(s - m_new)
                     total = total * c + p
-                    pz = p * keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
+                    pz = p * F.keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
                     vo = (b * S + j) * EV
                     for d in range(EV):
                         acc[ao + d] = acc[ao + d] * c + pz * ti.cast(v[vo + d], ti.f32)
                     m = m_new
-            inv = 0.0
-            lse[r] = -ti.math.inf
-            if total > 0.0:
-                inv = 1.0 / total
-                lse[r] = m + ti.log(total)
+            inv = F.finish_row(lse, r, m, total)
             for d in range(EV):
                 out[ao + d] = ti.cast(acc[ao + d] * inv, T)
 
@@ -238,42 +310,33 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             b = r // L
             qi = r % L
             go = r * EV
-            lim = S
-            if causal != 0:
-                lim = ti.min(qi + 1, S)
+            lim = F.visible(qi, S, causal)
             if lse[r] == -ti.math.inf:
                 lim = 0
-            mrow = ((b if mask_rows > 1 else 0) * L + qi) * S
+            mrow = F.mask_row(b, qi, L, S, mask_rows)
             di = 0.0
             if ti.static(IS16):
                 psum = 0.0
                 for j in range(lim):
-                    s = score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
+                    s = F.score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
                     p = ti.exp(s - lse[r])
-                    vo = (b * S + j) * EV
-                    dp = 0.0
-                    for d in range(EV):
-                        dp += ti.cast(g[go + d], ti.f32) * ti.cast(v[vo + d], ti.f32)
-                    di += p * dp * keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
+                    dp = F.dot32(g, go, v, (b * S + j) * EV, EV)
+                    di += p * dp * F.keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
                     psum += p
                 if psum > 0.0:  # 0 on a fully masked row
                     di /= psum
             else:
-                for d in range(EV):
-                    di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
+                di = F.dot32(g, go, out, go, EV)
             dsum[r] = di
             if write_q != 0:
                 ao = r * E
                 for d in range(E):
                     acc[ao + d] = 0.0
                 for j in range(lim):
-                    s = score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
+                    s = F.score(q, k, mask, r * E, (b * S + j) * E, mrow + j, E, scale, mask_rows)
                     p = ti.exp(s - lse[r])
-                    vo = (b * S + j) * EV
-                    dp = 0.0
-                    for d in range(EV):
-                        dp += ti.cast(g[go + d], ti.f32) * ti.cast(v[vo + d], ti.f32)
-                    z = keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
+                    dp = F.dot32(g, go, v, (b * S + j) * EV, EV)
+                    z = F.keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
                     ds = p * (dp * z - di)
                     ko = (b * S + j) * E
                     for d in range(E):
@@ -302,10 +365,10 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             for qi in range(first, L):
                 r = b * L + qi
                 if lse[r] > -ti.math.inf:
-                    mo = ((b if mask_rows > 1 else 0) * L + qi) * S + j
-                    s = score(q, k, mask, r * E, ko, mo, E, scale, mask_rows)
+                    mo = F.mask_row(b, qi, L, S, mask_rows) + j
+                    s = F.score(q, k, mask, r * E, ko, mo, E, scale, mask_rows)
                     p = ti.exp(s - lse[r])
-                    z = keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
+                    z = F.keep_scale(r, L, S, j, key, threshold, dscale, dscale != 1.0)
                     go = r * EV
                     dp = 0.0
                     for d in range(EV):
@@ -320,7 +383,19 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             for d in range(EV):
                 gv[vo + d] = ti.cast(acc[ao + E + d], T)
 
-    # ------------------------------------------------------------------ tiled (threadgroup memory)
+    return SimpleNamespace(forward=forward, backward_q=backward_q, backward_kv=backward_kv)
+
+
+@functools.cache
+def tiled_kernels_for(dtype: np.dtype) -> SimpleNamespace:
+    """The tiled attention kernels (threadgroup memory, the GPU archs) for storage dtype ``dtype``."""
+    ti = _import_taichi()
+    F = _funcs(dtype)
+    IS16 = np.dtype(dtype) == np.float16
+    T = ti.f16 if IS16 else ti.f32
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+    HEAD = max_head_dim(dtype)  # a shared tile row's capacity
 
     @ti.kernel
     def forward_tiled(
@@ -345,26 +420,19 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             vs = ti.simt.block.SharedArray((TILE_K * HEAD,), T)
             lim = 0  # keys [0, lim) are visible to this row
             if live:
-                lim = S
-                if causal != 0:
-                    lim = ti.min(qi + 1, S)
+                lim = F.visible(qi, S, causal)
                 for d in range(EV):
                     acc[d * nr + r] = 0.0
-            block_lim = S  # the most keys any row of the block sees
-            if causal != 0:
-                block_lim = ti.min(ti.min(q0 + BLOCK_Q, L), S)
-            mrow = ((b if mask_rows > 1 else 0) * L + ti.min(qi, L - 1)) * S
+            block_lim = F.block_keys(q0, L, S, causal)
+            mrow = F.mask_row(b, ti.min(qi, L - 1), L, S, mask_rows)
             drop = dscale != 1.0
             m = -ti.math.inf
             total = 0.0
             for t in range((block_lim + TILE_K - 1) // TILE_K):
                 j0 = t * TILE_K
-                nk = ti.min(TILE_K, S - j0)
-                load_tile(k, ks, (b * S + j0) * E, nk * E, TILE_K * E, tid, BLOCK_Q)
-                load_tile(v, vs, (b * S + j0) * EV, nk * EV, TILE_K * EV, tid, BLOCK_Q)
-                ti.simt.block.sync()
+                F.load_kv(k, v, ks, vs, b, S, j0, E, EV, tid)
                 if j0 < lim:
-                    s = tile_scores(q, ks, mask, r * E, mrow + j0, E, scale, mask_rows, lim - j0)
+                    s = F.tile_scores(q, ks, mask, r * E, mrow + j0, E, scale, mask_rows, lim - j0)
                     mt = -ti.math.inf
                     for j in ti.static(range(TILE_K)):
                         mt = ti.max(mt, s[j])
@@ -378,7 +446,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         for j in ti.static(range(TILE_K)):
                             p = ti.exp(s[j] - m_new)
                             psum += p
-                            z = keep_scale(r, L, S, j0 + j, key, threshold, 1.0 if IS16 else dscale, drop)
+                            z = F.keep_scale(r, L, S, j0 + j, key, threshold, 1.0 if IS16 else dscale, drop)
                             pz[j] = ti.cast(p * z, T)
                         total = total * c + psum
                         for d in range(EV):
@@ -389,11 +457,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         m = m_new
                 ti.simt.block.sync()  # the next tile overwrites ks/vs
             if live:
-                inv = 0.0
-                lse[r] = -ti.math.inf
-                if total > 0.0:
-                    inv = 1.0 / total
-                    lse[r] = m + ti.log(total)
+                inv = F.finish_row(lse, r, m, total)
                 if ti.static(IS16):
                     inv *= dscale  # 1.0 without dropout
                 for d in range(EV):
@@ -431,8 +495,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             walk = write_q != 0 or ti.static(IS16)
             if live:
                 if ti.static(not IS16):
-                    for d in range(EV):
-                        di += ti.cast(g[go + d], ti.f32) * ti.cast(out[go + d], ti.f32)
+                    di = F.dot32(g, go, out, go, EV)
                 lr = lse[r]
                 if walk:
                     for d in range(E):
@@ -440,39 +503,26 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         if ti.static(IS16):
                             acc[(E + d) * nr + r] = 0.0
                     if lr > -ti.math.inf:  # a fully masked row has no gradient
-                        lim = S
-                        if causal != 0:
-                            lim = ti.min(qi + 1, S)
+                        lim = F.visible(qi, S, causal)
             block_lim = 0
             if walk:
-                block_lim = S
-                if causal != 0:
-                    block_lim = ti.min(ti.min(q0 + BLOCK_Q, L), S)
-            mrow = ((b if mask_rows > 1 else 0) * L + ti.min(qi, L - 1)) * S
+                block_lim = F.block_keys(q0, L, S, causal)
+            mrow = F.mask_row(b, ti.min(qi, L - 1), L, S, mask_rows)
             drop = dscale != 1.0
             for t in range((block_lim + TILE_K - 1) // TILE_K):
                 j0 = t * TILE_K
-                nk = ti.min(TILE_K, S - j0)
-                load_tile(k, ks, (b * S + j0) * E, nk * E, TILE_K * E, tid, BLOCK_Q)
-                load_tile(v, vs, (b * S + j0) * EV, nk * EV, TILE_K * EV, tid, BLOCK_Q)
-                ti.simt.block.sync()
+                F.load_kv(k, v, ks, vs, b, S, j0, E, EV, tid)
                 if j0 < lim:
-                    s = tile_scores(q, ks, mask, r * E, mrow + j0, E, scale, mask_rows, lim - j0)
-                    dp = ti.Vector.zero(ti.f32, TILE_K)
-                    for d in range(EV):
-                        gd = g[go + d]
-                        for j in ti.static(range(TILE_K)):
-                            dp[j] += ti.cast(gd * vs[j * EV + d], ti.f32)
-                    if ti.static(IS16):
-                        for j in ti.static(range(TILE_K)):
-                            if not finite(dp[j]):  # loss scaling makes large dO likely
-                                dp[j] = dot32(g, go, vs, j * EV, EV)
+                    s = F.tile_scores(q, ks, mask, r * E, mrow + j0, E, scale, mask_rows, lim - j0)
+                    dp = F.tile_dots(g, go, vs, EV, TILE_K)  # loss scaling makes large dO likely
                     if ti.static(IS16):
                         p = ti.Vector.zero(ti.f32, TILE_K)
                         pdp = ti.Vector.zero(ti.f32, TILE_K)
                         for j in ti.static(range(TILE_K)):
                             p[j] = ti.exp(s[j] - lr)
-                            pdp[j] = p[j] * dp[j] * keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                            pdp[j] = (
+                                p[j] * dp[j] * F.keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                            )
                             di += pdp[j]
                             psum += p[j]
                         for d in range(E):
@@ -488,7 +538,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         ds = ti.Vector.zero(ti.f32, TILE_K)
                         for j in ti.static(range(TILE_K)):
                             p = ti.exp(s[j] - lr)
-                            z = keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
+                            z = F.keep_scale(r, L, S, j0 + j, key, threshold, dscale, drop)
                             ds[j] = p * (dp[j] * z - di)
                         for d in range(E):
                             a = acc[d * nr + r]
@@ -541,8 +591,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             for tt in range(first, (L + TILE_Q - 1) // TILE_Q):
                 i0 = tt * TILE_Q
                 nq = ti.min(TILE_Q, L - i0)
-                load_tile(q, qs, (b * L + i0) * E, nq * E, TILE_Q * E, tid, BLOCK_KV)
-                load_tile(g, gs, (b * L + i0) * EV, nq * EV, TILE_Q * EV, tid, BLOCK_KV)
+                F.load_tile(q, qs, (b * L + i0) * E, nq * E, TILE_Q * E, tid, BLOCK_KV)
+                F.load_tile(g, gs, (b * L + i0) * EV, nq * EV, TILE_Q * EV, tid, BLOCK_KV)
                 if tid < TILE_Q:
                     lv = -ti.math.inf
                     dv = 0.0
@@ -553,15 +603,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     dl[tid] = dv
                 ti.simt.block.sync()
                 if live and (causal == 0 or i0 + nq - 1 >= j):
-                    s = ti.Vector.zero(ti.f32, TILE_Q)
-                    for d in range(E):
-                        kd = k[t * E + d]
-                        for i in ti.static(range(TILE_Q)):
-                            s[i] += ti.cast(qs[i * E + d] * kd, ti.f32)
-                    if ti.static(IS16):
-                        for i in ti.static(range(TILE_Q)):
-                            if not finite(s[i]):
-                                s[i] = dot32(qs, i * E, k, t * E, E)
+                    s = F.tile_dots(k, t * E, qs, E, TILE_Q)  # a product commutes: as Q.K
                     p = ti.Vector.zero(ti.f32, TILE_Q)
                     z = ti.Vector.zero(ti.f32, TILE_Q)
                     for i in ti.static(range(TILE_Q)):
@@ -571,7 +613,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                             if mask_rows != 0:
                                 x += ti.cast(mask[mbase + qi * S], ti.f32)
                             p[i] = ti.exp(x - ls[i])
-                            z[i] = keep_scale(b * L + qi, L, S, j, key, threshold, dscale, drop)
+                            z[i] = F.keep_scale(b * L + qi, L, S, j, key, threshold, dscale, drop)
                     # grad_v's P (times keep) in the storage type; float16 applies dscale at the end.
                     pz = ti.Vector.zero(T, TILE_Q)
                     for i in ti.static(range(TILE_Q)):
@@ -590,8 +632,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         acc[(E + d) * nk + t] = a
                     if ti.static(IS16):
                         for i in ti.static(range(TILE_Q)):
-                            if not finite(dp[i]):
-                                dp[i] = dot32(gs, i * EV, v, t * EV, EV)
+                            if not F.finite(dp[i]):
+                                dp[i] = F.dot32(gs, i * EV, v, t * EV, EV)
                     ds = ti.Vector.zero(ti.f32, TILE_Q)
                     for i in ti.static(range(TILE_Q)):
                         ds[i] = p[i] * (dp[i] * z[i] - dl[i])
@@ -611,12 +653,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     gv[t * EV + d] = ti.cast(acc[(E + d) * nk + t] * vscale, T)
 
     return SimpleNamespace(
-        forward=forward,
-        backward_q=backward_q,
-        backward_kv=backward_kv,
-        forward_tiled=forward_tiled,
-        backward_q_tiled=backward_q_tiled,
-        backward_kv_tiled=backward_kv_tiled,
+        forward_tiled=forward_tiled, backward_q_tiled=backward_q_tiled, backward_kv_tiled=backward_kv_tiled
     )
 
 
@@ -625,7 +662,8 @@ def all_kernels() -> list[tuple[str, object]]:
     return [
         (f"attention_{name}_{dtype.name}", kernel)
         for dtype in FLOAT_DTYPES
-        for name, kernel in vars(kernels_for(dtype)).items()
+        for family in (untiled_kernels_for, tiled_kernels_for)
+        for name, kernel in vars(family(dtype)).items()
     ]
 
 
@@ -674,9 +712,9 @@ def attention(
     """As ``reference.attention``, fused (NOTE [ Taichi attention kernels ])."""
     (bh, L, S, E, ev, mask_rows), drop = _common(q, k, v, mask, dropout_p, seed)
     acc = _new((bh * L * ev,), np.float32)
-    name = "forward_tiled" if _tiled(E, ev, q.dtype) else "forward"
+    tiled = _tiled(E, ev, q.dtype)
     _launch(
-        kernels_for(q.dtype), name,
+        (tiled_kernels_for if tiled else untiled_kernels_for)(q.dtype), "forward_tiled" if tiled else "forward",
         _arg(q), _arg(k), _nd(v), _optional(mask, q.dtype), _nd(out), _nd(lse), _nd(acc),
         bh, L, S, E, ev, mask_rows, int(is_causal), float(scale), *drop,
     )  # fmt: skip
@@ -700,8 +738,8 @@ def attention_backward(
 ) -> None:
     """As ``reference.attention_backward``: two kernels (NOTE [ Taichi attention kernels ])."""
     (bh, L, S, E, ev, mask_rows), drop = _common(q, k, v, mask, dropout_p, seed)
-    ks = kernels_for(q.dtype)
     suffix = "_tiled" if _tiled(E, ev, q.dtype) else ""
+    ks = (tiled_kernels_for if suffix else untiled_kernels_for)(q.dtype)
     dsum = _new((bh * L,), np.float32)
     # The tiled float16 kernel sums two float32 rows per query (NOTE [ Attention backward's D ]).
     rows = 2 if suffix and q.dtype == np.float16 else 1

@@ -62,20 +62,23 @@ _REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 
 
 # ----------------------------------------------------------------------------- kernels
+#
+# One cached factory per op family, each building its kernels for one storage dtype when first
+# needed: activations, column partial sums, losses, embedding, and the row reductions (per storage
+# dtype and per arch kind).
 
 
 @functools.cache
-def kernels_for(dtype: Any) -> SimpleNamespace:
-    """Elementwise and column-pass backward kernels for storage dtype ``dtype``, built once per process."""
+def activation_kernels_for(dtype: Any) -> SimpleNamespace:
+    """Activation backward kernels (elementwise, and linear_act's fused bias pass) for storage
+    dtype ``dtype``, built once per process."""
     ti = _import_taichi()
     from taifuse.backends.taichi import _math as M
 
     T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
-    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
     IDENTITY, RELU, LEAKY_RELU = M.IDENTITY, M.RELU, M.LEAKY_RELU
-    SB = M.SUM_BLOCK
 
     @ti.kernel
     def act_backward(x: X, g: X, gi: X, n: ti.i32, code: ti.i32, slope: ti.f32):
@@ -135,6 +138,21 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             if want_bias != 0:
                 partial[t] = s
 
+    return SimpleNamespace(
+        act_backward=act_backward, mul_relu_backward=mul_relu_backward, bias_act_backward=bias_act_backward
+    )
+
+
+@functools.cache
+def column_kernels_for(dtype: Any) -> SimpleNamespace:
+    """Column partial-sum kernels (affine, layer_norm and rms_norm parameter gradients) for storage
+    dtype ``dtype``, built once per process."""
+    ti = _import_taichi()
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+
     @ti.kernel
     def col_partials(
         g: X,
@@ -169,6 +187,32 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                 p_g[t] = sg
             if want_gx != 0:
                 p_gx[t] = sgx
+
+    @ti.kernel
+    def rms_weight_partials(g: X, x: X, rstd: F32, p_gx: F32, rows: ti.i32, cols: ti.i32, chunks: ti.i32):
+        # Per (chunk, col): the partial sum of g * x * rstd, for rms_norm's weight gradient.
+        for t in range(chunks * cols):
+            ch = t // cols
+            c = t % cols
+            s = 0.0
+            for r in range(ch * COL_CHUNK, ti.min(ch * COL_CHUNK + COL_CHUNK, rows)):
+                i = r * cols + c
+                s += ti.cast(g[i], ti.f32) * ti.cast(x[i], ti.f32) * rstd[r]
+            p_gx[t] = s
+
+    return SimpleNamespace(col_partials=col_partials, rms_weight_partials=rms_weight_partials)
+
+
+@functools.cache
+def loss_kernels_for(dtype: Any) -> SimpleNamespace:
+    """Loss kernels (mse's squares and backward, cross_entropy's backward) for storage dtype
+    ``dtype``, built once per process."""
+    ti = _import_taichi()
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
 
     @ti.kernel
     def squared_error(x: X, t: X, out: X, n: ti.i32):
@@ -213,17 +257,25 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                 gv = ti.cast(g[0], ti.f32) * factor
             gi[i] = ti.cast(p * gv, T)
 
-    @ti.kernel
-    def rms_weight_partials(g: X, x: X, rstd: F32, p_gx: F32, rows: ti.i32, cols: ti.i32, chunks: ti.i32):
-        # Per (chunk, col): the partial sum of g * x * rstd, for rms_norm's weight gradient.
-        for t in range(chunks * cols):
-            ch = t // cols
-            c = t % cols
-            s = 0.0
-            for r in range(ch * COL_CHUNK, ti.min(ch * COL_CHUNK + COL_CHUNK, rows)):
-                i = r * cols + c
-                s += ti.cast(g[i], ti.f32) * ti.cast(x[i], ti.f32) * rstd[r]
-            p_gx[t] = s
+    return SimpleNamespace(
+        squared_error=squared_error,
+        squared_error_f32=squared_error_f32,
+        mse_backward=mse_backward,
+        cross_entropy_backward=cross_entropy_backward,
+    )
+
+
+@functools.cache
+def embedding_kernels_for(dtype: Any) -> SimpleNamespace:
+    """embedding's backward (NOTE [ Embedding backward without float atomics ]) for storage
+    dtype ``dtype``, built once per process."""
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
+    SB = M.SUM_BLOCK
 
     @ti.func
     def _sift_down(a: ti.template(), lo: ti.i32, root: ti.i32, n: ti.i32):
@@ -319,18 +371,7 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                     total += inner
             gw[t] = ti.cast(total, T)
 
-    return SimpleNamespace(
-        act_backward=act_backward,
-        mul_relu_backward=mul_relu_backward,
-        bias_act_backward=bias_act_backward,
-        col_partials=col_partials,
-        squared_error=squared_error,
-        squared_error_f32=squared_error_f32,
-        mse_backward=mse_backward,
-        cross_entropy_backward=cross_entropy_backward,
-        rms_weight_partials=rms_weight_partials,
-        embedding_backward=embedding_backward,
-    )
+    return SimpleNamespace(embedding_backward=embedding_backward)
 
 
 @functools.cache
@@ -505,12 +546,17 @@ def row_kernels_for(dtype: Any, gpu: bool) -> SimpleNamespace:
     )
 
 
+# The per-dtype families, in the order all_kernels lists them.
+_FAMILIES = (activation_kernels_for, column_kernels_for, loss_kernels_for, embedding_kernels_for)
+
+
 def all_kernels() -> list:
     """Every (name, kernel) pair of this module, in every specialisation, for ``metal_check``."""
     pairs = []
     for dtype in FLOAT_DTYPES:
-        for name, kernel in vars(kernels_for(dtype)).items():
-            pairs.append((f"bw_{name}_{dtype.name}", kernel))
+        for family in _FAMILIES:
+            for name, kernel in vars(family(dtype)).items():
+                pairs.append((f"bw_{name}_{dtype.name}", kernel))
         for gpu in (False, True):
             for name, kernel in vars(row_kernels_for(dtype, gpu)).items():
                 pairs.append((f"bw_{name}{'_rows' if gpu else ''}_{dtype.name}", kernel))
@@ -529,7 +575,9 @@ def _chunks(rows: int) -> int:
 
 
 def _act(x: Any, grad_out: Any, grad_in: Any, code: Activation, slope: float = 0.0) -> None:
-    kernels_for(x.dtype).act_backward(_nd(x), _nd(grad_out), _nd(grad_in), x.size, int(code), float(slope))
+    activation_kernels_for(x.dtype).act_backward(
+        _nd(x), _nd(grad_out), _nd(grad_in), x.size, int(code), float(slope)
+    )
 
 
 def _reduction_scale(grad_out: Any, reduction: str, count: int) -> tuple:
@@ -571,7 +619,7 @@ def add_relu_backward(y: Any, grad_out: Any, grad_in: Any) -> None:
 
 
 def mul_relu_backward(a: Any, b: Any, grad_out: Any, grad_a: Any | None, grad_b: Any | None) -> None:
-    kernels_for(a.dtype).mul_relu_backward(
+    activation_kernels_for(a.dtype).mul_relu_backward(
         _nd(a),
         _nd(b),
         _nd(grad_out),
@@ -598,7 +646,7 @@ def _column_grads(
     chunks = _chunks(rows)
     p_g = _new((chunks, cols), np.float32) if grad_g is not None else None
     p_gx = _new((chunks, cols), np.float32) if grad_gx is not None else None
-    kernels_for(x.dtype).col_partials(
+    column_kernels_for(x.dtype).col_partials(
         _nd(g),
         _nd(x),
         _nd(mean) if mean is not None else _dummy_f32(),
@@ -629,7 +677,9 @@ def affine_backward(
     if grad_x is not None:
         shape = tuple(x.shape)
         geo = _merge(shape, _broadcast_strides(shape, shape), _broadcast_strides(tuple(scale.shape), shape))
-        tm.kernels_for(x.dtype).binary(_nd(grad_out), _nd(scale), _nd(grad_x), tm.OP_MUL, x.size, *geo)
+        tm.elementwise_kernels_for(x.dtype).binary(
+            _nd(grad_out), _nd(scale), _nd(grad_x), tm.OP_MUL, x.size, *geo
+        )
     _column_grads(grad_out, x, None, None, grad_scale, grad_bias)
 
 
@@ -652,7 +702,7 @@ def linear_act_backward(
     if grad_pre is None:
         grad_pre = _new((rows, cols), x.dtype)
     partial = _new((chunks, cols), np.float32) if grad_b is not None else None
-    kernels_for(x.dtype).bias_act_backward(
+    activation_kernels_for(x.dtype).bias_act_backward(
         _optional(pre, x.dtype),
         _nd(grad_out),
         _nd(grad_pre),
@@ -726,7 +776,7 @@ def rms_norm_backward(
     if grad_weight is not None:
         chunks = _chunks(rows)
         partial = _new((chunks, cols), np.float32)
-        kernels_for(x.dtype).rms_weight_partials(
+        column_kernels_for(x.dtype).rms_weight_partials(
             _nd(grad_out), _nd(x), _nd(rstd), _nd(partial), rows, cols, chunks
         )
         tm.sum_rows_into(partial, grad_weight, chunks, cols)
@@ -744,7 +794,7 @@ def embedding_backward(indices: Any, grad_out: Any, grad_weight: Any, padding_id
     starts = _new((vocab + 1,), np.int32)
     block_sums = _new((-(-vocab // SCAN_BLOCK),), np.int32)
     order = _new((max(n, 1),), np.int32)
-    kernels_for(grad_weight.dtype).embedding_backward(
+    embedding_kernels_for(grad_weight.dtype).embedding_backward(
         _nd(indices) if n else _optional(None, np.int32),
         _nd(grad_out) if n else _optional(None, grad_weight.dtype),
         _nd(grad_weight),
@@ -768,7 +818,7 @@ def dropout_backward(grad_out: Any, grad_in: Any, p: float, seed: int) -> None:
 
 
 def mse_loss(input: Any, target: Any, out: Any, reduction: str) -> None:
-    k = kernels_for(input.dtype)
+    k = loss_kernels_for(input.dtype)
     n = input.size
     if reduction == "none":
         k.squared_error(_nd(input), _nd(target), _nd(out), n)
@@ -780,7 +830,7 @@ def mse_loss(input: Any, target: Any, out: Any, reduction: str) -> None:
 
 def mse_loss_backward(input: Any, target: Any, grad_out: Any, grad_in: Any, reduction: str) -> None:
     per_element, factor = _reduction_scale(grad_out, reduction, input.size)
-    kernels_for(input.dtype).mse_backward(
+    loss_kernels_for(input.dtype).mse_backward(
         _nd(input), _nd(target), _nd(grad_out), _nd(grad_in), input.size, per_element, factor
     )
 
@@ -802,6 +852,6 @@ def cross_entropy_backward(
 ) -> None:
     rows, cols = logits.shape
     per_row, factor = _reduction_scale(grad_out, reduction, rows)
-    kernels_for(logits.dtype).cross_entropy_backward(
+    loss_kernels_for(logits.dtype).cross_entropy_backward(
         _nd(logits), _nd(target), _nd(lse), _nd(grad_out), _nd(grad_in), rows, cols, per_row, factor
     )

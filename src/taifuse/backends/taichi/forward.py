@@ -4,8 +4,10 @@ Every kernel takes flat 1-D ndarrays plus plain ints for the logical dimensions,
 object compiles exactly once per arch (ndarray arguments specialise on dtype and ndim only).
 float16 is storage, converted to float32 on load and back on store, except in the few kernels
 whose float16 arithmetic gives the float32 path's result bit for bit (NOTE [ float16 arithmetic in
-the elementwise kernels ]). The kernels are built per storage dtype by :func:`kernels_for` when
-first needed (Taichi must be running).
+the elementwise kernels ]). The kernels are built per storage dtype, one cached factory per op
+family (``elementwise_kernels_for``, ``linear_kernels_for``, ``row_kernels_for``,
+``embedding_kernels_for``), when first needed (Taichi must be running); the unary activations are
+one op-code kernel specialised per op (NOTE [ Op-code kernels ]).
 
 Rules these kernels follow (docs/backends.md, "Taichi and Metal"):
 
@@ -29,7 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from taifuse.backends import reference
-from taifuse.backends._spec import activation_code
+from taifuse.backends._spec import Activation, activation_code
 from taifuse.backends.taichi._runtime import (
     FLOAT_DTYPES,
     DeviceArray,
@@ -52,29 +54,45 @@ BLOCK_K = 16
 BLOCK_THREADS = (BLOCK_N // TILE_N) * (BLOCK_M // TILE_M)
 
 # ----------------------------------------------------------------------------- kernels
+#
+# One cached factory per op family, each building its kernels for one storage dtype when first
+# needed: elementwise (the unary and binary op-code kernels, affine, dropout), linear, rows
+# (softmax, log_softmax, layer_norm, rms_norm) and embedding.
+#
+# NOTE [ Op-code kernels ]
+# The unary activations are one kernel body, as numba's ``_unary_span``, specialised per op: the op
+# code is a compile-time constant (the factory's closure variable, read through ``ti.static``), so
+# each op compiles to its own kernel holding only its own arithmetic, with no branch on the op in
+# the element loop. Numba branches once per call, outside its loops; a runtime op argument here
+# would branch inside the element loop, Taichi's parallel loop. Not a ``ti.template()`` argument:
+# ``ti.aot.Module.add_kernel`` (metal_check) cannot instantiate a template beside ndarray
+# arguments, and one kernel object per op keeps one name per compiled kernel. add_relu and
+# mul_relu are the binary kernel's two ops the same way.
+
+# The unary kernel's ops, by kernel name (the names metal_check reports).
+UNARY_OPS = {
+    "gelu_erf": Activation.GELU,
+    "gelu_tanh": Activation.GELU_TANH,
+    "relu": Activation.RELU,
+    "leaky_relu": Activation.LEAKY_RELU,
+    "silu": Activation.SILU,
+    "sigmoid": Activation.SIGMOID,
+    "tanh": Activation.TANH,
+}
+# The binary kernel's ops: relu(a + b) and relu(a * b).
+BINARY_OPS = {"add_relu": 0, "mul_relu": 1}
+_ADD_RELU = BINARY_OPS["add_relu"]
 
 
 @functools.cache
-def kernels_for(dtype: np.dtype) -> SimpleNamespace:
-    """The kernel set for storage dtype ``dtype`` (float32 or float16), built once per process."""
+def elementwise_kernels_for(dtype: np.dtype) -> SimpleNamespace:
+    """The elementwise kernels (unary and binary activations, affine, dropout) for storage dtype
+    ``dtype`` (float32 or float16), built once per process."""
     ti = _import_taichi()
     from taifuse.backends.taichi import _math as M
 
     T = _ti_dtype(dtype)
-    ROW_THREADS = M.ROW_THREADS
     X = ti.types.ndarray(dtype=T, ndim=1)
-    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
-    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
-
-    @ti.kernel
-    def gelu_erf(x: X, out: X, n: ti.i32):
-        for i in range(n):
-            out[i] = ti.cast(M.gelu_erf(ti.cast(x[i], ti.f32)), T)
-
-    @ti.kernel
-    def gelu_tanh(x: X, out: X, n: ti.i32):
-        for i in range(n):
-            out[i] = ti.cast(M.gelu_tanh(ti.cast(x[i], ti.f32)), T)
 
     # NOTE [ float16 arithmetic in the elementwise kernels ]
     # On float16 data, relu, leaky_relu, add_relu, mul_relu and dropout compute in float16 (T), and
@@ -99,52 +117,59 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         zero = ti.cast(0.0, T)
         return ti.select(v < zero, zero, v)
 
-    @ti.kernel
-    def relu(x: X, out: X, n: ti.i32):
-        for i in range(n):
-            out[i] = relu_t(x[i])
+    @ti.func
+    def unary_f32(v: ti.f32, op: ti.template()) -> ti.f32:
+        # The float32 ops; op is a compile-time constant (NOTE [ Op-code kernels ]).
+        r = v
+        if ti.static(op == M.GELU):
+            r = M.gelu_erf(v)
+        elif ti.static(op == M.GELU_TANH):
+            r = M.gelu_tanh(v)
+        elif ti.static(op == M.SILU):
+            r = v * M.sigmoid(v)
+        elif ti.static(op == M.SIGMOID):
+            r = M.sigmoid(v)
+        elif ti.static(op == M.TANH):
+            r = M.tanh(v)
+        return r
 
-    @ti.kernel
-    def leaky_relu(x: X, out: X, n: ti.i32, slope: ti.f32, math16: ti.i32):
-        for i in range(n):
-            if math16 != 0:
-                v = x[i]
-                out[i] = ti.select(v > ti.cast(0.0, T), v, ti.cast(slope, T) * v)
-            else:
-                v = ti.cast(x[i], ti.f32)
-                out[i] = ti.cast(ti.select(v > 0.0, v, slope * v), T)
+    def make_unary(op: int):
+        @ti.kernel
+        def unary(x: X, out: X, n: ti.i32, slope: ti.f32, math16: ti.i32):
+            # slope and math16 are leaky_relu's (other ops ignore them); relu is a select, exact
+            # in the storage type on every arch.
+            for i in range(n):
+                if ti.static(op == M.RELU):
+                    out[i] = relu_t(x[i])
+                elif ti.static(op == M.LEAKY_RELU):
+                    if math16 != 0:
+                        v = x[i]
+                        out[i] = ti.select(v > ti.cast(0.0, T), v, ti.cast(slope, T) * v)
+                    else:
+                        v = ti.cast(x[i], ti.f32)
+                        out[i] = ti.cast(ti.select(v > 0.0, v, slope * v), T)
+                else:
+                    out[i] = ti.cast(unary_f32(ti.cast(x[i], ti.f32), op), T)
 
-    @ti.kernel
-    def silu(x: X, out: X, n: ti.i32):
-        for i in range(n):
-            v = ti.cast(x[i], ti.f32)
-            out[i] = ti.cast(v * M.sigmoid(v), T)
+        return unary
 
-    @ti.kernel
-    def sigmoid(x: X, out: X, n: ti.i32):
-        for i in range(n):
-            out[i] = ti.cast(M.sigmoid(ti.cast(x[i], ti.f32)), T)
+    @ti.func
+    def combine(u, v, op: ti.template()):
+        r = u * v
+        if ti.static(op == _ADD_RELU):
+            r = u + v
+        return r
 
-    @ti.kernel
-    def tanh(x: X, out: X, n: ti.i32):
-        for i in range(n):
-            out[i] = ti.cast(M.tanh(ti.cast(x[i], ti.f32)), T)
+    def make_binary(op: int):
+        @ti.kernel
+        def binary(a: X, b: X, out: X, n: ti.i32, math16: ti.i32):
+            for i in range(n):
+                if math16 != 0:
+                    out[i] = relu_t(combine(a[i], b[i], op))
+                else:
+                    out[i] = ti.cast(M.relu(combine(ti.cast(a[i], ti.f32), ti.cast(b[i], ti.f32), op)), T)
 
-    @ti.kernel
-    def add_relu(a: X, b: X, out: X, n: ti.i32, math16: ti.i32):
-        for i in range(n):
-            if math16 != 0:
-                out[i] = relu_t(a[i] + b[i])
-            else:
-                out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) + ti.cast(b[i], ti.f32)), T)
-
-    @ti.kernel
-    def mul_relu(a: X, b: X, out: X, n: ti.i32, math16: ti.i32):
-        for i in range(n):
-            if math16 != 0:
-                out[i] = relu_t(a[i] * b[i])
-            else:
-                out[i] = ti.cast(M.relu(ti.cast(a[i], ti.f32) * ti.cast(b[i], ti.f32)), T)
+        return binary
 
     @ti.kernel
     def affine(x: X, scale: X, bias: X, out: X, rows: ti.i32, cols: ti.i32):
@@ -161,6 +186,24 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                 out[i] = x[i] * ti.select(keep, ti.cast(scale, T), ti.cast(0.0, T))
             else:
                 out[i] = ti.cast(ti.cast(x[i], ti.f32) * ti.select(keep, scale, 0.0), T)
+
+    return SimpleNamespace(
+        **{name: make_unary(int(op)) for name, op in UNARY_OPS.items()},
+        **{name: make_binary(op) for name, op in BINARY_OPS.items()},
+        affine=affine,
+        dropout=dropout,
+    )
+
+
+@functools.cache
+def linear_kernels_for(dtype: np.dtype) -> SimpleNamespace:
+    """The fused linear kernels (register-tiled, and threadgroup-memory for the GPU archs) for
+    storage dtype ``dtype``, built once per process."""
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
 
     @ti.kernel
     def linear_act(
@@ -256,6 +299,22 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     if has_bias != 0:
                         v += ti.cast(b[m], ti.f32)
                     out[n * m_cols + m] = ti.cast(M.activate(v, act), T)
+
+    return SimpleNamespace(linear_act=linear_act, linear_act_shared=linear_act_shared)
+
+
+@functools.cache
+def row_kernels_for(dtype: np.dtype) -> SimpleNamespace:
+    """The row-reduction kernels (softmax and log_softmax, layer_norm, rms_norm: one thread per row,
+    and ``*_rows``, one block per row for the GPU archs) for storage dtype ``dtype``, built once
+    per process."""
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
+
+    T = _ti_dtype(dtype)
+    ROW_THREADS = M.ROW_THREADS
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
 
     @ti.kernel
     def softmax(x: X, out: X, a_dim: ti.i32, c_dim: ti.i32, b_dim: ti.i32, log: ti.i32):
@@ -416,6 +475,25 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     v *= ti.cast(weight[c], ti.f32)
                 out[r * cols + c] = ti.cast(v, T)
 
+    return SimpleNamespace(
+        softmax=softmax,
+        layer_norm=layer_norm,
+        softmax_rows=softmax_rows,
+        layer_norm_rows=layer_norm_rows,
+        rms_norm=rms_norm,
+        rms_norm_rows=rms_norm_rows,
+    )
+
+
+@functools.cache
+def embedding_kernels_for(dtype: np.dtype) -> SimpleNamespace:
+    """The embedding gather for storage dtype ``dtype``, built once per process."""
+    ti = _import_taichi()
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
+
     @ti.kernel
     def embedding(indices: I32, weight: X, out: X, n: ti.i32, cols: ti.i32, vocab: ti.i32):
         # One thread per output element, a row gather. An index outside [0, vocab) (possible only for
@@ -427,53 +505,37 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
             else:
                 out[i] = ti.cast(ti.math.nan, T)
 
-    return SimpleNamespace(
-        gelu_erf=gelu_erf,
-        gelu_tanh=gelu_tanh,
-        relu=relu,
-        leaky_relu=leaky_relu,
-        silu=silu,
-        sigmoid=sigmoid,
-        tanh=tanh,
-        add_relu=add_relu,
-        mul_relu=mul_relu,
-        affine=affine,
-        dropout=dropout,
-        linear_act=linear_act,
-        linear_act_shared=linear_act_shared,
-        softmax=softmax,
-        layer_norm=layer_norm,
-        softmax_rows=softmax_rows,
-        layer_norm_rows=layer_norm_rows,
-        rms_norm=rms_norm,
-        rms_norm_rows=rms_norm_rows,
-        embedding=embedding,
-    )
+    return SimpleNamespace(embedding=embedding)
+
+
+# The families, in the order all_kernels lists them.
+_FAMILIES = (elementwise_kernels_for, linear_kernels_for, row_kernels_for, embedding_kernels_for)
 
 
 def all_kernels() -> list[tuple[str, object]]:
     """Every (name, kernel) pair the forward wrappers may launch, in every dtype specialisation."""
     pairs = []
     for dtype in FLOAT_DTYPES:
-        for name, kernel in vars(kernels_for(dtype)).items():
-            pairs.append((f"{name}_{dtype.name}", kernel))
+        for family in _FAMILIES:
+            for name, kernel in vars(family(dtype)).items():
+                pairs.append((f"{name}_{dtype.name}", kernel))
     return pairs
 
 
 # ----------------------------------------------------------------------------- wrappers
+# ----------------------------------------------------------------------------- wrappers
 
 
-def _k(arr: DeviceArray) -> SimpleNamespace:
-    return kernels_for(arr.dtype)
+def _unary(name: str, x: DeviceArray, out: DeviceArray, slope: float = 0.0, math16: int = 0) -> None:
+    getattr(elementwise_kernels_for(x.dtype), name)(_nd(x), _nd(out), x.size, slope, math16)
 
 
 def gelu(x: DeviceArray, out: DeviceArray, approximate: str) -> None:
-    k = _k(x)
-    (k.gelu_tanh if approximate == "tanh" else k.gelu_erf)(_nd(x), _nd(out), x.size)
+    _unary("gelu_tanh" if approximate == "tanh" else "gelu_erf", x, out)
 
 
 def relu(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).relu(_nd(x), _nd(out), x.size)
+    _unary("relu", x, out)
 
 
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -496,32 +558,32 @@ def _math16(dtype: np.dtype, multiplier: float = 1.0) -> int:
 
 def leaky_relu(x: DeviceArray, out: DeviceArray, negative_slope: float) -> None:
     slope = float(negative_slope)
-    _k(x).leaky_relu(_nd(x), _nd(out), x.size, slope, _math16(x.dtype, slope))
+    _unary("leaky_relu", x, out, slope, _math16(x.dtype, slope))
 
 
 def silu(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).silu(_nd(x), _nd(out), x.size)
+    _unary("silu", x, out)
 
 
 def sigmoid(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).sigmoid(_nd(x), _nd(out), x.size)
+    _unary("sigmoid", x, out)
 
 
 def tanh(x: DeviceArray, out: DeviceArray) -> None:
-    _k(x).tanh(_nd(x), _nd(out), x.size)
+    _unary("tanh", x, out)
 
 
 def add_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
-    _k(a).add_relu(_nd(a), _nd(b), _nd(out), a.size, _math16(a.dtype))
+    elementwise_kernels_for(a.dtype).add_relu(_nd(a), _nd(b), _nd(out), a.size, _math16(a.dtype))
 
 
 def mul_relu(a: DeviceArray, b: DeviceArray, out: DeviceArray) -> None:
-    _k(a).mul_relu(_nd(a), _nd(b), _nd(out), a.size, _math16(a.dtype))
+    elementwise_kernels_for(a.dtype).mul_relu(_nd(a), _nd(b), _nd(out), a.size, _math16(a.dtype))
 
 
 def affine(x: DeviceArray, scale: DeviceArray, bias: DeviceArray, out: DeviceArray) -> None:
     rows, cols = x.shape
-    _k(x).affine(_nd(x), _nd(scale), _nd(bias), _nd(out), rows, cols)
+    elementwise_kernels_for(x.dtype).affine(_nd(x), _nd(scale), _nd(bias), _nd(out), rows, cols)
 
 
 def linear_act(
@@ -545,7 +607,7 @@ def linear_act(
         return
     n_rows, k_dim = x.shape
     m_cols = w.shape[0]
-    kernels = _k(x)
+    kernels = linear_kernels_for(x.dtype)
     kernel = kernels.linear_act_shared if _on_gpu() else kernels.linear_act
     # With k_dim = 0, x and w are empty (no storage) and the kernels' K loops read nothing: a
     # stand-in gets them launched, and out is activation(bias), or zeros without a bias.
@@ -563,12 +625,12 @@ def linear_act(
 
 
 def softmax(x: DeviceArray, out: DeviceArray) -> None:
-    k = _k(x)
+    k = row_kernels_for(x.dtype)
     (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 0)
 
 
 def log_softmax(x: DeviceArray, out: DeviceArray) -> None:
-    k = _k(x)
+    k = row_kernels_for(x.dtype)
     (k.softmax_rows if _on_gpu() else k.softmax)(_nd(x), _nd(out), *x.shape, 1)
 
 
@@ -582,7 +644,7 @@ def layer_norm(
     rstd: DeviceArray,
 ) -> None:
     rows, cols = x.shape
-    k = _k(x)
+    k = row_kernels_for(x.dtype)
     (k.layer_norm_rows if _on_gpu() else k.layer_norm)(
         _nd(x),
         _optional(weight, x.dtype),
@@ -602,7 +664,7 @@ def rms_norm(
     x: DeviceArray, weight: DeviceArray | None, eps: float, out: DeviceArray, rstd: DeviceArray
 ) -> None:
     rows, cols = x.shape
-    k = _k(x)
+    k = row_kernels_for(x.dtype)
     (k.rms_norm_rows if _on_gpu() else k.rms_norm)(
         _nd(x),
         _optional(weight, x.dtype),
@@ -618,12 +680,14 @@ def rms_norm(
 def embedding(indices: DeviceArray, weight: DeviceArray, out: DeviceArray) -> None:
     """See the reference's embedding; ``indices`` is an int32 DeviceArray (NOTE [ Class indices on the device ])."""
     vocab, cols = weight.shape
-    _k(weight).embedding(_nd(indices), _nd(weight), _nd(out), indices.size, cols, vocab)
+    embedding_kernels_for(weight.dtype).embedding(
+        _nd(indices), _nd(weight), _nd(out), indices.size, cols, vocab
+    )
 
 
 def dropout(x: DeviceArray, out: DeviceArray, p: float, seed: int) -> None:
     # Key, threshold and scale come from the reference, so the mask is bit-identical to it.
-    _k(x).dropout(
+    elementwise_kernels_for(x.dtype).dropout(
         _nd(x),
         _nd(out),
         x.size,

@@ -70,19 +70,43 @@ def _new(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- kernels
+#
+# One cached factory per op family, each building its kernels for one storage dtype when first
+# needed: elementwise, reductions, matmul, views and indices. The strided-offset ti.func they all
+# index with is built once, by _strided.
 
 
 @functools.cache
-def kernels_for(dtype: Any) -> SimpleNamespace:
-    """The tensor-math kernels for storage dtype ``dtype`` (float32 or float16), built once per process."""
+def _strided() -> SimpleNamespace:
+    """``V``, the padded shape/strides vector type, and ``offset``, the ti.func that places a flat
+    index in a strided operand (NOTE [ Strided views in kernels ]); shared by every family."""
+    ti = _import_taichi()
+    V = ti.types.vector(MAX_DIMS, ti.i32)
+
+    @ti.func
+    def offset(i: ti.i32, shape: V, strides: V) -> ti.i32:
+        # Position of flat (C-order) index i of `shape` in an operand with `strides`.
+        off = 0
+        rem = i
+        for d in ti.static(range(MAX_DIMS - 1, -1, -1)):
+            off += (rem % shape[d]) * strides[d]
+            rem = rem // shape[d]
+        return off
+
+    return SimpleNamespace(V=V, offset=offset)
+
+
+@functools.cache
+def elementwise_kernels_for(dtype: Any) -> SimpleNamespace:
+    """Elementwise kernels (arithmetic, pow, abs, exp/log/sqrt, fill, casts) for storage dtype
+    ``dtype`` (float32 or float16), built once per process."""
     ti = _import_taichi()
     from taifuse.backends.taichi import _math as M
 
     T = _ti_dtype(dtype)
     X = ti.types.ndarray(dtype=T, ndim=1)
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
-    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
-    V = ti.types.vector(MAX_DIMS, ti.i32)
+    V, _offset = _strided().V, _strided().offset
 
     @ti.func
     def _apply(op: ti.i32, u: ti.f32, v: ti.f32) -> ti.f32:
@@ -102,16 +126,6 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
         else:
             r = ti.select(u == v, 1.0, 0.0)
         return r
-
-    @ti.func
-    def _offset(i: ti.i32, shape: V, strides: V) -> ti.i32:
-        # Position of flat (C-order) index i of `shape` in an operand with `strides`.
-        off = 0
-        rem = i
-        for d in ti.static(range(MAX_DIMS - 1, -1, -1)):
-            off += (rem % shape[d]) * strides[d]
-            rem = rem // shape[d]
-        return off
 
     @ti.kernel
     def binary_flat(a: X, b: X, out: X, op: ti.i32, n: ti.i32):
@@ -166,11 +180,6 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             out[i] = ti.cast(ti.abs(ti.cast(a[i], ti.f32)), T)
 
     @ti.kernel
-    def gather(a: X, out: X, n: ti.i32, shape: V, sa: V):
-        for i in range(n):
-            out[i] = a[_offset(i, shape, sa)]
-
-    @ti.kernel
     def fill(out: X, value: ti.f32, n: ti.i32):
         for i in range(n):
             out[i] = ti.cast(value, T)
@@ -184,6 +193,52 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
     def cast_to_f32(src: X, out: F32, n: ti.i32):
         for i in range(n):
             out[i] = ti.cast(src[i], ti.f32)
+
+    @ti.kernel
+    def unary(a: X, out: X, n: ti.i32, op: ti.i32):
+        # NumPy's results outside the domain (a GPU's log and sqrt of a negative are undefined).
+        for i in range(n):
+            u = ti.cast(a[i], ti.f32)
+            r = ti.math.nan
+            if op == UNARY_EXP:
+                r = ti.exp(u)
+            elif op == UNARY_LOG:
+                if u > 0.0:
+                    r = ti.log(u)
+                elif u == 0.0:
+                    r = -ti.math.inf
+            elif u >= 0.0:
+                r = ti.sqrt(u)
+            if M.is_nan(u):
+                r = ti.math.nan
+            out[i] = ti.cast(r, T)
+
+    return SimpleNamespace(
+        binary_flat=binary_flat,
+        binary=binary,
+        binary_scalar=binary_scalar,
+        inplace=inplace,
+        inplace_scalar=inplace_scalar,
+        pow_scalar=pow_scalar,
+        abs=abs_,
+        fill=fill,
+        cast_from_f32=cast_from_f32,
+        cast_to_f32=cast_to_f32,
+        unary=unary,
+    )
+
+
+@functools.cache
+def reduce_kernels_for(dtype: Any) -> SimpleNamespace:
+    """Sum and max reduction passes (NOTE [ Loop limits in reductions ]) for storage dtype
+    ``dtype``, built once per process: float32 partials from, into, or the storage type."""
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
+    V, _offset = _strided().V, _strided().offset
 
     def make_reduce(IN, OUT, OUT_T, is_max):
         @ti.kernel
@@ -217,6 +272,25 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                 out[t] = ti.cast(s * scale, OUT_T)
 
         return reduce
+
+    return SimpleNamespace(
+        reduce_to_f32=make_reduce(X, F32, ti.f32, False),
+        reduce_from_f32=make_reduce(F32, X, T, False),
+        reduce_same=make_reduce(X, X, T, False),
+        max_to_f32=make_reduce(X, F32, ti.f32, True),
+        max_from_f32=make_reduce(F32, X, T, True),
+        max_same=make_reduce(X, X, T, True),
+    )
+
+
+@functools.cache
+def matmul_kernels_for(dtype: Any) -> SimpleNamespace:
+    """The batched, strided matmul for storage dtype ``dtype``, built once per process."""
+    ti = _import_taichi()
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    V, _offset = _strided().V, _strided().offset
 
     @ti.kernel
     def matmul(
@@ -265,7 +339,25 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
                 if n0 + i < n_rows and m0 + j < m_cols:
                     out[(p * n_rows + n0 + i) * m_cols + m0 + j] = ti.cast(acc[i, j], T)
 
-    # -- views and indices (NOTE [ Views copy ] in taifuse/tensor.py)
+    return SimpleNamespace(matmul=matmul)
+
+
+@functools.cache
+def index_kernels_for(dtype: Any) -> SimpleNamespace:
+    """View and index kernels (gather, scatter, take, masked_fill, first_index; NOTE [ Views copy ]
+    in taifuse/tensor.py) for storage dtype ``dtype``, built once per process."""
+    ti = _import_taichi()
+    from taifuse.backends.taichi import _math as M
+
+    T = _ti_dtype(dtype)
+    X = ti.types.ndarray(dtype=T, ndim=1)
+    I32 = ti.types.ndarray(dtype=ti.i32, ndim=1)
+    V, _offset = _strided().V, _strided().offset
+
+    @ti.kernel
+    def gather(a: X, out: X, n: ti.i32, shape: V, sa: V):
+        for i in range(n):
+            out[i] = a[_offset(i, shape, sa)]
 
     @ti.kernel
     def gather_at(a: X, out: X, n: ti.i32, offset: ti.i32, shape: V, sa: V):
@@ -333,25 +425,6 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             out[i] = v
 
     @ti.kernel
-    def unary(a: X, out: X, n: ti.i32, op: ti.i32):
-        # NumPy's results outside the domain (a GPU's log and sqrt of a negative are undefined).
-        for i in range(n):
-            u = ti.cast(a[i], ti.f32)
-            r = ti.math.nan
-            if op == UNARY_EXP:
-                r = ti.exp(u)
-            elif op == UNARY_LOG:
-                if u > 0.0:
-                    r = ti.log(u)
-                elif u == 0.0:
-                    r = -ti.math.inf
-            elif u >= 0.0:
-                r = ti.sqrt(u)
-            if M.is_nan(u):
-                r = ti.math.nan
-            out[i] = ti.cast(r, T)
-
-    @ti.kernel
     def first_index(
         a: X, values: X, index: I32, n_out: ti.i32, r_len: ti.i32, inner: ti.i32, r0: ti.i32, r1: ti.i32,
     ):  # fmt: skip
@@ -383,42 +456,29 @@ def kernels_for(dtype: Any) -> SimpleNamespace:
             out[i] = v
 
     return SimpleNamespace(
-        binary_flat=binary_flat,
-        binary=binary,
-        binary_scalar=binary_scalar,
-        inplace=inplace,
-        inplace_scalar=inplace_scalar,
-        pow_scalar=pow_scalar,
-        abs=abs_,
         gather=gather,
-        fill=fill,
-        cast_from_f32=cast_from_f32,
-        cast_to_f32=cast_to_f32,
-        reduce_to_f32=make_reduce(X, F32, ti.f32, False),
-        reduce_from_f32=make_reduce(F32, X, T, False),
-        reduce_same=make_reduce(X, X, T, False),
-        max_to_f32=make_reduce(X, F32, ti.f32, True),
-        max_from_f32=make_reduce(F32, X, T, True),
-        max_same=make_reduce(X, X, T, True),
-        matmul=matmul,
         gather_at=gather_at,
         scatter_at=scatter_at,
         scatter_add_at=scatter_add_at,
         take=take,
         take_backward=take_backward,
         masked_fill=masked_fill,
-        unary=unary,
         first_index=first_index,
         scatter_dim=scatter_dim,
     )
+
+
+# The families, in the order all_kernels lists them.
+_FAMILIES = (elementwise_kernels_for, reduce_kernels_for, matmul_kernels_for, index_kernels_for)
 
 
 def all_kernels() -> list:
     """Every (name, kernel) pair TaichiMath may launch, for ``metal_check``."""
     pairs = []
     for dtype in FLOAT_DTYPES:
-        for name, kernel in vars(kernels_for(dtype)).items():
-            pairs.append((f"tm_{name}_{dtype.name}", kernel))
+        for family in _FAMILIES:
+            for name, kernel in vars(family(dtype)).items():
+                pairs.append((f"tm_{name}_{dtype.name}", kernel))
     return pairs
 
 
@@ -510,12 +570,12 @@ def reduce_into(
     src = x
     while True:
         chunks = -(-r_total // REDUCE_CHUNK)
-        src_k = kernels_for(src.dtype)
+        src_k = reduce_kernels_for(src.dtype)
         if chunks == 1:
             if src.dtype == out.dtype:
                 kernel = src_k.max_same if take_max else src_k.reduce_same
             else:  # float32 partials into a float16 result
-                out_k = kernels_for(out.dtype)
+                out_k = reduce_kernels_for(out.dtype)
                 kernel = out_k.max_from_f32 if take_max else out_k.reduce_from_f32
             kernel(_nd(src), _nd(out), n_out, 1, r_total, kshape, kstride, rshape, rstride, float(scale))
             return
@@ -557,9 +617,9 @@ class TaichiMath:
         out = _new(a.shape, dtype)
         if out.size:
             if dtype == np.float32:
-                kernels_for(a.dtype).cast_to_f32(_nd(a), _nd(out), out.size)
+                elementwise_kernels_for(a.dtype).cast_to_f32(_nd(a), _nd(out), out.size)
             else:
-                kernels_for(dtype).cast_from_f32(_nd(a), _nd(out), out.size)
+                elementwise_kernels_for(dtype).cast_from_f32(_nd(a), _nd(out), out.size)
         return out
 
     @staticmethod
@@ -575,7 +635,9 @@ class TaichiMath:
             arr, s, reverse = (a, b, 0) if _is_number(b) else (b, a, 1)
             out = _new(arr.shape, arr.dtype)
             if out.size:
-                kernels_for(arr.dtype).binary_scalar(_nd(arr), float(s), _nd(out), op, out.size, reverse)
+                elementwise_kernels_for(arr.dtype).binary_scalar(
+                    _nd(arr), float(s), _nd(out), op, out.size, reverse
+                )
             return out
         if a.dtype != b.dtype:
             raise TypeError(f"operands have dtypes {a.dtype} and {b.dtype}")
@@ -583,7 +645,7 @@ class TaichiMath:
         out = _new(shape, a.dtype)
         if not out.size:
             return out
-        k = kernels_for(a.dtype)
+        k = elementwise_kernels_for(a.dtype)
         if a.shape == b.shape:
             k.binary_flat(_nd(a), _nd(b), _nd(out), op, out.size)
         else:
@@ -628,7 +690,7 @@ class TaichiMath:
         _require_float("abs", ("operand", a))
         out = _new(a.shape, a.dtype)
         if out.size:
-            kernels_for(a.dtype).abs(_nd(a), _nd(out), out.size)
+            elementwise_kernels_for(a.dtype).abs(_nd(a), _nd(out), out.size)
         return out
 
     @staticmethod
@@ -643,7 +705,7 @@ class TaichiMath:
                 mode = POW_ODD if int(e) % 2 else POW_EVEN
             else:
                 mode = POW_FRACTIONAL
-            kernels_for(a.dtype).pow_scalar(_nd(a), e, _nd(out), out.size, mode)
+            elementwise_kernels_for(a.dtype).pow_scalar(_nd(a), e, _nd(out), out.size, mode)
         return out
 
     @staticmethod
@@ -691,7 +753,7 @@ class TaichiMath:
         if not out.size:
             return out
         if not a.size:  # a sum over nothing is 0
-            kernels_for(a.dtype).fill(_nd(out), 0.0, out.size)
+            elementwise_kernels_for(a.dtype).fill(_nd(out), 0.0, out.size)
             return out
         strides = _contiguous_strides(a.shape)
         reduce_into(
@@ -718,7 +780,7 @@ class TaichiMath:
         if out.size:
             strides = _contiguous_strides(a.shape)
             geo = _merge(shape, tuple(strides[d] for d in axes))
-            kernels_for(a.dtype).gather(_nd(a), _nd(out), out.size, *geo)
+            index_kernels_for(a.dtype).gather(_nd(a), _nd(out), out.size, *geo)
         return out
 
     @staticmethod
@@ -732,14 +794,14 @@ class TaichiMath:
         out = _new(shape, a.dtype)
         if out.size:
             geo = _merge(shape, _broadcast_strides(a.shape, shape))
-            kernels_for(a.dtype).gather(_nd(a), _nd(out), out.size, *geo)
+            index_kernels_for(a.dtype).gather(_nd(a), _nd(out), out.size, *geo)
         return out
 
     @staticmethod
     def full(shape: tuple[int, ...], value: float, dtype: Any) -> Any:
         out = _new(shape, dtype)
         if out.size:
-            kernels_for(out.dtype).fill(_nd(out), float(value), out.size)
+            elementwise_kernels_for(out.dtype).fill(_nd(out), float(value), out.size)
         return out
 
     @staticmethod
@@ -747,7 +809,7 @@ class TaichiMath:
         _require_float("copy", ("operand", a))
         out = _new(a.shape, a.dtype)
         if out.size:
-            kernels_for(a.dtype).binary_scalar(_nd(a), 1.0, _nd(out), OP_MUL, out.size, 0)
+            elementwise_kernels_for(a.dtype).binary_scalar(_nd(a), 1.0, _nd(out), OP_MUL, out.size, 0)
         return out
 
     @staticmethod
@@ -755,7 +817,7 @@ class TaichiMath:
         _require_float(f"in-place {_OP_NAMES[op]}", ("tensor updated", acc), ("operand", a))
         if not acc.size:
             return
-        k = kernels_for(acc.dtype)
+        k = elementwise_kernels_for(acc.dtype)
         if _is_number(a):
             k.inplace_scalar(_nd(acc), float(a), op, acc.size)
             return
@@ -783,7 +845,7 @@ class TaichiMath:
         if not acc.size:
             return
         if acc.dtype.kind == "f":
-            kernels_for(acc.dtype).fill(_nd(acc), float(value), acc.size)
+            elementwise_kernels_for(acc.dtype).fill(_nd(acc), float(value), acc.size)
         else:  # int32 class indices: a store, not arithmetic (NOTE [ No integer arithmetic ]); Taichi's own fill
             _nd(acc).fill(int(value))
 
@@ -796,7 +858,7 @@ class TaichiMath:
         out = _new(shape, a.dtype)
         if out.size:
             geo = _merge(tuple(shape), tuple(strides))
-            kernels_for(a.dtype).gather_at(_nd(a), _nd(out), out.size, int(offset), *geo)
+            index_kernels_for(a.dtype).gather_at(_nd(a), _nd(out), out.size, int(offset), *geo)
         return out
 
     @staticmethod
@@ -807,7 +869,7 @@ class TaichiMath:
             raise TypeError(f"scatter: operand has dtype {src.dtype}, the array {out.dtype}")
         if src.size:
             geo = _merge(tuple(src.shape), tuple(strides))
-            kernels_for(out.dtype).scatter_at(_nd(src), _nd(out), src.size, int(offset), *geo)
+            index_kernels_for(out.dtype).scatter_at(_nd(src), _nd(out), src.size, int(offset), *geo)
 
     @staticmethod
     def scatter_add_strided_(out: Any, src: Any, strides: tuple[int, ...], offset: int) -> None:
@@ -817,7 +879,7 @@ class TaichiMath:
             raise TypeError(f"scatter: operand has dtype {src.dtype}, the array {out.dtype}")
         if src.size:
             geo = _merge(tuple(src.shape), tuple(strides))
-            kernels_for(out.dtype).scatter_add_at(_nd(src), _nd(out), src.size, int(offset), *geo)
+            index_kernels_for(out.dtype).scatter_add_at(_nd(src), _nd(out), src.size, int(offset), *geo)
 
     @staticmethod
     def take(a: Any, index: Any, axis: int) -> Any:
@@ -827,9 +889,9 @@ class TaichiMath:
         out = _new(a.shape[:axis] + index.shape + a.shape[axis + 1 :], a.dtype)
         if not out.size:
             return out
-        k = kernels_for(a.dtype)
+        k = index_kernels_for(a.dtype)
         if not a.size:  # every index is out of range
-            k.fill(_nd(out), math.nan, out.size)
+            elementwise_kernels_for(a.dtype).fill(_nd(out), math.nan, out.size)
             return out
         inner = math.prod(a.shape[axis + 1 :])
         k.take(_nd(a), _nd(index), _nd(out), out.size, index.size, inner, size)
@@ -843,9 +905,9 @@ class TaichiMath:
         out = _new(g.shape[:axis] + (size,) + g.shape[axis + index.ndim :], g.dtype)
         if not out.size:
             return out
-        k = kernels_for(g.dtype)
+        k = index_kernels_for(g.dtype)
         if not k_len:
-            k.fill(_nd(out), 0.0, out.size)
+            elementwise_kernels_for(g.dtype).fill(_nd(out), 0.0, out.size)
             return out
         inner = math.prod(g.shape[axis + index.ndim :])
         for k0 in range(0, k_len, INDEX_CHUNK):
@@ -861,7 +923,7 @@ class TaichiMath:
         out = _new(shape, a.dtype)
         if out.size:
             geo = _merge(shape, _broadcast_strides(a.shape, shape), _broadcast_strides(mask.shape, shape))
-            kernels_for(a.dtype).masked_fill(_nd(a), _nd(mask), _nd(out), out.size, float(value), *geo)
+            index_kernels_for(a.dtype).masked_fill(_nd(a), _nd(mask), _nd(out), out.size, float(value), *geo)
         return out
 
     @staticmethod
@@ -869,7 +931,7 @@ class TaichiMath:
         _require_float(name, ("operand", a))
         out = _new(a.shape, a.dtype)
         if out.size:
-            kernels_for(a.dtype).unary(_nd(a), _nd(out), out.size, op)
+            elementwise_kernels_for(a.dtype).unary(_nd(a), _nd(out), out.size, op)
         return out
 
     @staticmethod
@@ -897,7 +959,7 @@ class TaichiMath:
         r_len = a.shape[axis]
         inner = math.prod(a.shape[axis + 1 :])
         if index.size:
-            k = kernels_for(a.dtype)
+            k = index_kernels_for(a.dtype)
             for r0 in range(0, r_len, INDEX_CHUNK):
                 r1 = min(r0 + INDEX_CHUNK, r_len)
                 k.first_index(_nd(a), _nd(values), _nd(index), index.size, r_len, inner, r0, r1)
@@ -912,7 +974,7 @@ class TaichiMath:
         out = _new(g.shape[:axis] + (size,) + g.shape[axis + 1 :], g.dtype)
         if out.size:
             inner = math.prod(g.shape[axis + 1 :])
-            kernels_for(g.dtype).scatter_dim(_nd(g), _nd(index), _nd(out), out.size, size, inner)
+            index_kernels_for(g.dtype).scatter_dim(_nd(g), _nd(index), _nd(out), out.size, size, inner)
         return out
 
     @staticmethod
@@ -945,7 +1007,7 @@ def matmul_into(
     if not out.size:
         return
     if k == 0:  # an empty sum: zeros, and the operands are empty (no storage to launch with)
-        kernels_for(out.dtype).fill(_nd(out), 0.0, out.size)
+        elementwise_kernels_for(out.dtype).fill(_nd(out), 0.0, out.size)
         return
     batch = math.prod(batch_shape)
     # Batch strides come in units of whole matrices; the kernel wants elements.
@@ -954,7 +1016,7 @@ def matmul_into(
         tuple(s * ra * ca for s in a_batch_strides),
         tuple(s * rb * cb for s in b_batch_strides),
     )
-    kernels_for(out.dtype).matmul(
+    matmul_kernels_for(out.dtype).matmul(
         _nd(a), _nd(b), _nd(out), n, m, k, batch, bshape, sab, sbb, sa_n, sa_k, sb_k, sb_m
     )
 
