@@ -16,6 +16,7 @@ with ``|x|`` even where the result is tiny, and a dot product's error grows with
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import platform
@@ -183,14 +184,14 @@ def _unary(kernel: str, *extra: Any) -> Callable:
     return run
 
 
-def _ref_unary(op: str, x, **kw):
-    if op == "gelu":
-        return _unary("gelu", kw.get("approximate", "none"))(x)
-    if op == "leaky_relu":
-        slope = float(kw.get("negative_slope", 0.01))
-        out, scale = _unary("leaky_relu", slope)(x)
-        return out, scale * max(1.0, abs(slope))
-    return _unary(op)(x)
+def _ref_gelu(x, approximate="none"):
+    return _unary("gelu", approximate)(x)
+
+
+def _ref_leaky_relu(x, negative_slope=0.01):
+    slope = float(negative_slope)
+    out, scale = _unary("leaky_relu", slope)(x)
+    return out, scale * max(1.0, abs(slope))
 
 
 def _ref_binary(op: str, a, b):
@@ -200,6 +201,10 @@ def _ref_binary(op: str, a, b):
     getattr(R, op)(a, b, out)
     scale = np.abs(a) + np.abs(b) if op == "add_relu" else np.abs(a * b)
     return out, np.maximum(1.0, scale)
+
+
+_ref_add_relu = functools.partial(_ref_binary, "add_relu")
+_ref_mul_relu = functools.partial(_ref_binary, "mul_relu")
 
 
 def _ref_affine(x, scale, bias):
@@ -247,6 +252,10 @@ def _ref_softmax_like(op: str, x, dim=-1):
     else:
         scale = 1.0 + spread + math.log(max(view[1], 1))
     return out.reshape(x.shape), scale.reshape(x.shape)
+
+
+_ref_softmax = functools.partial(_ref_softmax_like, "softmax")
+_ref_log_softmax = functools.partial(_ref_softmax_like, "log_softmax")
 
 
 def _ref_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -301,23 +310,17 @@ def _ref_embedding(input, weight, padding_idx=None):
 
 
 def reference(op: str, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 result, scale) of ``taifuse.functional.<op>(*args, **kwargs)`` per backends/reference."""
-    if op in ("gelu", "relu", "leaky_relu", "silu", "sigmoid", "tanh"):
-        return _ref_unary(op, *args, **kwargs)
-    if op in ("add_relu", "mul_relu"):
-        return _ref_binary(op, *args)
-    if op == "affine":
-        return _ref_affine(*args)
-    if op == "linear":
-        return _ref_linear(*args, **kwargs)
-    if op in ("softmax", "log_softmax"):
-        return _ref_softmax_like(op, *args, **kwargs)
-    if op == "layer_norm":
-        return _ref_layer_norm(*args, **kwargs)
-    if op == "rms_norm":
-        return _ref_rms_norm(*args, **kwargs)
-    if op == "embedding":
-        return _ref_embedding(*args, **kwargs)
+    """(float64 result, scale) of ``taifuse.functional.<op>(*args, **kwargs)`` per backends/reference.
+
+    By the op's name: ``_ref_<op>`` above where the op takes more than its input (its arguments,
+    a reshape, its own error scale), else the reference kernel of that name as an elementwise
+    ``kernel(x, out)``.
+    """
+    by_name = globals().get(f"_ref_{op}")
+    if by_name is not None:
+        return by_name(*args, **kwargs)
+    if op in backends.KERNEL_NAMES:
+        return _unary(op)(*args, **kwargs)
     raise KeyError(f"no reference for {op!r}")
 
 

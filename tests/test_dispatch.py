@@ -20,6 +20,7 @@ from helpers import METAL_HOST
 import taifuse
 import taifuse.functional as F
 from taifuse import backends
+from taifuse.backends import _spec
 
 HEAVY_MODULES = ("numba", "llvmlite", "taichi", "torch")
 
@@ -391,3 +392,63 @@ def test_kernel_table_matches_reference(name):
         want = _shape_of(inspect.signature(getattr(ref, helper)))
         assert got == want, f"{name}.{helper} signature differs from the reference"
     assert callable(module.init)
+
+
+def _public_functions(module) -> set[str]:
+    """Public callables defined in ``module`` itself (not imported into it)."""
+    return {
+        n for n, v in vars(module).items()
+        if not n.startswith("_") and callable(v) and getattr(v, "__module__", None) == module.__name__
+    }  # fmt: skip
+
+
+def test_every_backend_provides_exactly_the_spec_kernels():
+    # Each table is built from _spec.KERNELS: every name it lists for a backend, defined in that
+    # backend's package (not borrowed from another backend), exported in __all__, and no other.
+    spec_names = {k.name for k in _spec.KERNELS}
+    defined: dict[str, set[str]] = {}  # public function name -> backends whose kernel modules define it
+    for name, module in _backend_modules():
+        want = set(_spec.kernel_names(name))
+        assert {n for n in module.__all__ if n in spec_names} == want, name
+        for kernel in sorted(want):
+            fn = getattr(module, kernel)
+            assert callable(fn), f"{name}.{kernel}"
+            assert fn.__module__.startswith(f"{module.__name__}."), f"{name}.{kernel}: {fn.__module__}"
+        for kernel in sorted(spec_names - want):
+            assert not hasattr(module, kernel), f"{name}.{kernel}: _spec does not list it for {name}"
+        for family in {k.module for k in _spec.KERNELS if name in k.backends}:
+            for fn_name in _public_functions(importlib.import_module(f"{module.__name__}.{family}")):
+                defined.setdefault(fn_name, set()).add(name)
+    # A function that two backends' kernel modules both define is a kernel: one _spec forgot would
+    # be absent from every table.
+    forgotten = sorted(n for n, where in defined.items() if len(where) > 1 and n not in spec_names)
+    assert not forgotten, f"kernels of several backends missing from backends/_spec.py: {forgotten}"
+
+
+def test_a_kernel_the_spec_lists_and_a_backend_lacks_fails_its_import(monkeypatch):
+    extra = _spec.Kernel("no_such_kernel", "forward", "forward", "no_such_kernel")
+    monkeypatch.setattr(_spec, "KERNELS", (*_spec.KERNELS, extra))
+    message = r"no kernel 'no_such_kernel'.*taifuse\.backends\.reference\.forward does not define it"
+    with pytest.raises(ImportError, match=message):
+        _spec.kernel_table("numpy", "taifuse.backends.reference")
+    # Not listed for a backend: not looked for there.
+    monkeypatch.setattr(_spec, "KERNELS", (*_spec.KERNELS[:-1], extra._replace(backends=("numba",))))
+    assert "no_such_kernel" not in _spec.kernel_table("numpy", "taifuse.backends.reference")
+
+
+def test_the_spec_lists_derive_from_its_table():
+    assert backends.KERNEL_NAMES + backends.BACKWARD_KERNEL_NAMES + backends.OPTIM_KERNEL_NAMES == tuple(
+        k.name for k in sorted(_spec.KERNELS, key=lambda k: ("forward", "backward", "optim").index(k.table))
+    )
+    assert len({k.name for k in _spec.KERNELS}) == len(_spec.KERNELS), "a kernel listed twice"
+    assert backends.BACKENDS == _spec.BACKENDS
+    assert all(set(k.backends) <= set(_spec.BACKENDS) and k.backends for k in _spec.KERNELS)
+
+
+def test_every_taichi_kernel_module_is_seen_by_metal_check():
+    # metal_check compiles taichi's all_kernels(), which asks every module _spec names for a taichi
+    # kernel: each must say which kernels it may launch.
+    pytest.importorskip("taichi")
+    for family in {k.module for k in _spec.KERNELS if "taichi" in k.backends}:
+        module = importlib.import_module(f"taifuse.backends.taichi.{family}")
+        assert callable(getattr(module, "all_kernels", None)), f"taichi/{family}.py has no all_kernels()"

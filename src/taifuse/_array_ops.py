@@ -23,6 +23,7 @@ import numpy as np
 
 from taifuse import _profile_hook, _random, backends, pool
 from taifuse._tensor_math import math_for
+from taifuse.backends import _spec
 from taifuse.backends._spec import ACTIVATIONS
 
 _APPROXIMATIONS = ("none", "tanh")
@@ -878,14 +879,11 @@ def _reduction_of_nothing(be: ModuleType, reduction: str, dtype: np.dtype) -> An
 
 # ----------------------------------------------------------------------------- profiler hook
 
-# The public ops, as taifuse.functional calls them on arrays (NOTE [ Profiler hooks ] in
-# taifuse/_profile_hook.py). An autograd forward that calls one of them is already being recorded,
+# The public ops, as taifuse.functional calls them on arrays: the functions that launch a kernel
+# of backends/_spec.py's table (its ``array_op``). NOTE [ Profiler hooks ] in
+# taifuse/_profile_hook.py: an autograd forward that calls one of them is already being recorded,
 # and the recorder does not record the nested call twice.
-PROFILED_OPS = (
-    "gelu", "relu", "leaky_relu", "silu", "sigmoid", "tanh", "add_relu", "mul_relu", "affine", "linear",
-    "softmax", "log_softmax", "layer_norm", "rms_norm", "embedding", "dropout",
-    "scaled_dot_product_attention", "mse_loss", "cross_entropy",
-)  # fmt: skip
+PROFILED_OPS = tuple(k.array_op for k in _spec.KERNELS if k.array_op is not None)
 
 
 def _profiled(name: str, fn: Any) -> Any:
@@ -898,5 +896,7 @@ def _profiled(name: str, fn: Any) -> Any:
 
 
 for _name in PROFILED_OPS:
+    if _name not in globals():
+        raise ImportError(f"backends/_spec.py names _array_ops.{_name} as a kernel's op, and there is none")
     globals()[_name] = _profiled(_name, globals()[_name])
 del _name

@@ -2,7 +2,8 @@
 
 Every backend package (``reference``, ``numba``, ``taichi``) exports the same names with the same
 signatures; :data:`KERNEL_NAMES` lists the kernels and :data:`ARRAY_API` the array helpers (the
-tables' names and the op codes live in ``_spec.py``). A test checks that the tables match.
+table of kernels, from which each backend builds its own, and the op codes live in ``_spec.py``).
+A test checks that the tables match.
 
 Selection, in order of precedence: :func:`use_backend` in the current thread, then
 :func:`set_backend` (for the whole process), then the environment variable ``TAIFUSE_BACKEND``
@@ -29,11 +30,11 @@ from typing import Any
 
 # The kernel tables' names live with the op codes in _spec.py (signatures: the reference backend).
 from taifuse.backends._spec import ARRAY_API as ARRAY_API
+from taifuse.backends._spec import BACKENDS as BACKENDS
 from taifuse.backends._spec import BACKWARD_KERNEL_NAMES as BACKWARD_KERNEL_NAMES
 from taifuse.backends._spec import KERNEL_NAMES as KERNEL_NAMES
 from taifuse.backends._spec import OPTIM_KERNEL_NAMES as OPTIM_KERNEL_NAMES
 
-BACKENDS = ("numpy", "numba", "taichi")
 TAICHI_ARCHES = ("metal", "vulkan", "cuda", "cpu")
 
 _MODULES = {

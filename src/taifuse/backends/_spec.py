@@ -1,63 +1,137 @@
-"""What every backend agrees on: the kernel tables' names and the elementwise op codes.
+"""What every backend agrees on: the one table of kernels, the array API and the elementwise op codes.
+
+``KERNELS`` is the one place a kernel's name is written (docs/architecture.md, "Adding an op"):
+each backend's table and ``__all__`` (:func:`kernel_table`), the dispatch's ``KERNEL_NAMES``,
+``BACKWARD_KERNEL_NAMES`` and ``OPTIM_KERNEL_NAMES``, the profiler's op set
+(``_array_ops.PROFILED_OPS``) and the kernel-table tests are derived from it.
 
 This module imports nothing of taifuse: the dispatch (``backends/__init__.py``), every backend
-package and the layers above read it. Signatures of the kernels are in the reference backend
+package and the layers above read it. :func:`kernel_table` imports a backend's own modules by
+name, for that backend's ``__init__``. Signatures of the kernels are in the reference backend
 (``backends/reference``), which is the specification.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
+from typing import Any, NamedTuple
 
-# Kernels every backend exports (forward ops).
-KERNEL_NAMES = (
-    "gelu",
-    "relu",
-    "leaky_relu",
-    "silu",
-    "sigmoid",
-    "tanh",
-    "add_relu",
-    "mul_relu",
-    "affine",
-    "linear_act",
-    "softmax",
-    "log_softmax",
-    "layer_norm",
-    "dropout",
-    "attention",
-    "rms_norm",
-    "embedding",
+# Every backend, by the name the dispatch selects it by.
+BACKENDS = ("numpy", "numba", "taichi")
+
+
+class Kernel(NamedTuple):
+    """One kernel of the backends' tables and what the layers that use it need to know."""
+
+    name: str
+    # Which list holds it: "forward" (KERNEL_NAMES), "backward" (BACKWARD_KERNEL_NAMES: a backward
+    # per differentiable op, and the losses with theirs) or "optim" (OPTIM_KERNEL_NAMES).
+    table: str
+    # The module of each backend package that defines it: backends/<backend>/<module>.py.
+    module: str
+    # The _array_ops function (taifuse.functional's op of that name) that launches it, which the
+    # profiler records (NOTE [ Profiler hooks ] in taifuse/_profile_hook.py); None for the kernels
+    # only an autograd backward or an optimizer calls.
+    array_op: str | None
+    # The backends whose table has it.
+    backends: tuple[str, ...] = BACKENDS
+
+
+def _forward(name: str, module: str = "forward", array_op: str | None = None) -> Kernel:
+    return Kernel(name, "forward", module, array_op or name)
+
+
+def _backward(name: str, module: str = "backward", array_op: str | None = None) -> Kernel:
+    return Kernel(name, "backward", module, array_op)
+
+
+def _optim(name: str) -> Kernel:
+    return Kernel(name, "optim", "optim", None)
+
+
+KERNELS: tuple[Kernel, ...] = (
+    # Forward kernels, each launched by the _array_ops function of its own name unless one is given.
+    _forward("gelu"),
+    _forward("relu"),
+    _forward("leaky_relu"),
+    _forward("silu"),
+    _forward("sigmoid"),
+    _forward("tanh"),
+    _forward("add_relu"),
+    _forward("mul_relu"),
+    _forward("affine"),
+    _forward("linear_act", array_op="linear"),
+    _forward("softmax"),
+    _forward("log_softmax"),
+    _forward("layer_norm"),
+    _forward("dropout"),
+    _forward("attention", "attention", array_op="scaled_dot_product_attention"),
+    _forward("rms_norm"),
+    _forward("embedding"),
+    # The autograd layer's kernels: a backward per differentiable op, and the losses with theirs.
+    _backward("gelu_backward"),
+    _backward("relu_backward"),
+    _backward("leaky_relu_backward"),
+    _backward("silu_backward"),
+    _backward("sigmoid_backward"),
+    _backward("tanh_backward"),
+    _backward("add_relu_backward"),
+    _backward("mul_relu_backward"),
+    _backward("affine_backward"),
+    _backward("linear_act_backward"),
+    _backward("softmax_backward"),
+    _backward("log_softmax_backward"),
+    _backward("layer_norm_backward"),
+    _backward("dropout_backward"),
+    _backward("attention_backward", "attention"),
+    _backward("mse_loss", array_op="mse_loss"),
+    _backward("mse_loss_backward"),
+    _backward("cross_entropy", array_op="cross_entropy"),
+    _backward("cross_entropy_backward"),
+    _backward("rms_norm_backward"),
+    _backward("embedding_backward"),
+    # Fused optimizer update kernels (taifuse.optim).
+    _optim("sgd_step"),
+    _optim("adam_step"),
+    _optim("lion_step"),
+    _optim("all_finite"),
+    _optim("unscale_check"),
 )
-# Kernels of the autograd layer (tensor.py): a backward per differentiable op, and the losses with
-# theirs.
-BACKWARD_KERNEL_NAMES = (
-    "gelu_backward",
-    "relu_backward",
-    "leaky_relu_backward",
-    "silu_backward",
-    "sigmoid_backward",
-    "tanh_backward",
-    "add_relu_backward",
-    "mul_relu_backward",
-    "affine_backward",
-    "linear_act_backward",
-    "softmax_backward",
-    "log_softmax_backward",
-    "layer_norm_backward",
-    "dropout_backward",
-    "attention_backward",
-    "mse_loss",
-    "mse_loss_backward",
-    "cross_entropy",
-    "cross_entropy_backward",
-    "rms_norm_backward",
-    "embedding_backward",
-)
-# Fused optimizer update kernels (taifuse.optim).
-OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite", "unscale_check")
+
+# The names of each list (the dispatch re-exports them).
+KERNEL_NAMES = tuple(k.name for k in KERNELS if k.table == "forward")
+BACKWARD_KERNEL_NAMES = tuple(k.name for k in KERNELS if k.table == "backward")
+OPTIM_KERNEL_NAMES = tuple(k.name for k in KERNELS if k.table == "optim")
 # Array helpers every backend exports.
 ARRAY_API = ("NAME", "init", "describe", "check_dtype", "is_array", "from_numpy", "to_numpy", "empty")
+
+
+def kernel_names(backend: str) -> tuple[str, ...]:
+    """The kernels ``backend``'s table holds, in ``KERNELS``' order."""
+    return tuple(k.name for k in KERNELS if backend in k.backends)
+
+
+def kernel_table(backend: str, package: str) -> dict[str, Any]:
+    """``backend``'s kernels by name, each from its module of ``package`` (the backend's package).
+
+    Each backend's ``__init__`` builds its table and ``__all__`` with this, so a kernel that
+    ``KERNELS`` lists and its module lacks is an ``ImportError`` naming both when the backend is
+    imported, never a name silently absent from the table.
+    """
+    table = {}
+    for kernel in KERNELS:
+        if backend not in kernel.backends:
+            continue
+        module = importlib.import_module(f"{package}.{kernel.module}")
+        fn = getattr(module, kernel.name, None)
+        if fn is None:
+            raise ImportError(
+                f"the {backend} backend has no kernel {kernel.name!r}: backends/_spec.py lists it "
+                f"in {kernel.module!r}, and {module.__name__} does not define it"
+            )
+        table[kernel.name] = fn
+    return table
 
 
 class Activation(enum.IntEnum):

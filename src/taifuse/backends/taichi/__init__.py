@@ -1,8 +1,8 @@
 """The Taichi backend: taifuse's kernels on Taichi's Metal arch (and Vulkan, CUDA or CPU).
 
-This module is the backend's table (``taifuse.backends.KERNEL_NAMES``, ``BACKWARD_KERNEL_NAMES``,
-``OPTIM_KERNEL_NAMES``, the array API and the pool's ``ALLOCATOR``); the code lives in the
-modules below it, which import in one direction only::
+This module is the backend's table (the kernels ``backends/_spec.py`` lists, each from the module
+it names, the array API and the pool's ``ALLOCATOR``); the code lives in the modules below it,
+which import in one direction only::
 
     _runtime      Taichi's init, DeviceArray, the array API, the pool's allocator, transfer counters
                   (imports nothing here)
@@ -19,6 +19,7 @@ only Metal's capabilities. Taichi is imported and initialised in :func:`init`, n
 time (NOTE [ Re-initialising Taichi ] in ``_runtime.py`` says what a re-initialisation does).
 """
 
+from taifuse.backends import _spec
 from taifuse.backends.taichi._runtime import (
     ALLOCATOR,
     INDEX_DTYPE,
@@ -35,49 +36,11 @@ from taifuse.backends.taichi._runtime import (
     to_numpy,
     transfer_stats,
 )
-from taifuse.backends.taichi.attention import attention, attention_backward
-from taifuse.backends.taichi.backward import (
-    add_relu_backward,
-    affine_backward,
-    cross_entropy,
-    cross_entropy_backward,
-    dropout_backward,
-    embedding_backward,
-    gelu_backward,
-    layer_norm_backward,
-    leaky_relu_backward,
-    linear_act_backward,
-    log_softmax_backward,
-    mse_loss,
-    mse_loss_backward,
-    mul_relu_backward,
-    relu_backward,
-    rms_norm_backward,
-    sigmoid_backward,
-    silu_backward,
-    softmax_backward,
-    tanh_backward,
-)
-from taifuse.backends.taichi.forward import (
-    add_relu,
-    affine,
-    dropout,
-    embedding,
-    gelu,
-    layer_norm,
-    leaky_relu,
-    linear_act,
-    log_softmax,
-    mul_relu,
-    relu,
-    rms_norm,
-    sigmoid,
-    silu,
-    softmax,
-    tanh,
-)
-from taifuse.backends.taichi.optim import adam_step, all_finite, lion_step, sgd_step, unscale_check
 from taifuse.backends.taichi.tensor_math import TENSOR_MATH
+
+# The kernels: every name backends/_spec.py lists, from the module it names.
+_KERNELS = _spec.kernel_table(NAME, __name__)
+globals().update(_KERNELS)
 
 __all__ = [
     "ALLOCATOR",
@@ -85,74 +48,28 @@ __all__ = [
     "NAME",
     "TENSOR_MATH",
     "DeviceArray",
-    "adam_step",
-    "add_relu",
-    "add_relu_backward",
-    "affine",
-    "affine_backward",
-    "all_finite",
     "all_kernels",
-    "attention",
-    "attention_backward",
     "check_dtype",
-    "cross_entropy",
-    "cross_entropy_backward",
     "describe",
-    "dropout",
-    "dropout_backward",
-    "embedding",
-    "embedding_backward",
     "empty",
     "from_numpy",
-    "gelu",
-    "gelu_backward",
     "init",
     "is_array",
-    "layer_norm",
-    "layer_norm_backward",
-    "leaky_relu",
-    "leaky_relu_backward",
-    "linear_act",
-    "linear_act_backward",
-    "lion_step",
-    "log_softmax",
-    "log_softmax_backward",
-    "mse_loss",
-    "mse_loss_backward",
-    "mul_relu",
-    "mul_relu_backward",
-    "relu",
-    "relu_backward",
     "reset_transfer_stats",
-    "rms_norm",
-    "rms_norm_backward",
-    "sgd_step",
-    "sigmoid",
-    "sigmoid_backward",
-    "silu",
-    "silu_backward",
-    "softmax",
-    "softmax_backward",
     "sync",
-    "tanh",
-    "tanh_backward",
     "to_numpy",
     "transfer_stats",
-    "unscale_check",
-]
+] + list(_KERNELS)
 
 
 def all_kernels() -> list[tuple[str, object]]:
     """Every (name, ti.kernel) pair the backend may launch, in every dtype specialisation (for
-    ``metal_check``); Taichi must be running."""
-    from taifuse.backends.taichi import _runtime, backward, forward, optim, tensor_math
-    from taifuse.backends.taichi.attention import all_kernels as attention_kernels
+    ``metal_check``): those of the runtime, the Tensor math and every module ``backends/_spec.py``
+    names for a kernel; Taichi must be running."""
+    import importlib
 
-    return (
-        _runtime.all_kernels()
-        + forward.all_kernels()
-        + tensor_math.all_kernels()
-        + backward.all_kernels()
-        + optim.all_kernels()
-        + attention_kernels()
-    )
+    kernel_modules = dict.fromkeys(k.module for k in _spec.KERNELS if NAME in k.backends)
+    pairs = []
+    for module in ("_runtime", "tensor_math", *kernel_modules):
+        pairs += importlib.import_module(f"{__name__}.{module}").all_kernels()
+    return pairs
