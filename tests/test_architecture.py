@@ -24,7 +24,7 @@ PACKAGE = "taifuse"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse.backends._spec", "taifuse._profile_hook", "taifuse._costs",
      "taifuse._autocast_state"),  # import nothing of taifuse
-    ("taifuse.backends._host", "taifuse.backends.reference"),
+    ("taifuse.backends._host", "taifuse.backends.reference", "taifuse._ceilings"),
     ("taifuse.backends",),  # the dispatch: the package's __init__ only (see _EXACT)
     ("taifuse.pool",),
     ("taifuse._random", "taifuse.backends.numba", "taifuse.backends.taichi", "taifuse.backends.metal_check",

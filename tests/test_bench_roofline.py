@@ -1,8 +1,8 @@
 """The roofline's ceilings and how rows are judged against them, on synthetic timings and fake caches.
 
-NOTE [ Traffic model ] and NOTE [ One ceiling per cache level ] in taifuse.bench.roofline say what
-is pinned here: rows and ceilings count bytes alike, each row meets the ceiling of its own level,
-and a row that moves no data meets none.
+NOTE [ Traffic model ] in taifuse._ceilings and NOTE [ One ceiling per cache level ] in
+taifuse.bench.roofline say what is pinned here: rows and ceilings count bytes alike, each row
+meets the ceiling of its own level, and a row that moves no data meets none.
 """
 
 from __future__ import annotations

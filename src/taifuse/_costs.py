@@ -5,7 +5,7 @@ Each function returns a :class:`Cost`: ``bytes_moved`` counts every input read a
 written once (the least an op can move), ``bytes_written`` the part of it that is written, and
 ``flops`` the floating-point operations of the op's matrix products (0 for an op whose elementwise
 work is not counted, which is then judged as memory-bound). The traffic the memory system sees is
-``traffic_bytes(bytes_moved, bytes_written)`` (NOTE [ Traffic model ] in taifuse/bench/roofline.py).
+``traffic_bytes(bytes_moved, bytes_written)`` (NOTE [ Traffic model ] in taifuse/_ceilings.py).
 This module imports nothing of taifuse, so that every layer may use it.
 """
 
@@ -33,7 +33,7 @@ class Cost(NamedTuple):
 
 
 def traffic_bytes(bytes_moved: int, bytes_written: int) -> int:
-    """Bytes the memory system moves for a kernel (NOTE [ Traffic model ] in taifuse/bench/roofline.py).
+    """Bytes the memory system moves for a kernel (NOTE [ Traffic model ] in taifuse/_ceilings.py).
 
     Args:
         bytes_moved: inputs read plus outputs written, each counted once.

@@ -35,7 +35,6 @@ import contextlib
 import enum
 import functools
 import inspect
-import itertools
 import json
 import math
 import os
@@ -50,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from taifuse import _costs, _profile_hook, backends
+from taifuse import _ceilings, _costs, _profile_hook, backends
 from taifuse._costs import Cost, traffic_bytes
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
@@ -68,13 +67,6 @@ __all__ = [
     "record_function",
     "schedule",
 ]
-
-# Working sets (source + destination bytes) of the measured copy ceilings: one per size class, so
-# that an op is judged against a copy of about its own size (NOTE [ One ceiling per cache level ] in
-# taifuse/bench/roofline.py: a step's small ops stream from cache, several times faster than DRAM,
-# and where the caches end differs between machines).
-COPY_WORKING_SETS = tuple(2**p for p in range(18, 29, 2))  # 256 KiB .. 256 MiB
-
 
 # ----------------------------------------------------------------------------- events
 
@@ -119,9 +111,10 @@ class ProfilerEvent:
 
 @dataclass(frozen=True)
 class Ceilings:
-    """What the machine can do: copy bandwidth by working set (``((bytes, GB/s of traffic), ...)``,
-    NOTE [ Traffic model ] in taifuse/bench/roofline.py), the GEMM rate (GFLOP/s) and the cost of
-    one op call that does no work (ns), with where they came from."""
+    """What the machine can do, as the profiler judges an op: copy bandwidth by working set
+    (``((bytes, GB/s of traffic), ...)``, NOTE [ Traffic model ] in taifuse/_ceilings.py), the GEMM
+    rate (GFLOP/s) and the cost of one op call that does no work (ns), with where they came from.
+    The copy and GEMM figures are ``taifuse._ceilings``'s, which ``taifuse bench`` measures with too."""
 
     copy: tuple[tuple[int, float], ...]
     gemm_gflops: float
@@ -136,45 +129,6 @@ class Ceilings:
             if working_set <= size:
                 return gbps, size
         return ordered[-1][1], ordered[-1][0]
-
-
-def _fastest_ns(fn: Callable[[], Any], repeats: int) -> float:
-    # The fastest of several passes: other work on the machine only ever slows a pass.
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        fn()
-        best = min(best, time.perf_counter_ns() - start)
-    return best
-
-
-def _threaded_copy_gbps(working_set: int) -> float:
-    # NOTE [ Traffic model ]: np.add(src, 0.0, out=dst) (ordinary stores), one chunk per CPU on
-    # its own thread, as the ceiling of taifuse bench; traffic = read + 2 x written.
-    n = working_set // 8
-    src = np.full(n, 1.5, dtype=np.float32)
-    dst = np.empty_like(src)
-    workers = max(
-        1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
-    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
-    chunks = [(src[lo:hi], dst[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
-    reps = max(1, (64 * 2**20) // working_set)
-
-    def copy() -> None:
-        def run(s: np.ndarray, d: np.ndarray) -> None:
-            for _ in range(reps):
-                np.add(s, 0.0, out=d)
-
-        threads = [threading.Thread(target=run, args=c) for c in chunks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    copy()
-    ns = _fastest_ns(copy, 5) / reps
-    return traffic_bytes(8 * n, 4 * n) / ns
 
 
 def _call_overhead_ns() -> float:
@@ -196,21 +150,16 @@ def _call_overhead_ns() -> float:
 def measure_ceilings() -> Ceilings:
     """The ceilings of this machine, measured once per process (a second or two) and cached.
 
-    Copy bandwidth at each of :data:`COPY_WORKING_SETS` (``taifuse bench``'s copy kernel: one
-    chunk per CPU on its own thread), the GEMM rate on ``taifuse bench``'s shape (4096x1024 @
-    1024x768 float32, NumPy's BLAS), each the fastest of five passes, and the per-call cost of a
-    1-element op on the active backend. A ``taifuse bench`` results file
-    (``profile(ceilings=path)``) gives figures measured with intervals instead.
+    Copy bandwidth at each of ``taifuse._ceilings.COPY_WORKING_SETS`` (256 KiB to 256 MiB,
+    ``taifuse bench``'s copy kernel: one chunk per CPU on its own thread), the GEMM rate on
+    ``taifuse bench``'s shape (4096x1024 @ 1024x768 float32, NumPy's BLAS), each the fastest of
+    five passes (``taifuse._ceilings.measured``), and the per-call cost of a 1-element op on the
+    active backend. A ``taifuse bench`` results file (``profile(ceilings=path)``) gives figures
+    measured with intervals instead.
     """
-    m, k, n = 4096, 1024, 768
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((m, k), dtype=np.float32)
-    w = rng.standard_normal((n, k), dtype=np.float32)
-    out = np.empty((m, n), np.float32)
-    np.matmul(x, w.T, out=out)
-    gemm = 2 * m * k * n / _fastest_ns(lambda: np.matmul(x, w.T, out=out), 5)
+    copy, gemm = _ceilings.measured()
     return Ceilings(
-        copy=tuple((size, _threaded_copy_gbps(size)) for size in COPY_WORKING_SETS),
+        copy=copy,
         gemm_gflops=gemm,
         call_overhead_ns=_call_overhead_ns(),
         source="measured in this process, fastest of 5 passes",
@@ -234,26 +183,8 @@ def roofline_from_results(path: str | os.PathLike) -> tuple[tuple[tuple[int, flo
 
     Raises ValueError naming ``path`` when it cannot be read, is not JSON, or holds no roofline rows.
     """
-    where = repr(os.fspath(path))
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"ceilings: cannot read {where}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"ceilings: {where} is not JSON (a taifuse bench results.json): {exc}") from None
-    copy, gemm = [], None
-    rows = data.get("rows", []) if isinstance(data, dict) else []
-    for row in rows if isinstance(rows, list) else []:
-        if not isinstance(row, dict) or row.get("kind") != "roofline" or row.get("value") is None:
-            continue
-        if row.get("id") == "roofline/gemm":
-            gemm = float(row["value"])
-        elif str(row.get("id", "")).startswith("roofline/copy-") and row.get("bytes_moved"):
-            copy.append((int(row["bytes_moved"]), float(row["value"])))
-    if gemm is None or not copy:
-        raise ValueError(f"ceilings: {where} holds no roofline rows (a taifuse bench results.json)")
-    return tuple(copy), gemm
+    ceilings = _ceilings.read_results(path)
+    return ceilings.by_working_set(), ceilings.gemm.value
 
 
 # ----------------------------------------------------------------------------- op names and costs

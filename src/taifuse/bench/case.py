@@ -111,7 +111,7 @@ class Case:
         bytes_moved: bytes one call must read and write at least (inputs + output).
         flops: floating-point operations of one call when compute-bound (0 for memory-bound ops).
         bytes_written: the part of ``bytes_moved`` that is written (the output): the roofline counts
-            it twice, as the hardware moves it (NOTE [ Traffic model ] in taifuse.bench.roofline).
+            it twice, as the hardware moves it (NOTE [ Traffic model ] in taifuse._ceilings).
         rtol, atol: ``numpy.allclose`` tolerance of the correctness check.
     """
 

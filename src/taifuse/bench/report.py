@@ -9,6 +9,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+from taifuse._ceilings import COPY_ROWS
 from taifuse.bench.roofline import MIXED_MARGIN
 
 METHOD = """\
@@ -234,7 +235,7 @@ def markdown(result: dict, charts: Sequence[str] = (), *, matplotlib: bool = Tru
 
 
 def _ceiling_sizes(rows: list[dict]) -> str:
-    copies = [r for r in rows if r["kind"] == "roofline" and r["id"].startswith("roofline/copy-")]
+    copies = [r for r in rows if r["kind"] == "roofline" and r["id"] in COPY_ROWS]
     return "; ".join(f"{r['cache_level']}: {r['size']}" for r in copies) or "none measured"
 
 

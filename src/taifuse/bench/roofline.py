@@ -1,19 +1,7 @@
 """The machine's ceilings, measured in the same run as the rows they judge: a copy bandwidth per
-cache level the rows use, and the GEMM rate.
-
-NOTE [ Traffic model ]
-A ceiling bounds a row only when both count bytes the same way. The memory system moves every
-byte a kernel reads, and every byte it writes twice: an ordinary store first reads the cache line
-it writes into (write-allocate), then writes it back. So a row's traffic is
-``bytes_moved + bytes_written`` (:func:`traffic_bytes`), where ``bytes_moved`` counts inputs and
-output once; a copy of A bytes moves 3A, a GELU from x into out moves 3A too.
-The ceiling's kernel must therefore be one whose stores are ordinary ones. ``np.copyto`` is not:
-it calls glibc's memcpy, which picks ``rep movsb`` or non-temporal stores (no write-allocate) by
-size and CPU, so what it moves depends on the machine; on the 2-core AMD EPYC it ran slower than a
-ufunc doing the same read and write, and a GELU came out "1.11x of copy bound". The kernel here is
-``np.add(src, 0.0, out=dst)`` (NumPy's SIMD loop, ordinary stores), one contiguous chunk per CPU,
-each on its own thread (the ufunc releases the GIL), repeated inside the thread so thread start-up
-does not count, as the multi-threaded kernels it judges use every core.
+cache level the rows use, and the GEMM rate. The kernels, the row ids and :class:`Ceilings` are
+``taifuse._ceilings``'s, which the profiler shares (NOTE [ Traffic model ] there); this module
+sizes the ceilings from the caches, times them and judges rows against them.
 
 NOTE [ One ceiling per cache level ]
 A working set that stays in the last-level cache streams several times faster than DRAM, so a
@@ -41,15 +29,23 @@ next level. The ceilings themselves are sized well inside their levels (the NOTE
 
 from __future__ import annotations
 
-import itertools
-import math
-import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-import numpy as np
-
+from taifuse import _ceilings
+from taifuse._ceilings import (  # re-exported: the bench's suites and tests read them here
+    COPY_CODE,
+    DRAM,
+    GEMM_CODE,
+    GEMM_LABEL,
+    GEMM_ROW,
+    GEMM_SHAPE,
+    TRAFFIC_MODEL,
+    Ceilings,
+    Rate,
+    ThreadedCopy,
+    copy_label,
+    copy_row,
+)
 from taifuse._costs import traffic_bytes  # written once, shared with taifuse.profiler
 from taifuse.bench import stats, timing
 from taifuse.bench.env import (
@@ -62,20 +58,31 @@ from taifuse.bench.env import (
 )
 from taifuse.bench.row import NOT_A_COMPARISON, Row
 
-GEMM_SHAPE = (4096, 1024, 768)  # (rows of x, inner, rows of w)
-GEMM_CODE = "np.matmul(x, w.T, out=out)"
-COPY_CODE = (
-    "np.add(src[chunk], 0.0, out=dst[chunk]) for one contiguous chunk per CPU, each on its own thread, "
-    "repeated {reps}x inside the thread per sample"
-)
-TRAFFIC_MODEL = (
-    "bytes read + 2 x bytes written (an ordinary store reads its cache line first: write-allocate)"
-)
-DRAM = "DRAM"
+__all__ = [
+    "COPY_CODE",
+    "DRAM",
+    "GEMM_CODE",
+    "GEMM_SHAPE",
+    "MIXED_MARGIN",
+    "TRAFFIC_MODEL",
+    "Ceilings",
+    "Rate",
+    "ThreadedCopy",
+    "ceiling_level",
+    "ceiling_sizes",
+    "copy_array_bytes",
+    "copy_label",
+    "judge",
+    "measure",
+    "row_level",
+    "rows",
+    "traffic_bytes",
+    "working_set",
+]
+
 # A working set past a level's capacity by at most this factor is mixed (NOTE [ Mixed levels ]).
 MIXED_MARGIN = 2
 _MIB = 2**20
-_PASS_BYTES = 256 * _MIB  # a sample streams about this much working set: several ms at any level
 _PAGE = 4096
 
 
@@ -161,91 +168,21 @@ def ceiling_sizes(
     return sizes
 
 
-# ----------------------------------------------------------------------------- kernels
-
-
-class ThreadedCopy:
-    """The ceiling's kernel over one pair of float32 arrays (NOTE [ Traffic model ]).
-
-    ``dst[:] = src + 0.0`` with ``np.add``, split into one contiguous chunk per thread, each chunk
-    on its own thread. ``copy(reps)`` runs ``reps`` passes in every thread before joining.
-
-    Example::
-
-        >>> src = np.arange(8, dtype=np.float32); dst = np.empty_like(src)
-        >>> copy = ThreadedCopy(src, dst, workers=2)
-        >>> copy(); bool((dst == src).all())
-        True
-    """
-
-    def __init__(self, src: np.ndarray, dst: np.ndarray, workers: int | None = None) -> None:
-        if src.shape != dst.shape or src.dtype != dst.dtype or src.ndim != 1:
-            raise ValueError(f"ThreadedCopy needs two 1-D arrays alike, got {src.shape} and {dst.shape}")
-        self.workers = workers or usable_cpus()
-        bounds = np.linspace(0, src.size, self.workers + 1).astype(np.int64)
-        self.chunks = [(src[lo:hi], dst[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
-        self.pool = ThreadPoolExecutor(max_workers=self.workers)
-
-    @staticmethod
-    def _passes(src: np.ndarray, dst: np.ndarray, reps: int) -> None:
-        for _ in range(reps):
-            np.add(src, 0.0, out=dst)
-
-    def __call__(self, reps: int = 1) -> None:
-        for future in [self.pool.submit(self._passes, s, d, reps) for s, d in self.chunks]:
-            future.result()
-
-
-def _time_copy(working_set_bytes: int, samples: int) -> dict:
-    n = working_set_bytes // 8  # float32 elements per array
-    src = np.full(n, 1.5, dtype=np.float32)  # the values do not matter; the pages must exist
-    dst = np.empty_like(src)
-    copy = ThreadedCopy(src, dst)
-    reps = max(1, _PASS_BYTES // working_set_bytes)
-    timing.warm_up(copy)  # the first pass also faults in the destination's pages
-    ns = []
-    for _ in range(samples):
-        start = time.perf_counter_ns()
-        copy(reps)
-        ns.append((time.perf_counter_ns() - start) / reps)
-    copy.pool.shutdown()
-    array_bytes = 4 * n
-    return {
-        "ns": ns,
-        "array_bytes": array_bytes,
-        "bytes_moved": 2 * array_bytes,
-        "bytes_written": array_bytes,
-        "threads": copy.workers,
-        "reps": reps,
-        "code": COPY_CODE.format(reps=reps),
-    }
-
-
-def _time_gemm(samples: int, seed: int) -> list[float]:
-    m, k, n = GEMM_SHAPE
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((m, k), dtype=np.float32)
-    w = rng.standard_normal((n, k), dtype=np.float32)
-    out = np.empty((m, n), dtype=np.float32)
-
-    def gemm() -> None:
-        np.matmul(x, w.T, out=out)
-
-    timing.warm_up(gemm)
-    return [timing.time_loops(gemm, 1) for _ in range(samples)]
+# ----------------------------------------------------------------------------- measuring
 
 
 def measure(levels: Mapping[str, int], samples: int, seed: int = 0) -> dict:
     """Time ``samples`` copies per level (``{level: working-set bytes}``, from :func:`ceiling_sizes`)
     and ``samples`` GEMMs in this process; nanoseconds per pass or call."""
-    copies = {level: _time_copy(size, samples) for level, size in levels.items()}
-    m, k, n = GEMM_SHAPE
+    copies = {
+        level: _ceilings.time_copy(size, samples, warm_up=timing.warm_up) for level, size in levels.items()
+    }
     return {
         "copy": copies,
         "gemm": {
-            "ns": _time_gemm(samples, seed + 1),
+            "ns": _ceilings.time_gemm(samples, seed + 1, warm_up=timing.warm_up),
             "shape": GEMM_SHAPE,
-            "flops": 2 * m * k * n,
+            "flops": _ceilings.GEMM_FLOPS,
             "code": GEMM_CODE,
         },
     }
@@ -264,7 +201,7 @@ def _rate_row(
     t = stats.estimate([[min(g)] for g in groups_ns])
     row = Row(
         id=row_id,
-        kind="roofline",
+        kind=_ceilings.ROOFLINE,
         label=label,
         unit=unit,
         verdict=stats.UNSTABLE if spread.dispersion > stats.UNSTABLE_DISPERSION else NOT_A_COMPARISON,
@@ -278,14 +215,10 @@ def _rate_row(
     return row
 
 
-def copy_label(level: str) -> str:
-    """The name of a level's copy ceiling in the report (``"L3 copy bandwidth"``)."""
-    return f"{level} copy bandwidth"
-
-
 def rows(results: list[dict]) -> list[dict]:
-    """A copy-bandwidth row per measured level (GB/s of traffic, NOTE [ Traffic model ]) and the
-    GEMM rate (GFLOP/s), each with a bootstrap interval over the roofline's processes."""
+    """A copy-bandwidth row per measured level (GB/s of traffic, NOTE [ Traffic model ] in
+    taifuse._ceilings) and the GEMM rate (GFLOP/s), each with a bootstrap interval over the
+    roofline's processes; their ids are ``taifuse._ceilings``'s (``copy_row(level)``, ``GEMM_ROW``)."""
     if not results:
         return []
     out = []
@@ -300,7 +233,7 @@ def rows(results: list[dict]) -> list[dict]:
             "code": first["code"],
         }
         groups = [r["copy"][level]["ns"] for r in results]
-        out.append(_rate_row(f"roofline/copy-{level}", copy_label(level), groups, traffic, "GB/s", extra))
+        out.append(_rate_row(copy_row(level), copy_label(level), groups, traffic, "GB/s", extra))
     gemm = results[0]["gemm"]
     m, k, n = gemm["shape"]
     extra = {
@@ -310,69 +243,9 @@ def rows(results: list[dict]) -> list[dict]:
         "code": gemm["code"],
     }
     out.append(
-        _rate_row(
-            "roofline/gemm", "GEMM rate", [r["gemm"]["ns"] for r in results], gemm["flops"], "GFLOP/s", extra
-        )
+        _rate_row(GEMM_ROW, GEMM_LABEL, [r["gemm"]["ns"] for r in results], gemm["flops"], "GFLOP/s", extra)
     )
     return [r.as_dict() for r in out]
-
-
-@dataclass(frozen=True)
-class Rate:
-    """A ceiling: its value with the interval, and the row that reports it."""
-
-    value: float
-    low: float
-    high: float
-    row_id: str
-    label: str
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    """The run's ceilings: copy bandwidth by cache level (GB/s of traffic) and the GEMM rate."""
-
-    copy: dict[str, Rate] = field(default_factory=dict)
-    gemm: Rate | None = None
-
-    @classmethod
-    def from_rows(cls, rows: list[dict]) -> Ceilings:
-        """The ceilings reported by the roofline rows of a run (:func:`rows`)."""
-        copy, gemm = {}, None
-        for r in rows:
-            if r["kind"] != "roofline" or r.get("value") is None:
-                continue
-            rate = Rate(r["value"], r["low"], r["high"], r["id"], r["label"])
-            if r["id"].startswith("roofline/copy-"):
-                copy[r["cache_level"]] = rate
-            elif r["id"] == "roofline/gemm":
-                gemm = rate
-        return cls(copy, gemm)
-
-    @classmethod
-    def coerce(cls, ceilings: Ceilings | Mapping) -> Ceilings:
-        """A :class:`Ceilings` from itself or from a plain ``{"copy_gbps", "gemm_gflops"}`` mapping,
-        whose ``copy_gbps`` is ``{level: GB/s}`` or one number (taken as the DRAM ceiling)."""
-        if isinstance(ceilings, Ceilings):
-            return ceilings
-        copy = ceilings.get("copy_gbps")
-        by_level = copy if isinstance(copy, Mapping) else ({DRAM: copy} if copy is not None else {})
-        rates = {
-            level: Rate(v, v, v, f"roofline/copy-{level}", copy_label(level))
-            for level, v in by_level.items()
-            if v is not None and math.isfinite(v)
-        }
-        g = ceilings.get("gemm_gflops")
-        gemm = Rate(g, g, g, "roofline/gemm", "GEMM rate") if g is not None and math.isfinite(g) else None
-        return cls(rates, gemm)
-
-    def as_dict(self) -> dict:
-        """For ``results.json``'s ``method``: the values and how bytes were counted."""
-        return {
-            "copy_gbps": {level: rate.value for level, rate in self.copy.items()},
-            "gemm_gflops": self.gemm.value if self.gemm else None,
-            "traffic_model": TRAFFIC_MODEL,
-        }
 
 
 def judge(

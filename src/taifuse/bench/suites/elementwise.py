@@ -83,7 +83,7 @@ np.divide(x, t, out=out)
 
 def copy_bound(where: str) -> Variant:
     """The roofline's copy kernel on the case's bytes (``roofline.ThreadedCopy``: every CPU, ordinary
-    stores, NOTE [ Traffic model ] in taifuse.bench.roofline); ``where`` names the level."""
+    stores, NOTE [ Traffic model ] in taifuse._ceilings); ``where`` names the level."""
     return Variant(
         "copy bound",
         "copy()",

@@ -6,7 +6,7 @@ parameters of 64x64 (per-parameter overhead). Gradients are set once before timi
 the optimizer's gradient slots, where ``backward()`` puts them), so every timed call is one step.
 ``bytes_moved`` is what one step must read and write at least (parameters, gradients, state),
 ``bytes_written`` the parameters and state it writes: the fraction of the copy bandwidth of the
-step's cache level comes from them (NOTE [ Traffic model ] in taifuse.bench.roofline). taifuse's default step, like torch.optim's, does
+step's cache level comes from them (NOTE [ Traffic model ] in taifuse._ceilings). taifuse's default step, like torch.optim's, does
 not check that the gradients are finite; the "taifuse, finite check" row shows what the optional
 check (``check_finite=True``: one more read of them, NOTE [ Non-finite gradients ] in
 optim/optimizer.py) costs.
