@@ -17,8 +17,8 @@ progress bar (tqdm's when tqdm is installed) with the loss, tokens/s, lr, gradie
 ``--log PATH`` (.csv or .jsonl) writes them for every step and ``--plot PATH`` draws them to a PNG
 (matplotlib, the ``plot`` extra). Every ``--eval-interval`` steps the train and validation losses
 are estimated on fixed batches (no_grad, eval mode; left out of the monitor's step times). At the
-end it saves a checkpoint (model, optimizer and GradScaler state, config and step, pickled;
-``--resume`` continues from it), prints a sample of generated text, the final validation loss, the
+end it saves a checkpoint (model, optimizer and GradScaler state, config and step, with
+``taifuse.save``: safetensors, so loading one runs no code; ``--resume`` continues from it), prints a sample of generated text, the final validation loss, the
 training throughput and the wall time, and exits with status 1 if the validation loss is not below
 TARGET_VAL_LOSS. The target is stated for the default config (TARGET_CONFIG: the steps, sizes and
 optimizer settings; any seed, backend or ``--amp``): any other run reports its loss without a
@@ -66,7 +66,6 @@ import importlib.util
 import itertools
 import math
 import os
-import pickle
 import sys
 import sysconfig
 import time
@@ -237,9 +236,10 @@ def save_checkpoint(
     args: Any,
     scaler: GradScaler | None = None,
 ) -> None:
-    """Pickle the model's, optimizer's and GradScaler's state (NumPy arrays and numbers; the
-    scaler's is empty when it is disabled, as PyTorch's), the config and the step; written to a
-    temporary file first, so an interrupted save leaves the previous checkpoint whole."""
+    """Save the model's, optimizer's and GradScaler's state (the scaler's is empty when it is
+    disabled, as PyTorch's), the config and the step with ``taifuse.save`` (safetensors: no pickle,
+    so loading it runs no code). ``taifuse.save`` writes a temporary file and renames it, so an
+    interrupted save leaves the previous checkpoint whole."""
     state = {
         "model": {name: t.numpy() for name, t in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
@@ -247,30 +247,26 @@ def save_checkpoint(
         "config": asdict(config),
         "step": step,
         "vocab": VOCAB,
-        "args": vars(args),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
+    taifuse.save(state, path)
 
 
 CHECKPOINT_KEYS = ("model", "optimizer", "config", "step", "vocab")  # "scaler" since --amp
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """What :func:`save_checkpoint` wrote. Unpickling runs code: load only checkpoints you made.
+    """What :func:`save_checkpoint` wrote, read with ``taifuse.load`` (which never unpickles).
 
     Raises ValueError, in one line naming ``path``, for a file that is missing, unreadable, empty,
-    not a pickle or not such a checkpoint."""
+    not a safetensors checkpoint (a pickle, say), truncated, edited, or not such a checkpoint."""
     try:
-        with open(path, "rb") as f:
-            state = pickle.load(f)
+        state = taifuse.load(path)
     except OSError as exc:
         raise ValueError(f"cannot read the checkpoint {path}: {exc.strerror or exc}") from None
-    except Exception as exc:  # noqa: BLE001 (corrupt data makes pickle raise almost any error)
-        why = "the file is empty" if path.stat().st_size == 0 else f"{type(exc).__name__}: {exc}"
+    except ValueError as exc:
+        why = "the file is empty" if path.stat().st_size == 0 else str(exc)
         raise ValueError(f"{path} is not a checkpoint this script wrote ({why})") from None
     missing = (
         [key for key in CHECKPOINT_KEYS if key not in state]
@@ -414,7 +410,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-interval", type=_integer(1), default=100, help="steps between loss estimates")
     p.add_argument("--eval-batches", type=_integer(1), default=8, help="fixed batches per loss estimate")
     p.add_argument("--sample-tokens", type=_integer(0), default=200, help="characters to sample at the end")
-    p.add_argument("--out", type=Path, default=Path("train_gpt.ckpt.pkl"), help="checkpoint file")
+    p.add_argument(
+        "--out", type=Path, default=Path("train_gpt.safetensors"), help="checkpoint file (taifuse.save)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint at --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
     p.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler")

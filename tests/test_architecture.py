@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse._array_ops", "taifuse._tensor_math"),
     ("taifuse.tensor",),
     ("taifuse._autograd_ops", "taifuse.functional", "taifuse.checkpoint"),
-    ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler"),
+    ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler",
+     "taifuse.serialization", "taifuse.data", "taifuse.utils"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 
