@@ -319,3 +319,17 @@ def test_save_arrays_writes_npy_files_from_arrays_and_chunks(tmp_path):
 def test_bad_arguments_name_themselves(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_the_examples_in_docs_data_run():
+    """docs/data.md's examples (tests/test_docs.py runs docstrings and the README only)."""
+    import doctest
+    from pathlib import Path
+
+    with taifuse.backends.preserved_choice():
+        result = doctest.testfile(
+            str(Path(__file__).resolve().parents[1] / "docs" / "data.md"),
+            module_relative=False,
+            optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+        )
+    assert result.attempted > 0 and result.failed == 0, "an example in docs/data.md failed (see stdout)"

@@ -370,3 +370,35 @@ def test_only_the_default_config_gets_a_verdict(tmp_path):
         in done.stdout
     )
     assert (tmp_path / "c.pkl").is_file()
+
+
+def test_the_loader_workers_and_grad_accum_train_on_the_same_batches(tmp_path):
+    """The batches come through taifuse.data's loader from the memory-mapped token file: worker
+    threads give the run of no workers exactly; --grad-accum 2 splits each step's batch into two
+    micro-batches of the same windows, so the losses agree to float32 summation order."""
+    runs = {}
+    for name, extra in {"workers": [], "inline": ["--workers", "0"], "accum": ["--grad-accum", "2"]}.items():
+        out = tmp_path / name / "c.safetensors"
+        out.parent.mkdir()
+        runs[name] = _run(["--steps", "4", "--quiet", "--out", str(out), *extra])
+        tokens = np.load(out.with_name("train_gpt.tokens.npy"), mmap_mode="r")
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint8
+    assert runs["workers"].history == runs["inline"].history
+    for (s1, t1, v1), (s2, t2, v2) in zip(runs["accum"].history, runs["inline"].history):
+        assert s1 == s2 and t1 == pytest.approx(t2, rel=1e-4) and v1 == pytest.approx(v2, rel=1e-4)
+
+
+def test_find_batch_size_prints_the_table_and_trains_nothing(tmp_path, capsys):
+    out, plot = tmp_path / "c.safetensors", tmp_path / "sizes.png"
+    found = _run(["--find-batch-size", "--max-batch", "16", "--out", str(out), "--plot", str(plot)])
+    assert [t.batch_size for t in found.table][:1] == [8] and found.batch_size in (8, 16)
+    assert "chosen batch size" in capsys.readouterr().out
+    assert not out.exists()  # no training, no checkpoint
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grad_accum_should_divide_the_batch(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--batch-size", "4", "--grad-accum", "3", "--out", str(tmp_path / "c")])
+    assert "--batch-size (4) should be a multiple of --grad-accum (3)" in capsys.readouterr().err
