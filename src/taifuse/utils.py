@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ def find_batch_size(
     which samples per second stop growing.
 
     Each size runs once untimed (the kernels compile, the pool fills), then at least ``repeats``
-    times and ``min_time`` seconds, timed: steps/s and samples/s = batch_size x steps/s. The peak
+    times and ``min_time`` seconds, each step timed: steps/s is one over the median step time (a
+    burst of other work on the machine moves it less than a mean), samples/s = batch_size x steps/s. The peak
     memory of those steps is the active backend pool's peak (``taifuse.pool``; the pool is cleared
     before each size) and the process's resident high-water mark (``taifuse.monitor.process_memory``).
 
@@ -157,11 +159,12 @@ def find_batch_size(
         _reset_rss_peak()
         try:
             step(size)
-            runs, t0 = 0, time.perf_counter()
-            while runs < repeats or time.perf_counter() - t0 < min_time:
+            times: list[float] = []
+            while len(times) < repeats or sum(times) < min_time:
+                t0 = time.perf_counter()
                 step(size)
-                runs += 1
-            elapsed = time.perf_counter() - t0
+                times.append(time.perf_counter() - t0)
+            median = statistics.median(times)
         except Exception as exc:
             if not _is_out_of_memory(exc):
                 raise
@@ -174,7 +177,7 @@ def find_batch_size(
             break
         rss_peak = process_memory()[1]
         pool_peak = the_pool.stats().peak_bytes
-        trial = BatchSizeTrial(size, runs / elapsed, size * runs / elapsed, pool_peak, rss_peak)
+        trial = BatchSizeTrial(size, 1 / median, size / median, pool_peak, rss_peak)
         peak = pool_peak
         if memory_limit is not None and peak > memory_limit:
             search.table.append(_stopped(trial, "over the memory limit"))
