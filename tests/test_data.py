@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
 import threading
 import traceback
 
@@ -223,7 +224,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads /proc (Linux)")
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc (Linux)")
 def test_memory_mapped_data_set_reads_with_bounded_resident_memory(tmp_path):
     """A data set 8x the loader's working set (the batches in flight and the mapped pages it keeps,
     ``max_resident_bytes``): resident memory grows by about the working set; without the release,
