@@ -184,7 +184,8 @@ class GPT(nn.Module):
         ``taifuse.manual_seed`` fixes the sample). Runs under ``taifuse.no_grad()``; call
         ``model.eval()`` first to turn dropout off.
         """
-        idx = _indices(idx, "idx").astype(np.int64)
+        idx = _indices(idx, "idx")
+        idx = (idx.numpy() if isinstance(idx, Tensor) else idx).astype(np.int64)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens should be a non-negative int, got {max_new_tokens!r}")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -207,9 +208,10 @@ class GPT(nn.Module):
         return idx
 
 
-def _indices(value: Any, name: str) -> np.ndarray:
-    """A (B, T) integer NumPy array from an array, list or integer Tensor."""
-    array = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
+def _indices(value: Any, name: str) -> Any:
+    """A (B, T) integer NumPy array from an array or list; an integer Tensor is checked and kept
+    (a data loader's batch on a device backend stays there)."""
+    array = value if isinstance(value, Tensor) else np.asarray(value)
     if array.dtype.kind not in "iu":
         raise TypeError(f"GPT: {name} should hold integer token indices, got dtype {array.dtype}")
     if array.ndim != 2:

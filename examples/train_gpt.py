@@ -17,8 +17,8 @@ progress bar (tqdm's when tqdm is installed) with the loss, tokens/s, lr, gradie
 ``--log PATH`` (.csv or .jsonl) writes them for every step and ``--plot PATH`` draws them to a PNG
 (matplotlib, the ``plot`` extra). Every ``--eval-interval`` steps the train and validation losses
 are estimated on fixed batches (no_grad, eval mode; left out of the monitor's step times). At the
-end it saves a checkpoint (model, optimizer and GradScaler state, config and step, pickled;
-``--resume`` continues from it), prints a sample of generated text, the final validation loss, the
+end it saves a checkpoint (model, optimizer and GradScaler state, config and step, with
+``taifuse.save``: safetensors, so loading one runs no code; ``--resume`` continues from it), prints a sample of generated text, the final validation loss, the
 training throughput and the wall time, and exits with status 1 if the validation loss is not below
 TARGET_VAL_LOSS. The target is stated for the default config (TARGET_CONFIG: the steps, sizes and
 optimizer settings; any seed, backend or ``--amp``): any other run reports its loss without a
@@ -36,6 +36,17 @@ LayerNorms, softmax and loss in float32; the parameters stay float32), then
 true gradients), clip, step (skipped when a gradient overflowed, and the scale backs off), update.
 The loss estimates and the sample run under autocast too, and the checkpoint keeps the scaler's
 ``state_dict`` (``--resume --amp`` restores it).
+
+The encoded corpus is written to a token file (``--tokens``, a ``.npy`` beside ``--out`` by
+default) and read memory-mapped: the training batches come through a ``taifuse.data.DataLoader``
+over its windows (``TokenWindows``, one fancy index per batch) with ``--workers`` threads
+gathering the next batches, and on the Taichi backend copying them to the device, while a step
+runs. ``--grad-accum N`` splits each step's batch into N micro-batches of ``--batch-size / N``
+sequences: each loss divided by N and backpropagated (scaled by the GradScaler under ``--amp``),
+then one unscale, clip and step, as PyTorch's recipe does; the step sees the gradients of the
+whole batch (docs/training.md). ``--find-batch-size`` times the training step at batch sizes 8,
+16, ... with ``taifuse.utils.find_batch_size``, prints the table (and draws it to ``--plot``) and
+exits without training.
 
 Batches and learning rates are functions of ``--seed`` and the step number, so a run resumed with
 the same ``--steps`` sees what an uninterrupted one would; with a larger ``--steps`` it continues on
@@ -57,6 +68,8 @@ float16 but computes in float32; docs/amp.md has the runs).
     python examples/train_gpt.py --steps 2000 --resume    # train a saved run further
     python examples/train_gpt.py --amp                    # float16 autocast with a GradScaler
     python examples/train_gpt.py --log gpt.csv --plot gpt.png
+    python examples/train_gpt.py --grad-accum 4          # 4 micro-batches of 8 per step of 32
+    python examples/train_gpt.py --find-batch-size --plot sizes.png
 """
 
 from __future__ import annotations
@@ -66,7 +79,6 @@ import importlib.util
 import itertools
 import math
 import os
-import pickle
 import sys
 import sysconfig
 import time
@@ -80,9 +92,11 @@ from gpt import GPT, GPTConfig
 
 import taifuse
 from taifuse.amp import GradScaler, autocast
+from taifuse.data import DataLoader, Dataset, Sampler
 from taifuse.monitor import TrainingMonitor
 from taifuse.optim import clip_grad_norm_
 from taifuse.optim.lr_scheduler import LRScheduler
+from taifuse.utils import BatchSizeSearch, find_batch_size
 
 TARGET_VAL_LOSS = 2.2
 CORPUS_CHARS = 2_000_000
@@ -162,6 +176,59 @@ def get_batch(data: np.ndarray, batch_size: int, block_size: int, rng: np.random
     return windows[:, :-1], windows[:, 1:]
 
 
+def write_tokens(path: Path, ids: np.ndarray) -> np.ndarray:
+    """Write the encoded corpus to ``path`` (a ``.npy`` file, replaced atomically) and return it
+    memory-mapped, as the loader reads it: only the windows a batch takes are brought in."""
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, ids, allow_pickle=False)
+    os.replace(tmp, path)
+    return np.load(path, mmap_mode="r")
+
+
+class TokenWindows(Dataset):
+    """The windows of ``block_size + 1`` tokens of a (memory-mapped) token array: sample ``i`` is
+    the inputs ``tokens[i : i + block_size]`` and the targets shifted by one. ``get_batch`` takes a
+    batch of windows in one fancy index (NOTE [ Batched gathering ] in taifuse.data)."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return len(self.tokens) - self.block_size
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        x, y = self.get_batch(np.array([i]))
+        return x[0], y[0]
+
+    def get_batch(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        windows = np.asarray(self.tokens[starts[:, None] + np.arange(self.block_size + 1)]).astype(np.int64)
+        return windows[:, :-1], windows[:, 1:]
+
+
+class StepBatches(Sampler):
+    """The window starts of steps ``start`` to ``steps - 1``: step ``s`` draws ``batch_size`` starts
+    from ``np.random.default_rng([seed, 0, s])`` (what :func:`get_batch` draws), split into
+    ``grad_accum`` micro-batches; so a resumed run sees what an uninterrupted one would."""
+
+    def __init__(
+        self, n_windows: int, batch_size: int, seed: int, start: int, steps: int, grad_accum: int = 1
+    ):
+        self.n_windows, self.batch_size, self.seed = n_windows, batch_size, seed
+        self.start, self.steps, self.grad_accum = start, steps, grad_accum
+
+    def __iter__(self):
+        micro = self.batch_size // self.grad_accum
+        for step in range(self.start, self.steps):
+            starts = np.random.default_rng([self.seed, 0, step]).integers(
+                0, self.n_windows, size=self.batch_size
+            )
+            for k in range(self.grad_accum):
+                yield starts[k * micro : (k + 1) * micro]
+
+    def __len__(self) -> int:
+        return max(0, self.steps - self.start) * self.grad_accum
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 
@@ -237,9 +304,10 @@ def save_checkpoint(
     args: Any,
     scaler: GradScaler | None = None,
 ) -> None:
-    """Pickle the model's, optimizer's and GradScaler's state (NumPy arrays and numbers; the
-    scaler's is empty when it is disabled, as PyTorch's), the config and the step; written to a
-    temporary file first, so an interrupted save leaves the previous checkpoint whole."""
+    """Save the model's, optimizer's and GradScaler's state (the scaler's is empty when it is
+    disabled, as PyTorch's), the config and the step with ``taifuse.save`` (safetensors: no pickle,
+    so loading it runs no code). ``taifuse.save`` writes a temporary file and renames it, so an
+    interrupted save leaves the previous checkpoint whole."""
     state = {
         "model": {name: t.numpy() for name, t in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
@@ -247,30 +315,26 @@ def save_checkpoint(
         "config": asdict(config),
         "step": step,
         "vocab": VOCAB,
-        "args": vars(args),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
+    taifuse.save(state, path)
 
 
 CHECKPOINT_KEYS = ("model", "optimizer", "config", "step", "vocab")  # "scaler" since --amp
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """What :func:`save_checkpoint` wrote. Unpickling runs code: load only checkpoints you made.
+    """What :func:`save_checkpoint` wrote, read with ``taifuse.load`` (which never unpickles).
 
     Raises ValueError, in one line naming ``path``, for a file that is missing, unreadable, empty,
-    not a pickle or not such a checkpoint."""
+    not a safetensors checkpoint (a pickle, say), truncated, edited, or not such a checkpoint."""
     try:
-        with open(path, "rb") as f:
-            state = pickle.load(f)
+        state = taifuse.load(path)
     except OSError as exc:
         raise ValueError(f"cannot read the checkpoint {path}: {exc.strerror or exc}") from None
-    except Exception as exc:  # noqa: BLE001 (corrupt data makes pickle raise almost any error)
-        why = "the file is empty" if path.stat().st_size == 0 else f"{type(exc).__name__}: {exc}"
+    except ValueError as exc:
+        why = "the file is empty" if path.stat().st_size == 0 else str(exc)
         raise ValueError(f"{path} is not a checkpoint this script wrote ({why})") from None
     missing = (
         [key for key in CHECKPOINT_KEYS if key not in state]
@@ -414,10 +478,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-interval", type=_integer(1), default=100, help="steps between loss estimates")
     p.add_argument("--eval-batches", type=_integer(1), default=8, help="fixed batches per loss estimate")
     p.add_argument("--sample-tokens", type=_integer(0), default=200, help="characters to sample at the end")
-    p.add_argument("--out", type=Path, default=Path("train_gpt.ckpt.pkl"), help="checkpoint file")
+    p.add_argument(
+        "--out", type=Path, default=Path("train_gpt.safetensors"), help="checkpoint file (taifuse.save)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint at --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
     p.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler")
+    p.add_argument(
+        "--grad-accum",
+        type=_integer(1),
+        default=1,
+        help="micro-batches per step: each of --batch-size / N sequences, loss / N, one optimizer step",
+    )
+    p.add_argument(
+        "--find-batch-size",
+        action="store_true",
+        help="measure training steps at batch sizes 8, 16, ... (taifuse.utils.find_batch_size), print "
+        "the table (drawn to --plot) and exit without training",
+    )
+    p.add_argument("--max-batch", type=_integer(8), default=1024, help="--find-batch-size's largest size")
+    p.add_argument(
+        "--memory-limit",
+        type=_real(0.0, above_low=True),
+        default=None,
+        help="--find-batch-size stops where the pool's peak passes this many MiB",
+    )
+    p.add_argument(
+        "--workers", type=_integer(0), default=2, help="data loader threads gathering batches ahead (0: none)"
+    )
+    p.add_argument(
+        "--tokens",
+        type=Path,
+        default=None,
+        help="the memory-mapped token file (.npy) the loader reads; default: beside --out",
+    )
     p.add_argument("--log", type=Path, default=None, help="write every step's figures to this .csv or .jsonl")
     p.add_argument("--plot", type=Path, default=None, help="draw loss, throughput and memory to this PNG")
     args = p.parse_args(argv)
@@ -425,9 +519,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--log should end in .csv or .jsonl, got {str(args.log)!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install 'taifuse[plot]'")
+    if args.batch_size % args.grad_accum:
+        p.error(f"--batch-size ({args.batch_size}) should be a multiple of --grad-accum ({args.grad_accum})")
+    if args.tokens is None:
+        args.tokens = args.out.with_name("train_gpt.tokens.npy")
+    elif args.tokens.suffix != ".npy":
+        p.error(f"--tokens should end in .npy, got {str(args.tokens)!r}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd ({args.n_embd}) should be a multiple of --n-head ({args.n_head})")
-    outputs = {"--out": args.out, "--log": args.log, "--plot": args.plot}
+    outputs = {"--out": args.out, "--log": args.log, "--plot": args.plot, "--tokens": args.tokens}
     for flag, path in outputs.items():
         if path is not None:
             _check_output(p, flag, path)
@@ -453,7 +553,33 @@ def _error(message: str) -> SystemExit:
     return SystemExit(2)
 
 
-def main(argv: list[str] | None = None) -> Result:
+def search_batch_size(
+    args: argparse.Namespace, model: GPT, optimizer: Any, scaler: GradScaler, data: np.ndarray, block: int
+) -> BatchSizeSearch:
+    """``--find-batch-size``: time this run's training step (autocast and the scaler with
+    ``--amp``, the clipping) at doubling batch sizes; print the table, draw it to ``--plot``."""
+    rng = np.random.default_rng([args.seed, 2])
+
+    def step(batch_size: int) -> None:
+        x, y = get_batch(data, batch_size, block, rng)
+        with autocast(enabled=args.amp):
+            _, loss = model(x, y)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        clip_grad_norm_(model.parameters(), args.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        loss.item()  # the step's end, as the training loop's
+
+    limit = None if args.memory_limit is None else int(args.memory_limit * 2**20)
+    found = find_batch_size(step, start=8, max_batch=args.max_batch, memory_limit=limit, printer=print)
+    if args.plot is not None:
+        found.plot(args.plot)
+    return found
+
+
+def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
     """Train as the command line ``argv`` says (``sys.argv[1:]`` when None) and return the result."""
     args = parse_args(argv)
     start_wall = time.perf_counter()
@@ -467,7 +593,7 @@ def main(argv: list[str] | None = None) -> Result:
         taifuse.set_backend(args.backend)
     quiet = args.quiet
 
-    data = encode(load_corpus())
+    data = write_tokens(args.tokens, encode(load_corpus()))
     split = len(data) * 9 // 10
     train_data, val_data = data[:split], data[split:]
 
@@ -493,6 +619,8 @@ def main(argv: list[str] | None = None) -> Result:
     model = GPT(config)
     optimizer = model.configure_optimizer(weight_decay=args.weight_decay, lr=args.lr, betas=(0.9, 0.99))
     scaler = GradScaler(enabled=args.amp)  # without --amp every call passes straight through
+    if args.find_batch_size:
+        return search_batch_size(args, model, optimizer, scaler, train_data, config.block_size)
     start = 0
     if state is not None:
         model.load_state_dict(state["model"])
@@ -539,20 +667,32 @@ def main(argv: list[str] | None = None) -> Result:
     if start < args.steps:
         with monitor.paused():
             evaluate(start, monitor)
+    accum = args.grad_accum
+    loader = DataLoader(
+        TokenWindows(train_data, block),
+        batch_sampler=StepBatches(
+            len(train_data) - block, args.batch_size, args.seed, start, args.steps, accum
+        ),
+        num_workers=args.workers,
+    )
+    batches = iter(loader)
     for step in range(start, args.steps):
-        x, y = get_batch(train_data, args.batch_size, block, np.random.default_rng([args.seed, 0, step]))
         t0 = time.perf_counter()
-        with autocast(enabled=args.amp):
-            _, loss = model(x, y)
         optimizer.zero_grad()
-        scaler.scale(loss).backward()
+        micro_losses = []
+        for _ in range(accum):  # --grad-accum: N micro-batches, loss / N each, one step
+            x, y = next(batches)
+            with autocast(enabled=args.amp):
+                _, loss = model(x, y)
+            scaler.scale(loss / accum if accum > 1 else loss).backward()
+            micro_losses.append(loss)
         scaler.unscale_(optimizer)  # the true gradients, for the clipping
         grad_norm = clip_grad_norm_(model.parameters(), args.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         lr = optimizer.param_groups[0]["lr"]  # the step's (the scheduler moves it for the next)
         scheduler.step()
-        loss_value = loss.item()
+        loss_value = float(np.mean([m.item() for m in micro_losses]))
         elapsed = time.perf_counter() - t0
         if step > start:  # the first step of a process compiles the kernels: leave it out of the rate
             train_time += elapsed
@@ -567,6 +707,7 @@ def main(argv: list[str] | None = None) -> Result:
         if done % args.eval_interval == 0 or done == args.steps:
             with monitor.paused():
                 evaluate(done, monitor)
+    del batches  # stops the loader's threads (a NaN loss leaves the epoch early)
     monitor.close()
     if not history:  # nothing left to train: still report where the checkpoint stands
         evaluate(start, None)
@@ -622,7 +763,7 @@ def main(argv: list[str] | None = None) -> Result:
 
 if __name__ == "__main__":
     result = main()
-    if result.target_applies and not result.val_loss < TARGET_VAL_LOSS:
+    if isinstance(result, Result) and result.target_applies and not result.val_loss < TARGET_VAL_LOSS:
         print(
             f"FAILED: validation loss {result.val_loss:.4f} is not below the stated {TARGET_VAL_LOSS} "
             "(the target for the default config, which this run used)",

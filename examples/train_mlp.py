@@ -31,12 +31,22 @@ lr, throughput and memory, and ``--plot run.png`` draws them (matplotlib, the ``
     python examples/train_mlp.py --optimizer sgd --backend numpy
     python examples/train_mlp.py --amp           # float16 autocast with a GradScaler
     python examples/train_mlp.py --log mlp.csv --plot mlp.png
+    python examples/train_mlp.py --grad-accum 2 --workers 2   # micro-batches of 32, a loader thread pair
+    python examples/train_mlp.py --find-batch-size --plot sizes.png
+
+The batches come through a ``taifuse.data.DataLoader`` over the training split (its shuffle draws
+each epoch's permutation from the generator the hand-written loop used, so the batches are the
+same); ``--workers N`` gathers them in N threads ahead of the step. ``--grad-accum N`` splits each
+batch into N micro-batches, each loss divided by N and backpropagated, then one optimizer step
+(docs/training.md). ``--find-batch-size`` times the training step at batch sizes 8, 16, ... and
+prints the table (``--plot`` draws it) without training.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -48,7 +58,9 @@ import taifuse
 import taifuse.functional as F
 from taifuse import nn, optim
 from taifuse.amp import GradScaler, autocast
+from taifuse.data import DataLoader, TensorDataset
 from taifuse.monitor import TrainingMonitor
+from taifuse.utils import BatchSizeSearch, find_batch_size
 
 TARGET_ACCURACY = 0.93  # stated for EPOCHS epochs of BATCH_SIZE at the optimizer's LEARNING_RATES entry
 EPOCHS = 30
@@ -137,11 +149,17 @@ def train(
     amp: bool = False,
     log_path: str | None = None,
     plot_path: str | None = None,
+    grad_accum: int = 1,
+    workers: int = 0,
 ) -> Result:
-    """:func:`main`, returning everything the run reached."""
-    for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+    """:func:`main`, returning everything the run reached. ``grad_accum`` splits each batch into
+    that many micro-batches (loss / N each, one optimizer step); ``workers`` are the data loader's
+    threads."""
+    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("grad_accum", grad_accum)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} should be a positive int, got {value!r}")
+    if batch_size % grad_accum:
+        raise ValueError(f"batch_size ({batch_size}) should be a multiple of grad_accum ({grad_accum})")
     if optimizer not in LEARNING_RATES:
         raise ValueError(f"optimizer should be one of {sorted(LEARNING_RATES)}, got {optimizer!r}")
     if amp and optimizer != "adamw":
@@ -160,33 +178,51 @@ def train(
         opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
         sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
     scaler = GradScaler(enabled=amp)  # without amp every call passes straight through
-    rng = np.random.default_rng(seed + 1)
+    # The loader's shuffle draws each epoch's permutation from this generator, as the hand-written
+    # loop this replaced did, so the batches are the same.
+    loader = DataLoader(
+        TensorDataset(x_train, y_train),
+        batch_size=batch_size // grad_accum,
+        shuffle=True,
+        generator=np.random.default_rng(seed + 1),
+        num_workers=workers,
+    )
     epoch_losses = []
     monitor = TrainingMonitor(epochs * steps_per_epoch, log_path=log_path, desc="steps", disable=quiet)
     for epoch in range(1, epochs + 1):
-        order = rng.permutation(split)
         total = 0.0
-        for lo in range(0, split, batch_size):
-            idx = order[lo : lo + batch_size]
+        micro_batches = iter(loader)
+        for _ in range(steps_per_epoch):
             step_lr = lr if opt is None else opt.param_groups[0]["lr"]
-            with autocast(enabled=amp):
-                loss = F.cross_entropy(model(taifuse.tensor(x_train[idx])), y_train[idx])
             if opt is not None:
                 opt.zero_grad()
-                scaler.scale(loss).backward()
+            else:
+                model.zero_grad()
+            losses, n = [], 0
+            # --grad-accum: N micro-batches of batch_size / N, each loss / N, then one step (the
+            # epoch's last step may get fewer, as PyTorch's recipe does).
+            for xb, yb in itertools.islice(micro_batches, grad_accum):
+                with autocast(enabled=amp):
+                    loss = F.cross_entropy(model(xb), yb)
+                if opt is not None:
+                    scaler.scale(loss / grad_accum if grad_accum > 1 else loss).backward()
+                else:
+                    (loss / grad_accum if grad_accum > 1 else loss).backward()
+                losses.append((loss, len(yb)))
+                n += len(yb)
+            if opt is not None:
                 scaler.step(opt)
                 scaler.update()
                 sched.step()
             else:  # plain SGD on the Tensor API
-                model.zero_grad()
-                loss.backward()
                 with taifuse.no_grad():
                     for p in model.parameters():
                         p -= lr * p.grad
-            loss_value = loss.item()
-            total += loss_value * len(idx)
+            step_total = sum(loss.item() * count for loss, count in losses)
+            loss_value = step_total / n
+            total += step_total
             scale = {"loss_scale": scaler.get_scale()} if amp else {}
-            monitor.step(loss_value, n=len(idx), lr=step_lr, **scale)
+            monitor.step(loss_value, n=n, lr=step_lr, **scale)
         epoch_losses.append(total / split)
         if not quiet:
             line = f"epoch {epoch:3d}  loss {total / split:.4f}"
@@ -256,9 +292,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--optimizer", choices=sorted(LEARNING_RATES), default="adamw", help="adamw or plain sgd"
     )
     parser.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler (adamw only)")
+    parser.add_argument(
+        "--grad-accum",
+        type=_positive_int,
+        default=1,
+        help="micro-batches per step: each of the batch / N samples, loss / N, one optimizer step",
+    )
+    parser.add_argument("--workers", type=int, default=0, help="data loader threads gathering batches ahead")
+    parser.add_argument(
+        "--find-batch-size",
+        action="store_true",
+        help="time training steps at batch sizes 8, 16, ... (taifuse.utils.find_batch_size), print the "
+        "table (drawn to --plot) and exit without training",
+    )
     parser.add_argument("--log", default=None, help="write every step's figures to this .csv or .jsonl file")
     parser.add_argument("--plot", default=None, help="draw loss, throughput and memory to this PNG")
     args = parser.parse_args(argv)
+    if BATCH_SIZE % args.grad_accum:
+        parser.error(f"--grad-accum should divide the batch size {BATCH_SIZE}, got {args.grad_accum}")
+    if args.workers < 0:
+        parser.error(f"--workers should be >= 0, got {args.workers}")
     if args.amp and args.optimizer != "adamw":
         parser.error("--amp needs --optimizer adamw (a GradScaler steps an optimizer)")
     if args.log is not None and Path(args.log).suffix.lower() not in (".csv", ".jsonl"):
@@ -277,12 +330,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def search_batch_size(amp: bool = False, seed: int = 0, plot_path: str | None = None) -> BatchSizeSearch:
+    """``--find-batch-size``: time this script's AdamW step (under autocast with ``amp``) on
+    batches drawn from the training split at doubling sizes; print the table, draw it to
+    ``plot_path``."""
+    taifuse.manual_seed(seed)
+    x, y = make_spirals(seed=seed)
+    split = len(y) * 3 // 4
+    model = build_model()
+    opt = optim.AdamW(model.parameters(), lr=LEARNING_RATES["adamw"], weight_decay=1e-4)
+    scaler = GradScaler(enabled=amp)
+    rng = np.random.default_rng(seed + 2)
+
+    def step(batch_size: int) -> None:
+        idx = rng.integers(0, split, batch_size)
+        with autocast(enabled=amp):
+            loss = F.cross_entropy(model(taifuse.tensor(x[idx])), y[idx])
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        loss.item()
+
+    found = find_batch_size(step, start=8, max_batch=split, printer=print)
+    if plot_path is not None:
+        found.plot(plot_path)
+    return found
+
+
 if __name__ == "__main__":
     args = parse_args()
     if args.backend:
         taifuse.set_backend(args.backend)
+    if args.find_batch_size:
+        search_batch_size(amp=args.amp, plot_path=args.plot)
+        sys.exit(0)
     result = train(
-        epochs=args.epochs, optimizer=args.optimizer, amp=args.amp, log_path=args.log, plot_path=args.plot
+        epochs=args.epochs,
+        optimizer=args.optimizer,
+        amp=args.amp,
+        log_path=args.log,
+        plot_path=args.plot,
+        grad_accum=args.grad_accum,
+        workers=args.workers,
     )
     if result.target_applies and result.accuracy < TARGET_ACCURACY:
         print(

@@ -145,8 +145,8 @@ def test_a_few_steps_learn_save_a_checkpoint_and_resume(tmp_path, capsys):
 
 
 def test_resume_needs_the_same_vocabulary(tmp_path):
-    ckpt = tmp_path / "other.pkl"
-    ckpt.write_bytes(pickle.dumps({"model": {}, "optimizer": {}, "config": {}, "step": 0, "vocab": "abc"}))
+    ckpt = tmp_path / "other.safetensors"
+    taifuse.save({"model": {}, "optimizer": {}, "config": {}, "step": 0, "vocab": "abc"}, ckpt)
     with pytest.raises(ValueError, match="vocabulary"):
         train_gpt.load_checkpoint(ckpt)
 
@@ -176,7 +176,7 @@ def test_amp_trains_and_its_checkpoint_saves_and_restores_the_grad_scaler(tmp_pa
     # A distinctive scale and growth tracker written into the checkpoint come back on resume: with
     # nothing left to train the scaler is what was loaded, and it is saved again as it was.
     saved["scaler"].update(scale=512.0, _growth_tracker=3)
-    ckpt.write_bytes(pickle.dumps(saved))
+    taifuse.save(saved, ckpt)
     resumed = _run(["--steps", "8", "--out", str(ckpt), "--resume", "--amp", "--quiet"])
     assert resumed.loss_scale == 512.0
     assert train_gpt.load_checkpoint(ckpt)["scaler"]["_growth_tracker"] == 3
@@ -283,17 +283,24 @@ def _python(script: str, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
     [
         (None, "no checkpoint at --out"),
         (b"", "(the file is empty)"),
-        (b"L12x\n.", "(ValueError: invalid literal for int()"),
-        (b"not a pickle", "(UnpicklingError"),
-        (pickle.dumps([1, 2]), "(it has no model, optimizer, config, step, vocab)"),
+        (b"not a checkpoint", "is not a readable safetensors file"),
+        (pickle.dumps({"model": {}}), "is not a readable safetensors file"),  # the old format
+        ("truncated", "is not a readable safetensors file"),
+        ([1, 2], "(it has no model, optimizer, config, step, vocab)"),
     ],
-    ids=["missing", "empty", "corrupt-int", "corrupt", "not-a-checkpoint"],
+    ids=["missing", "empty", "corrupt", "pickle", "truncated", "not-a-checkpoint"],
 )
 def test_resume_of_a_bad_file_is_one_line_naming_it(content, why, tmp_path):
     """FileNotFoundError, "invalid literal for int()" and EOFError tracebacks before; now one line
-    naming the file, status 2, before the corpus is read."""
-    ckpt = tmp_path / "run.pkl"
-    if content is not None:
+    naming the file, status 2, before the corpus is read. Checkpoints are safetensors since issue
+    29: a pickle (the old format) is refused, not unpickled."""
+    ckpt = tmp_path / "run.safetensors"
+    if content == "truncated":
+        taifuse.save({"model": {"w": np.ones(100, np.float32)}}, ckpt)
+        ckpt.write_bytes(ckpt.read_bytes()[:-10])
+    elif isinstance(content, list):
+        taifuse.save(content, ckpt)
+    elif content is not None:
         ckpt.write_bytes(content)
     done = _python("train_gpt.py", "--resume", "--out", str(ckpt), "--backend", "numpy", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
@@ -363,3 +370,35 @@ def test_only_the_default_config_gets_a_verdict(tmp_path):
         in done.stdout
     )
     assert (tmp_path / "c.pkl").is_file()
+
+
+def test_the_loader_workers_and_grad_accum_train_on_the_same_batches(tmp_path):
+    """The batches come through taifuse.data's loader from the memory-mapped token file: worker
+    threads give the run of no workers exactly; --grad-accum 2 splits each step's batch into two
+    micro-batches of the same windows, so the losses agree to float32 summation order."""
+    runs = {}
+    for name, extra in {"workers": [], "inline": ["--workers", "0"], "accum": ["--grad-accum", "2"]}.items():
+        out = tmp_path / name / "c.safetensors"
+        out.parent.mkdir()
+        runs[name] = _run(["--steps", "4", "--quiet", "--out", str(out), *extra])
+        tokens = np.load(out.with_name("train_gpt.tokens.npy"), mmap_mode="r")
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint8
+    assert runs["workers"].history == runs["inline"].history
+    for (s1, t1, v1), (s2, t2, v2) in zip(runs["accum"].history, runs["inline"].history):
+        assert s1 == s2 and t1 == pytest.approx(t2, rel=1e-4) and v1 == pytest.approx(v2, rel=1e-4)
+
+
+def test_find_batch_size_prints_the_table_and_trains_nothing(tmp_path, capsys):
+    out, plot = tmp_path / "c.safetensors", tmp_path / "sizes.png"
+    found = _run(["--find-batch-size", "--max-batch", "16", "--out", str(out), "--plot", str(plot)])
+    assert [t.batch_size for t in found.table][:1] == [8] and found.batch_size in (8, 16)
+    assert "chosen batch size" in capsys.readouterr().out
+    assert not out.exists()  # no training, no checkpoint
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grad_accum_should_divide_the_batch(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--batch-size", "4", "--grad-accum", "3", "--out", str(tmp_path / "c")])
+    assert "--batch-size (4) should be a multiple of --grad-accum (3)" in capsys.readouterr().err

@@ -59,6 +59,8 @@ def _python(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
         (["--plot", "{tmp}"], "--plot '{tmp}' is a directory"),
         (["--log", "{tmp}/a.csv", "--plot", "{tmp}/a.csv"], "--log and --plot name the same file"),
         (["--optimizer", "sgd", "--amp"], "--amp needs --optimizer adamw"),
+        (["--grad-accum", "3"], "--grad-accum should divide the batch size 64, got 3"),
+        (["--workers", "-1"], "--workers should be >= 0, got -1"),
     ],
 )
 def test_every_flag_is_checked_before_the_training(argv, message, tmp_path, capsys):

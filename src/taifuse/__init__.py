@@ -2,7 +2,8 @@
 
 ``import taifuse`` imports NumPy only; Numba and Taichi are imported and started on first use.
 The subpackages (``taifuse.nn``, ``taifuse.optim``, ``taifuse.functional``, ``taifuse.checkpoint``,
-``taifuse.pool``, ...) are imported the first time they are reached as attributes.
+``taifuse.pool``, ``taifuse.data``, ``taifuse.utils``, ...) are imported the first time they are
+reached as attributes, and so are ``taifuse.save`` and ``taifuse.load`` (safetensors checkpoints).
 
 Example::
 
@@ -15,7 +16,7 @@ Example::
 
 import importlib as _importlib
 import importlib.util as _importlib_util
-from types import ModuleType as _ModuleType
+from typing import Any as _Any
 
 from taifuse._random import manual_seed
 from taifuse.backends import available_backends, get_backend, set_backend, use_backend
@@ -34,8 +35,10 @@ __all__ = [
     "enable_grad",
     "get_backend",
     "is_grad_enabled",
+    "load",
     "manual_seed",
     "no_grad",
+    "save",
     "set_backend",
     "stack",
     "tensor",
@@ -47,10 +50,19 @@ __all__ = [
 # Names whose module does not exist (yet) are simply absent attributes. ``tensor`` is not here:
 # ``taifuse.tensor`` is the function (the NOTE above); ``taifuse.checkpoint`` is the module,
 # whose function is ``taifuse.checkpoint.checkpoint``, as ``torch.utils.checkpoint``.
-_LAZY_SUBMODULES = ("nn", "optim", "functional", "checkpoint", "pool", "amp", "profiler", "monitor")
+_LAZY_SUBMODULES = (
+    "nn", "optim", "functional", "checkpoint", "pool", "amp", "profiler", "monitor", "data", "utils",
+)  # fmt: skip
+# Functions reachable as ``taifuse.<name>``, imported from their module on first use (the module
+# imports its heavy dependency, safetensors, only when called).
+_LAZY_FUNCTIONS = {"save": "serialization", "load": "serialization"}
 
 
-def __getattr__(name: str) -> _ModuleType:
+def __getattr__(name: str) -> _Any:
+    if name in _LAZY_FUNCTIONS:
+        value = getattr(_importlib.import_module(f"{__name__}.{_LAZY_FUNCTIONS[name]}"), name)
+        globals()[name] = value
+        return value
     if name in _LAZY_SUBMODULES:
         try:
             # Importing a submodule also binds it in this namespace, so this runs once per name.
@@ -63,4 +75,4 @@ def __getattr__(name: str) -> _ModuleType:
 
 def __dir__() -> list[str]:
     present = [n for n in _LAZY_SUBMODULES if _importlib_util.find_spec(f"{__name__}.{n}") is not None]
-    return sorted(set(globals()) | set(present))
+    return sorted(set(globals()) | set(present) | set(_LAZY_FUNCTIONS))

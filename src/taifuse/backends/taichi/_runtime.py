@@ -429,6 +429,21 @@ def empty(shape: tuple[int, ...], dtype: np.dtype) -> DeviceArray:
 
 def from_numpy(a: np.ndarray) -> DeviceArray:
     """Copy a host array to the device (one counted host-to-device transfer)."""
+    a = _device_host_array(a)
+    return _copy_in(empty(a.shape, a.dtype), a)
+
+
+def from_numpy_pooled(a: np.ndarray) -> DeviceArray:
+    """:func:`from_numpy` into a buffer from the device pool, which takes it back when the array
+    is dropped (the data loader's batches: the same shapes every step, so nothing is allocated
+    after the first few)."""
+    from taifuse import pool
+
+    a = _device_host_array(a)
+    return _copy_in(pool.empty(ALLOCATOR, a.shape, a.dtype), a)
+
+
+def _device_host_array(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype == BITS_DTYPE:
         pass  # bit patterns, kept as they are
@@ -438,10 +453,13 @@ def from_numpy(a: np.ndarray) -> DeviceArray:
         a = a.astype(INDEX_DTYPE)
     else:
         check_dtype(a.dtype, "from_numpy: array")
-    out = empty(a.shape, a.dtype)
+    return a
+
+
+def _copy_in(out: DeviceArray, a: np.ndarray) -> DeviceArray:
     _count_transfer("host_to_device", a.nbytes)
     if out.size:
-        out._storage.from_numpy(np.ascontiguousarray(a).reshape(-1))
+        out._ndarray().from_numpy(np.ascontiguousarray(a).reshape(-1))
     return out
 
 
