@@ -257,7 +257,7 @@ def random_split(dataset: Any, lengths: Sequence[int | float], generator: Any = 
         raise ValueError(
             f"random_split: sum of input lengths {sum(lengths)} does not equal the dataset's length {n}"
         )
-    order = _generator(generator, "random_split").permutation(n)
+    order = as_generator(generator, "random_split").permutation(n)
     out, start = [], 0
     for length in lengths:
         out.append(Subset(dataset, order[start : start + length].tolist()))
@@ -265,7 +265,7 @@ def random_split(dataset: Any, lengths: Sequence[int | float], generator: Any = 
     return out
 
 
-def _generator(generator: Any, where: str) -> np.random.Generator:
+def as_generator(generator: Any, where: str) -> np.random.Generator:
     """``generator`` as a NumPy Generator: itself, one seeded by an int, or one seeded from taifuse's."""
     if generator is None:
         from taifuse._random import next_seed

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from taifuse import backends
+from taifuse._internal import wrap
 from taifuse.data.dataset import Subset
 from taifuse.data.sampler import BatchSampler, RandomSampler, SequentialSampler
 from taifuse.tensor import Tensor
@@ -238,8 +239,8 @@ def _upload(arr: np.ndarray, be: ModuleType) -> Tensor:
     if be.NAME == "taichi":
         from taifuse.backends.taichi._runtime import from_numpy_pooled
 
-        return Tensor._wrap(from_numpy_pooled(arr), be)
-    return Tensor._wrap(be.from_numpy(np.ascontiguousarray(arr) if arr.ndim else arr), be)
+        return wrap(from_numpy_pooled(arr), be)
+    return wrap(be.from_numpy(np.ascontiguousarray(arr) if arr.ndim else arr), be)
 
 
 def _to_backend(tree: Any, be: ModuleType) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from taifuse.data.dataset import _generator
+from taifuse.data.dataset import as_generator
 
 __all__ = ["BatchSampler", "RandomSampler", "Sampler", "SequentialSampler"]
 
@@ -68,7 +68,7 @@ class RandomSampler(Sampler):
                 f"num_samples should be a positive integer value, but got num_samples={num_samples!r}"
             )
         self.data_source, self.replacement, self._num_samples = data_source, replacement, num_samples
-        self.generator = None if generator is None else _generator(generator, "RandomSampler")
+        self.generator = None if generator is None else as_generator(generator, "RandomSampler")
 
     @property
     def num_samples(self) -> int:
@@ -76,7 +76,7 @@ class RandomSampler(Sampler):
 
     def indices(self) -> np.ndarray:
         """This epoch's indices as one int64 array (what ``__iter__`` yields)."""
-        rng = _generator(self.generator, "RandomSampler")
+        rng = as_generator(self.generator, "RandomSampler")
         n = len(self.data_source)
         if self.replacement:
             return rng.integers(0, n, size=self.num_samples, dtype=np.int64)
