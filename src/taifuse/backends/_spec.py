@@ -28,6 +28,9 @@ KERNEL_NAMES = (
     "attention",
     "rms_norm",
     "embedding",
+    "batch_norm_stats",
+    "batch_norm_update",
+    "batch_norm_elemt",
 )
 # Kernels of the autograd layer (tensor.py): a backward per differentiable op, and the losses with
 # theirs.
@@ -53,6 +56,7 @@ BACKWARD_KERNEL_NAMES = (
     "cross_entropy_backward",
     "rms_norm_backward",
     "embedding_backward",
+    "batch_norm_backward",
 )
 # Fused optimizer update kernels (taifuse.optim).
 OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite", "unscale_check")

@@ -43,6 +43,12 @@ from taifuse.backends.numba.backward import (
     softmax_backward,
     tanh_backward,
 )
+from taifuse.backends.numba.batch_norm import (
+    batch_norm_backward,
+    batch_norm_elemt,
+    batch_norm_stats,
+    batch_norm_update,
+)
 from taifuse.backends.numba.forward import (
     add_relu,
     affine,
@@ -95,6 +101,10 @@ __all__ = [
     "all_finite",
     "attention",
     "attention_backward",
+    "batch_norm_backward",
+    "batch_norm_elemt",
+    "batch_norm_stats",
+    "batch_norm_update",
     "check_dtype",
     "cross_entropy",
     "cross_entropy_backward",

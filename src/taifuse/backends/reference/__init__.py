@@ -36,6 +36,12 @@ from taifuse.backends.reference.backward import (
     softmax_backward,
     tanh_backward,
 )
+from taifuse.backends.reference.batch_norm import (
+    batch_norm_backward,
+    batch_norm_elemt,
+    batch_norm_stats,
+    batch_norm_update,
+)
 from taifuse.backends.reference.forward import (
     add_relu,
     affine,
@@ -84,6 +90,10 @@ __all__ = [
     "all_finite",
     "attention",
     "attention_backward",
+    "batch_norm_backward",
+    "batch_norm_elemt",
+    "batch_norm_stats",
+    "batch_norm_update",
     "check_dtype",
     "cross_entropy",
     "cross_entropy_backward",

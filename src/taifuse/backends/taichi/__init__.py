@@ -58,6 +58,12 @@ from taifuse.backends.taichi.backward import (
     softmax_backward,
     tanh_backward,
 )
+from taifuse.backends.taichi.batch_norm import (
+    batch_norm_backward,
+    batch_norm_elemt,
+    batch_norm_stats,
+    batch_norm_update,
+)
 from taifuse.backends.taichi.forward import (
     add_relu,
     affine,
@@ -94,6 +100,10 @@ __all__ = [
     "all_kernels",
     "attention",
     "attention_backward",
+    "batch_norm_backward",
+    "batch_norm_elemt",
+    "batch_norm_stats",
+    "batch_norm_update",
     "check_dtype",
     "cross_entropy",
     "cross_entropy_backward",
@@ -147,6 +157,7 @@ def all_kernels() -> list[tuple[str, object]]:
     ``metal_check``); Taichi must be running."""
     from taifuse.backends.taichi import _runtime, backward, forward, optim, tensor_math
     from taifuse.backends.taichi.attention import all_kernels as attention_kernels
+    from taifuse.backends.taichi.batch_norm import all_kernels as batch_norm_kernels
 
     return (
         _runtime.all_kernels()
@@ -155,4 +166,5 @@ def all_kernels() -> list[tuple[str, object]]:
         + backward.all_kernels()
         + optim.all_kernels()
         + attention_kernels()
+        + batch_norm_kernels()
     )
