@@ -457,3 +457,15 @@ def test_modules_refuse_bad_input_without_counting_a_batch():
             nn.BatchNorm1d(0)
         with pytest.raises(ValueError, match="activation"):
             nn.BatchNorm1d(2, activation="tanh")
+
+
+def test_empty_batch_gives_an_empty_output_and_keeps_the_statistics(backend):
+    backend.activate()
+    rm, rv = np.zeros(3, np.float32), np.ones(3, np.float32)
+    assert F.batch_norm(np.zeros((0, 3, 4), np.float32), rm, rv, training=True).shape == (0, 3, 4)
+    np.testing.assert_array_equal(rm, np.zeros(3, np.float32))
+    x = taifuse.tensor(np.zeros((0, 3), np.float32), requires_grad=True)
+    w = taifuse.tensor(np.ones(3, np.float32), requires_grad=True)
+    F.batch_norm(x, taifuse.tensor(rm), taifuse.tensor(rv), w, None, training=True).sum().backward()
+    assert x.grad.shape == (0, 3)
+    np.testing.assert_array_equal(w.grad.numpy(), np.zeros(3, np.float32))  # as PyTorch's
