@@ -9,7 +9,7 @@ The kernels (``batch_norm_stats``, ``batch_norm_update``, ``batch_norm_elemt``,
 
 The pass after the statistics (:func:`normalize`) and the backward (:func:`backward_arrays`) take
 only ``x`` and the per-channel ``(mean, invstd)``, so a fused block that computes the statistics
-another way (a convolution's epilogue) reuses both, and the same :class:`BatchNormFunction`'s
+another way (a convolution's epilogue) reuses both, and the same :class:`BatchNorm`'s
 backward. ``activation='relu'`` fuses the ReLU into the normalize pass; the backward recomputes
 its mask from ``x`` and the statistics (nothing more is saved).
 
@@ -279,7 +279,7 @@ def batch_norm_arrays(
 # ----------------------------------------------------------------------------- autograd
 
 
-class BatchNormFunction(Function):
+class BatchNorm(Function):
     """batch_norm as one autograd node: saves ``x``, the per-channel ``(mean, invstd)``, the
     parameters and the mode; its backward is :func:`backward_arrays`."""
 
@@ -374,7 +374,7 @@ def batch_norm_tensors(
             ("bias", bias),
         )
     }
-    out = BatchNormFunction.apply(
+    out = BatchNorm.apply(
         input,
         args["weight"],
         args["bias"],
