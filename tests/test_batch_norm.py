@@ -409,6 +409,7 @@ def _bad_calls():
         ((x, rm, rv), {"training": True, "momentum": float("nan")}, ValueError, "momentum"),
         ((x, rm, rv), {"training": True, "eps": -1.0}, ValueError, "eps"),
         ((x, rm, rv), {"training": True, "activation": "gelu"}, ValueError, "activation"),
+        (([[1.0, 2.0]], rm, rv), {"training": True}, TypeError, "input should be an array"),
         (
             (x, rm.astype(np.float16), rv.astype(np.float16)),
             {"training": True},
@@ -423,14 +424,15 @@ def _bad_calls():
 def test_bad_input_raises_before_anything_is_written(backend, tensors):
     backend.activate()
     for args, kwargs, exc, match in _bad_calls():
-        if tensors and not backend.supports_f64 and any(a is not None and a.dtype == F64 for a in args):
+        if tensors and not backend.supports_f64 and any(getattr(a, "dtype", None) == F64 for a in args):
             continue  # a float64 Tensor is refused on creation there (tests/test_validation.py)
-        args = [None if a is None else a.copy() for a in args]
+        args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
         running = [a for a in args[1:3] if a is not None]
         saved = [a.copy() for a in running]
         call = [taifuse.tensor(a) if tensors and a is not None and i != 0 else a for i, a in enumerate(args)]
         if tensors:
-            call[0] = taifuse.tensor(args[0], requires_grad=True)
+            if isinstance(args[0], np.ndarray):
+                call[0] = taifuse.tensor(args[0], requires_grad=True)
             running = [a for a in call[1:3] if a is not None]
         with pytest.raises(exc, match=match):
             F.batch_norm(*call, **kwargs)

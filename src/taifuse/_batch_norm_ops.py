@@ -66,6 +66,8 @@ def check_args(
     eps = _array_ops.check_finite_number(eps, op, "eps")
     if eps < 0:
         raise ValueError(f"{op}: eps should be non-negative, got {eps}")
+    if not hasattr(input, "shape") or not hasattr(input, "dtype"):
+        raise TypeError(f"{op}: input should be an array or a Tensor, got {type(input).__name__}")
     shape = tuple(input.shape)
     if len(shape) < 2:
         raise ValueError(f"{op}: input should have shape (N, C, *) with at least 2 dimensions, got {shape}")
@@ -339,7 +341,7 @@ def _as_tensor(value: Any, like: Tensor, argname: str) -> Any:
     if isinstance(value, np.ndarray):
         _array_ops.check_float_array(value.dtype, like._be, _OP, argname)
         return Tensor._wrap(like._be.from_numpy(np.asarray(value, order="C")), like._be)
-    raise TypeError(f"{_OP}: {argname} should be a Tensor or numpy.ndarray, got {type(value).__name__}")
+    raise TypeError(f"{_OP}: {argname} should be an array or a Tensor, got {type(value).__name__}")
 
 
 def batch_norm_tensors(
