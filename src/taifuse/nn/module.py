@@ -105,6 +105,16 @@ class Module:
         It is reachable as an attribute, listed by :meth:`named_buffers`, and (when ``persistent``)
         saved and loaded by :meth:`state_dict` / :meth:`load_state_dict`. ``None`` registers an
         absent buffer. Assigning a Tensor to the name later replaces the buffer.
+
+        Example::
+
+            >>> import numpy as np, taifuse, taifuse.nn as nn
+            >>> taifuse.set_backend("numpy")
+            >>> m = nn.Linear(2, 2)
+            >>> m.register_buffer("steps", taifuse.tensor(np.zeros(1, np.float32)))
+            >>> m.register_buffer("cache", taifuse.tensor(np.zeros(2, np.float32)), persistent=False)
+            >>> list(m.state_dict()), [name for name, _ in m.named_buffers()]
+            (['weight', 'bias', 'steps'], ['steps', 'cache'])
         """
         if "_buffers" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__}.__init__ should call super().__init__() first")
