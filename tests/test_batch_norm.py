@@ -479,3 +479,19 @@ def test_empty_batch_gives_an_empty_output_and_keeps_the_statistics(backend):
     F.batch_norm(x, taifuse.tensor(rm), taifuse.tensor(rv), w, None, training=True).sum().backward()
     assert x.grad.shape == (0, 3)
     np.testing.assert_array_equal(w.grad.numpy(), np.zeros(3, np.float32))  # as PyTorch's
+
+
+def test_relu_mask_passes_the_gradient_of_a_nan_output_as_pytorch(backend):
+    # PyTorch's ReLU backward zeroes where its output is <= 0, so a NaN output passes its gradient.
+    backend.activate()
+    x = np.array([[1.0, -2.0], [np.nan, 3.0], [-1.0, 0.5]], np.float32)
+    rm, rv = np.array([0.5, 0.0], np.float32), np.array([2.0, 1.0], np.float32)
+    X = taifuse.tensor(x, requires_grad=True)
+    y = F.batch_norm(X, taifuse.tensor(rm), taifuse.tensor(rv), training=False, activation="relu")
+    y.backward(taifuse.tensor(np.ones_like(x)))
+    tx = torch.tensor(x, requires_grad=True)
+    torch.relu(torch.nn.functional.batch_norm(tx, torch.tensor(rm), torch.tensor(rv))).backward(
+        torch.ones(3, 2)
+    )
+    np.testing.assert_allclose(X.grad.numpy(), tx.grad.numpy(), rtol=1e-6)
+    assert np.isnan(y.numpy()[1, 0])

@@ -99,8 +99,8 @@ def batch_norm_backward(
 ) -> None:
     """Backward of :func:`batch_norm_elemt` over ``x (N, C, S)``, from the saved ``mean``/``invstd``.
 
-    With g = grad_out * act'(pre) (pre recomputed from x and the saved statistics; ReLU's mask is
-    ``pre > 0`` as stored in the output's dtype, as PyTorch's ReLU after a batch norm sees it),
+    With g = grad_out * act'(pre) (pre recomputed from x and the saved statistics; ReLU's g is 0
+    where ``pre <= 0`` as stored in the output's dtype, as PyTorch's ReLU after a batch norm),
     xhat = (x - mean) * invstd and w = weight (1 without one):
     grad_bias[c] = sum g, grad_weight[c] = sum g * xhat (sums over axes 0 and 2, M values),
     grad_x = w * invstd * (g - grad_bias / M - xhat * grad_weight / M) in training (the
@@ -110,7 +110,7 @@ def batch_norm_backward(
     g = _f64(grad_out)
     if activation == "relu":
         pre = _pre_activation(x, mean, invstd, weight, bias).astype(grad_out.dtype)
-        g = np.where(pre > 0, g, 0.0)
+        g = np.where(pre <= 0, 0.0, g)  # a NaN output passes its gradient, as PyTorch's
     r = _f64(invstd)[None, :, None]
     xhat = (_f64(x) - _f64(mean)[None, :, None]) * r
     sum_g = g.sum(axis=(0, 2))

@@ -85,9 +85,9 @@ def kernels_for(dtype: np.dtype, param_dtype: np.dtype) -> SimpleNamespace:
 
     @ti.func
     def relu_grad(gv: ti.f32, pre: ti.f32, relu: ti.i32) -> ti.f32:
-        # The forward's ReLU mask as PyTorch's ReLU after a batch norm sees it: pre > 0 once stored.
+        # NOTE [ The ReLU mask in the backward ] in backends/numba/batch_norm.py.
         r = gv
-        if relu != 0 and not ti.cast(ti.cast(pre, T), ti.f32) > 0.0:
+        if relu != 0 and ti.cast(ti.cast(pre, T), ti.f32) <= 0.0:
             r = 0.0
         return r
 
