@@ -518,6 +518,21 @@ def _kernel_calls(rng: np.random.Generator, dtype: np.dtype, rows: int, cols: in
     rms = np.empty(rows, stats)
     R.rms_norm(x, None, 1e-5, np.empty_like(x), rms)
     calls.append(("rms_norm_backward", lambda: ((x, arr(cols), rms, g), (out(rows, cols), out(cols)), ())))
+    # batch_norm: x as (N, C, 1), the statistics from the reference, with the fused ReLU.
+    x3, g3 = x.reshape(rows, cols, 1), g.reshape(rows, cols, 1)
+    bn_mean, bn_var, bn_inv = (np.empty(cols, stats) for _ in range(3))
+    R.batch_norm_stats(x3, bn_mean, bn_var)
+    R.batch_norm_update(bn_mean, bn_var, rows, 1e-5, 0.1, None, None, bn_inv)
+    calls.append(
+        (
+            "batch_norm_backward",
+            lambda: (
+                (x3, g3, bn_mean, bn_inv, arr(cols), arr(cols), "relu", True),
+                (out(rows, cols, 1), out(cols), out(cols)),
+                (),
+            ),
+        )
+    )
     idx = rng.integers(0, max(1, cols // 3), rows)  # repeated indices, some rows never seen
     calls.append(("embedding_backward", lambda: ((idx, g), (out(cols, cols),), (int(idx[0]),))))
     # attention: q (BH, L, E), k (BH, S, E), v (BH, S, Ev); causal without a mask, and an additive

@@ -377,6 +377,12 @@ TABLE: tuple[Row, ...] = (
         tol={F32: LAYER_NORM_F32},
     ),
     Row(
+        "F.batch_norm",
+        ("nn.functional.batch_norm",),
+        _functional("batch_norm"),
+        refused=lambda s: "a 1-d input (taifuse's batch_norm takes (N, C, *))" if s.input.ndim < 2 else None,
+    ),
+    Row(
         "F.rms_norm",
         ("nn.functional.rms_norm",),
         _functional("rms_norm"),

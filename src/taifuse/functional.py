@@ -24,13 +24,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from taifuse import _array_ops, _autograd_ops
+from taifuse import _array_ops, _autograd_ops, _batch_norm_ops
 from taifuse.backends import _spec
 from taifuse.tensor import Tensor, tensors_in
 
 __all__ = [
     "add_relu",
     "affine",
+    "batch_norm",
     "cross_entropy",
     "dropout",
     "embedding",
@@ -190,6 +191,49 @@ def log_softmax(x: Any, dim: int = -1, *, out: Any = None) -> Any:
     if isinstance(x, Tensor):
         return _autograd_ops.log_softmax(x, dim, out)
     return _array_ops.log_softmax(x, dim, out)
+
+
+def batch_norm(
+    input: Any,
+    running_mean: Any,
+    running_var: Any,
+    weight: Any = None,
+    bias: Any = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    activation: str | None = None,
+) -> Any:
+    """Batch normalization over the channel dimension of ``input (N, C, *)``, as ``torch.nn.functional.batch_norm``.
+
+    y = act((x - mean[c]) / sqrt(var[c] + eps) * weight[c] + bias[c]). In training (``training=True``)
+    mean and var are the batch's, over every axis but 1 (the biased variance, computed in one pass),
+    and ``running_mean``/``running_var`` (if given) are updated in place:
+    ``running = (1 - momentum) * running + momentum * batch``, with the unbiased variance for
+    ``running_var``. In evaluation the running statistics are used. ``activation=None|'relu'``
+    fuses a ReLU into the normalize pass (and its mask into the backward). float16 input may come
+    with float32 parameters and running statistics (PyTorch's mixed batch norm; under autocast
+    batch norm is not cast, as in PyTorch: docs/batch_norm.md).
+
+    Example::
+
+        >>> import numpy as np
+        >>> import taifuse.functional as F
+        >>> x = np.array([[1.0, 10.0], [3.0, 30.0]], np.float32)
+        >>> rm, rv = np.zeros(2, np.float32), np.ones(2, np.float32)
+        >>> F.batch_norm(x, rm, rv, training=True, eps=0.0)
+        array([[-1., -1.],
+               [ 1.,  1.]], dtype=float32)
+        >>> rm, rv  # 0.9 * running + 0.1 * batch (unbiased variances 2 and 200)
+        (array([0.2, 2. ], dtype=float32), array([ 1.1, 20.9], dtype=float32))
+    """
+    if tensors_in((input, running_mean, running_var, weight, bias)):
+        return _batch_norm_ops.batch_norm_tensors(
+            input, running_mean, running_var, weight, bias, training, momentum, eps, activation
+        )
+    return _batch_norm_ops.batch_norm_arrays(
+        input, running_mean, running_var, weight, bias, training, momentum, eps, activation
+    )
 
 
 def layer_norm(

@@ -69,6 +69,11 @@ KERNELS: tuple[Kernel, ...] = (
     _forward("attention", "attention", array_op="scaled_dot_product_attention"),
     _forward("rms_norm"),
     _forward("embedding"),
+    # Batch norm's kernels: _batch_norm_ops launches them and reads the profiler hook itself
+    # (importing it from _array_ops would be a circle), so no array_op.
+    Kernel("batch_norm_stats", "forward", "batch_norm", None),
+    Kernel("batch_norm_update", "forward", "batch_norm", None),
+    Kernel("batch_norm_elemt", "forward", "batch_norm", None),
     # The autograd layer's kernels: a backward per differentiable op, and the losses with theirs.
     _backward("gelu_backward"),
     _backward("relu_backward"),
@@ -91,6 +96,7 @@ KERNELS: tuple[Kernel, ...] = (
     _backward("cross_entropy_backward"),
     _backward("rms_norm_backward"),
     _backward("embedding_backward"),
+    _backward("batch_norm_backward", "batch_norm"),
     # Fused optimizer update kernels (taifuse.optim).
     _optim("sgd_step"),
     _optim("adam_step"),

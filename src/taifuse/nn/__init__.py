@@ -12,6 +12,7 @@ Example::
     (3, 2)
 """
 
+from taifuse.nn.batchnorm import BatchNorm1d, BatchNorm2d
 from taifuse.nn.checkpoint import Checkpoint
 from taifuse.nn.layers import (
     GELU,
@@ -35,6 +36,8 @@ from taifuse.nn.module import Module, Parameter
 
 __all__ = [
     "GELU",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "CausalSelfAttention",
     "Checkpoint",
     "CrossEntropyLoss",

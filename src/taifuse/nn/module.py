@@ -35,7 +35,9 @@ class Module:
 
     Assigning a :class:`Parameter` or a ``Module`` to an attribute registers it, in assignment
     order; ``named_parameters`` and ``state_dict`` name parameters by their dotted attribute path
-    (``'0.weight'``), as PyTorch does, so names and layouts port.
+    (``'0.weight'``), as PyTorch does, so names and layouts port. :meth:`register_buffer` adds
+    state that is not trained (batch norm's running statistics): in ``state_dict`` after the
+    module's parameters unless registered with ``persistent=False``.
     """
 
     training: bool
@@ -43,6 +45,8 @@ class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_non_persistent_buffers", set())
         object.__setattr__(self, "training", True)
 
     # -- registration
@@ -51,6 +55,14 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__}.__init__ should call super().__init__() first")
         params, modules = self.__dict__["_parameters"], self.__dict__["_modules"]
+        buffers = self.__dict__["_buffers"]
+        if name in buffers and (
+            value is None or (isinstance(value, Tensor) and not isinstance(value, Parameter))
+        ):
+            buffers[name] = value  # assigning to a buffer's name replaces the buffer, as in PyTorch
+            return
+        buffers.pop(name, None)
+        self._non_persistent_buffers.discard(name)
         params.pop(name, None)
         modules.pop(name, None)
         if isinstance(value, Parameter):
@@ -71,6 +83,8 @@ class Module:
             return d["_parameters"][name]
         if name in d.get("_modules", {}):
             return d["_modules"][name]
+        if name in d.get("_buffers", {}):
+            return d["_buffers"][name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __delattr__(self, name: str) -> None:
@@ -78,8 +92,50 @@ class Module:
             del self._parameters[name]
         elif name in self._modules:
             del self._modules[name]
+        elif name in self._buffers:
+            del self._buffers[name]
+            self._non_persistent_buffers.discard(name)
         else:
             object.__delattr__(self, name)
+
+    def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
+        """Add a buffer: a Tensor that is module state but not a parameter (batch norm's running
+        statistics), as ``torch.nn.Module.register_buffer``.
+
+        It is reachable as an attribute, listed by :meth:`named_buffers`, and (when ``persistent``)
+        saved and loaded by :meth:`state_dict` / :meth:`load_state_dict`. ``None`` registers an
+        absent buffer. Assigning a Tensor to the name later replaces the buffer.
+
+        Example::
+
+            >>> import numpy as np, taifuse, taifuse.nn as nn
+            >>> taifuse.set_backend("numpy")
+            >>> m = nn.Linear(2, 2)
+            >>> m.register_buffer("steps", taifuse.tensor(np.zeros(1, np.float32)))
+            >>> m.register_buffer("cache", taifuse.tensor(np.zeros(2, np.float32)), persistent=False)
+            >>> list(m.state_dict()), [name for name, _ in m.named_buffers()]
+            (['weight', 'bias', 'steps'], ['steps', 'cache'])
+        """
+        if "_buffers" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}.__init__ should call super().__init__() first")
+        if not isinstance(name, str):
+            raise TypeError(f"register_buffer: name should be a str, got {type(name).__name__}")
+        if not name or "." in name:
+            raise ValueError(f"register_buffer: name should be a non-empty str without '.', got {name!r}")
+        if (
+            name in self.__dict__ or name in self._parameters or name in self._modules
+        ) and name not in self._buffers:
+            raise KeyError(f"register_buffer: attribute {name!r} already exists")
+        if tensor is not None and (not isinstance(tensor, Tensor) or isinstance(tensor, Parameter)):
+            raise TypeError(
+                f"register_buffer: buffer {name!r} should be a taifuse Tensor (not a Parameter) or None, "
+                f"got {type(tensor).__name__}"
+            )
+        self._buffers[name] = tensor
+        if persistent:
+            self._non_persistent_buffers.discard(name)
+        else:
+            self._non_persistent_buffers.add(name)
 
     # -- traversal
 
@@ -131,10 +187,42 @@ class Module:
         for _, param in self.named_parameters(recurse=recurse):
             yield param
 
+    def named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """Buffers with dotted names (persistent or not; absent ones skipped), each once."""
+        seen: set[int] = set()
+        modules = self.named_modules(prefix) if recurse else iter([(prefix, self)])
+        for mod_name, module in modules:
+            for name, buf in module._buffers.items():
+                if buf is None or id(buf) in seen:
+                    continue
+                seen.add(id(buf))
+                yield (f"{mod_name}.{name}" if mod_name else name), buf
+
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        """Every buffer (each once)."""
+        for _, buf in self.named_buffers(recurse=recurse):
+            yield buf
+
+    def _state_items(self) -> Iterator[tuple[str, Tensor, bool]]:
+        # (name, tensor, is a buffer) in PyTorch's state_dict order: per module, depth first, its
+        # parameters then its persistent buffers; a parameter shared by two modules once.
+        seen: set[int] = set()
+        for mod_name, module in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            for name, param in module._parameters.items():
+                if param is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                yield prefix + name, param, False
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers:
+                    yield prefix + name, buf, True
+
     # -- modes and gradients
 
     def train(self, mode: bool = True) -> Module:
-        """Set training mode (dropout active) on this module and its submodules; returns self."""
+        """Set training mode (dropout active, batch norm on batch statistics) on this module and its
+        submodules; returns self."""
         for module in self.modules():
             object.__setattr__(module, "training", bool(mode))
         return self
@@ -178,11 +266,12 @@ class Module:
     # -- state
 
     def state_dict(self) -> OrderedDict[str, Tensor]:
-        """``{name: Tensor}`` of every parameter, detached (sharing the parameters' data)."""
-        return OrderedDict((name, param.detach()) for name, param in self.named_parameters())
+        """``{name: Tensor}`` of every parameter and persistent buffer, detached (sharing their
+        data), in PyTorch's order: per module its parameters, then its buffers."""
+        return OrderedDict((name, t.detach()) for name, t, _ in self._state_items())
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
-        """Copy values into the parameters, by name.
+        """Copy values into the parameters and persistent buffers, by name.
 
         Args:
             state_dict: ``{name: Tensor or numpy.ndarray}``, as :meth:`state_dict` returns, or a
@@ -191,13 +280,16 @@ class Module:
             strict: raise ``ValueError`` on missing or unexpected names; otherwise report them.
 
         Every value is checked (names, shapes) before any parameter changes, so a failed load
-        leaves the module as it was. Values are converted to each parameter's dtype.
+        leaves the module as it was. Values are converted to each parameter's (buffer's) dtype.
+        A floating-point buffer is updated in place; an integer one (``num_batches_tracked``) is
+        replaced by a new Tensor, as integer Tensors on the taichi backend have no arithmetic.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"load_state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}"
             )
-        params = dict(self.named_parameters())
+        params = {name: t for name, t, _ in self._state_items()}
+        owners = {name: (module, local) for name, module, local in self._buffer_slots()}
         missing = [name for name in params if name not in state_dict]
         unexpected = [name for name in state_dict if name not in params]
         if strict and (missing or unexpected):
@@ -211,17 +303,30 @@ class Module:
             value = _state_array(name, state_dict[name])
             if tuple(value.shape) != param.shape:
                 raise ValueError(
-                    f"load_state_dict: {name!r} has shape {tuple(value.shape)} but the parameter has shape {param.shape}"
+                    f"load_state_dict: {name!r} has shape {tuple(value.shape)} but the "
+                    f"{'buffer' if name in owners else 'parameter'} has shape {param.shape}"
                 )
             if value.dtype.kind not in "fiu":
                 raise TypeError(f"load_state_dict: {name!r} should hold numbers, got dtype {value.dtype}")
-            updates.append((param, value))
+            updates.append((name, param, value))
         # In place, as torch's load_state_dict: a parameter an optimizer placed in its flat
         # buffer stays there, so the next step needs no copy back.
         with no_grad():
-            for param, value in updates:
-                param.copy_(value)
+            for name, param, value in updates:
+                if param.dtype.kind == "f":
+                    param.copy_(value)
+                else:
+                    module, local = owners[name]
+                    module._buffers[local] = Tensor(np.asarray(value).astype(param.dtype))
         return IncompatibleKeys(missing, unexpected)
+
+    def _buffer_slots(self) -> Iterator[tuple[str, Module, str]]:
+        # (state_dict name, owning module, its local name) of every persistent buffer.
+        for mod_name, module in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers:
+                    yield prefix + name, module, name
 
     def save(self, path: str | os.PathLike) -> None:
         """Write :meth:`state_dict` to a NumPy ``.npz`` file (one array per parameter name).
