@@ -100,12 +100,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.outcome = "failed"
         report.longrepr = f"{param} is required on this run, but this test was skipped: {reason}"
     elif report.when == "call" and report.passed:
-        _passed[param] += 1
+        # Counted where the reports are logged (below): under pytest-xdist that is the controller,
+        # which sees the workers' reports with their user_properties but runs none of the tests.
+        report.user_properties.append((_REQUIRED_PASS, param))
+
+
+_REQUIRED_PASS = "taifuse-required-backend-passed"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, param in report.user_properties:
+        if key == _REQUIRED_PASS and report.passed:
+            _passed[param] += 1
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Skips of a required backend already fail (above); this catches a run in which none of its
     # tests ran at all (all deselected, or none collected): a required backend must have run.
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller, which sees every worker's passes, checks
     missing = [p for p in sorted(required_backends(session.config)) if _passed[p] == 0]
     if missing and session.exitstatus == 0:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
