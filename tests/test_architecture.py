@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "taifuse.backends._metal_selftest"),
     ("taifuse._array_ops", "taifuse._tensor_math"),
     ("taifuse.tensor",),
-    ("taifuse._autograd_ops", "taifuse.functional", "taifuse.checkpoint"),
+    ("taifuse._autograd_ops", "taifuse._conv_ops", "taifuse.functional", "taifuse.checkpoint"),
     ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip

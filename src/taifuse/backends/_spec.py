@@ -28,6 +28,7 @@ KERNEL_NAMES = (
     "attention",
     "rms_norm",
     "embedding",
+    *("conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"),
 )
 # Kernels of the autograd layer (tensor.py): a backward per differentiable op, and the losses with
 # theirs.
@@ -53,6 +54,7 @@ BACKWARD_KERNEL_NAMES = (
     "cross_entropy_backward",
     "rms_norm_backward",
     "embedding_backward",
+    *("conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward"),
 )
 # Fused optimizer update kernels (taifuse.optim).
 OPTIM_KERNEL_NAMES = ("sgd_step", "adam_step", "lion_step", "all_finite", "unscale_check")

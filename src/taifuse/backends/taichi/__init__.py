@@ -58,6 +58,16 @@ from taifuse.backends.taichi.backward import (
     softmax_backward,
     tanh_backward,
 )
+from taifuse.backends.taichi.conv import (
+    adaptive_avg_pool2d,
+    adaptive_avg_pool2d_backward,
+    avg_pool2d,
+    avg_pool2d_backward,
+    conv2d,
+    conv2d_backward,
+    max_pool2d,
+    max_pool2d_backward,
+)
 from taifuse.backends.taichi.forward import (
     add_relu,
     affine,
@@ -86,6 +96,8 @@ __all__ = [
     "TENSOR_MATH",
     "DeviceArray",
     "adam_step",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool2d_backward",
     "add_relu",
     "add_relu_backward",
     "affine",
@@ -94,7 +106,11 @@ __all__ = [
     "all_kernels",
     "attention",
     "attention_backward",
+    "avg_pool2d",
+    "avg_pool2d_backward",
     "check_dtype",
+    "conv2d",
+    "conv2d_backward",
     "cross_entropy",
     "cross_entropy_backward",
     "describe",
@@ -117,6 +133,8 @@ __all__ = [
     "lion_step",
     "log_softmax",
     "log_softmax_backward",
+    "max_pool2d",
+    "max_pool2d_backward",
     "mse_loss",
     "mse_loss_backward",
     "mul_relu",
@@ -147,6 +165,7 @@ def all_kernels() -> list[tuple[str, object]]:
     ``metal_check``); Taichi must be running."""
     from taifuse.backends.taichi import _runtime, backward, forward, optim, tensor_math
     from taifuse.backends.taichi.attention import all_kernels as attention_kernels
+    from taifuse.backends.taichi.conv import all_kernels as conv_kernels
 
     return (
         _runtime.all_kernels()
@@ -155,4 +174,5 @@ def all_kernels() -> list[tuple[str, object]]:
         + backward.all_kernels()
         + optim.all_kernels()
         + attention_kernels()
+        + conv_kernels()
     )
