@@ -109,15 +109,17 @@ def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
 
 
 @njit(**_FMA_PARALLEL)
-def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, gx):
-    # gx[n, c] = the sum of every column entry that read it; one (n, c) plane per work item.
+def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
+    # gx[n, c] = the sum of every column entry that read it; one (n, c) plane per work item,
+    # summed in acc (the columns' dtype, pool scratch of nb * C planes).
     c_dim, h, w = gx.shape[1], gx.shape[2], gx.shape[3]
     p = oh * ow
     nb = n1 - n0
     for item in prange(nb * c_dim):
         n = n0 + item // c_dim
         c = item % c_dim
-        acc = np.zeros((h, w), gcols.dtype)
+        plane = acc[item]
+        plane[:] = 0
         base = (n - n0) * p
         for i in range(kh):
             for j in range(kw):
@@ -129,11 +131,11 @@ def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, gx):
                     for q in range(ow):
                         iw = q * sw - pw + j * dw
                         if 0 <= iw < w:
-                            acc[ih, iw] += src[base + r * ow + q]
+                            plane[ih, iw] += src[base + r * ow + q]
         dst = gx[n, c]
         for a in range(h):
             for b in range(w):
-                dst[a, b] = _narrow(acc[a, b], gx)
+                dst[a, b] = _narrow(plane[a, b], gx)
 
 
 # ----------------------------------------------------------------------------- epilogues
@@ -186,8 +188,8 @@ def _grad_pre(pre, g, op, gp, gb):
 
 @njit(**_FMA_PARALLEL)
 def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, out, pre):
-    # One (n, o) output plane per work item, each output the sum over its group's taps.
-    n_dim, _c_dim, h, wd = x.shape
+    # One (n, o) output plane per work item, each output summed over its group's taps in float64.
+    n_dim, c_dim, h, wd = x.shape
     oc, cg, kh, kw = w.shape
     oh, ow = out.shape[2], out.shape[3]
     ocg = oc // groups
@@ -195,25 +197,22 @@ def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, out, pre):
         n = item // oc
         o = item % oc
         c0 = (o // ocg) * cg
-        acc = np.zeros((oh, ow), np.float64)
-        for c in range(cg):
-            for i in range(kh):
-                for j in range(kw):
-                    wv = _widen(w[o, c, i, j])
-                    for r in range(oh):
+        bias = _widen(b[o]) if b is not None else 0.0
+        dst = out[n, o]
+        for r in range(oh):
+            for q in range(ow):
+                acc = 0.0
+                for c in range(cg):
+                    for i in range(kh):
                         ih = r * sh - ph + i * dh
                         if ih < 0 or ih >= h:
                             continue
                         src = x[n, c0 + c, ih]
-                        for q in range(ow):
+                        for j in range(kw):
                             iw = q * sw - pw + j * dw
                             if 0 <= iw < wd:
-                                acc[r, q] += wv * _widen(src[iw])
-        bias = _widen(b[o]) if b is not None else acc[0, 0] * 0
-        dst = out[n, o]
-        for r in range(oh):
-            for q in range(ow):
-                v = acc[r, q] + bias
+                                acc += _widen(w[o, c, i, j]) * _widen(src[iw])
+                v = acc + bias
                 if pre is not None:
                     keep = pre[n, o]
                     keep[r, q] = _narrow(v, keep)
@@ -288,6 +287,7 @@ def conv2d_backward(
     w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
     nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
     cols = scratch.acquire((c * kh * kw, nb * p), ct)
+    planes = None if grad_x is None else scratch.acquire((nb * c,) + tuple(grad_x.shape[2:]), ct)
     gw = None
     if grad_w is not None:
         gw = grad_w.reshape(groups, ocg, k) if grad_w.dtype == ct else scratch.acquire((groups, ocg, k), ct)
@@ -307,7 +307,7 @@ def conv2d_backward(
         if grad_x is not None:
             for g in range(groups):
                 np.matmul(w2[g].T, gpv[g * ocg : (g + 1) * ocg], out=cv[g * k : (g + 1) * k])
-            _col2im(cv, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, _bits(grad_x))
+            _col2im(cv, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, planes, _bits(grad_x))
     if grad_w is not None and gw.dtype != grad_w.dtype:
         _jit._convert(grad_w, gw.reshape(grad_w.shape))
 
@@ -344,12 +344,14 @@ def _max_pool(x, kh, kw, sh, sw, ph, pw, dh, dw, out, idx):
 
 
 @njit(**_FMA_PARALLEL)
-def _max_pool_backward(idx, g, gx):
+def _max_pool_backward(idx, g, acc_planes, gx):
+    # Each (n, c) plane scatters its windows' gradients into its own float64 plane of pool scratch.
     n_dim, c_dim, h, w = gx.shape
     for item in prange(n_dim * c_dim):
         n = item // c_dim
         c = item % c_dim
-        acc = np.zeros(h * w, np.float64)
+        acc = acc_planes[item]
+        acc[:] = 0
         src, where = g[n, c].ravel(), idx[n, c].ravel()
         for e in range(src.size):
             acc[where[e]] += _widen(src[e])
@@ -393,13 +395,14 @@ def _avg_pool(x, kh, kw, sh, sw, ph, pw, count_include_pad, divisor, adaptive, o
 
 
 @njit(**_FMA_PARALLEL)
-def _avg_pool_backward(g, kh, kw, sh, sw, ph, pw, count_include_pad, divisor, adaptive, gx):
+def _avg_pool_backward(g, kh, kw, sh, sw, ph, pw, count_include_pad, divisor, adaptive, acc_planes, gx):
     n_dim, c_dim, h, w = gx.shape
     oh, ow = g.shape[2], g.shape[3]
     for item in prange(n_dim * c_dim):
         n = item // c_dim
         c = item % c_dim
-        acc = np.zeros((h, w), np.float64)
+        acc = acc_planes[item]
+        acc[:] = 0
         for r in range(oh):
             h0, h1, hd = _window(r, h, kh, sh, ph, count_include_pad, adaptive, oh)
             for q in range(ow):
@@ -420,8 +423,14 @@ def max_pool2d(x, kernel_size, stride, padding, dilation, out, indices) -> None:
     _max_pool(_bits(x), kh, kw, sh, sw, ph, pw, dh, dw, _bits(out), indices)
 
 
+def _planes(grad_x):
+    """float64 accumulators, one (H * W) plane per (image, channel), from the host pool."""
+    n, c, h, w = grad_x.shape
+    return pool.host_pool().acquire((n * c, h * w), np.float64)
+
+
 def max_pool2d_backward(indices, grad_out, kernel_size, stride, padding, dilation, grad_x) -> None:
-    _max_pool_backward(indices, _bits(grad_out), _bits(grad_x))
+    _max_pool_backward(indices, _bits(grad_out), _planes(grad_x), _bits(grad_x))
 
 
 def avg_pool2d(x, kernel_size, stride, padding, count_include_pad, divisor_override, out) -> None:
@@ -435,19 +444,11 @@ def avg_pool2d_backward(
     grad_out, kernel_size, stride, padding, count_include_pad, divisor_override, grad_x
 ) -> None:
     (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
+    planes = _planes(grad_x).reshape(grad_x.shape[0] * grad_x.shape[1], *grad_x.shape[2:])
     _avg_pool_backward(
-        _bits(grad_out),
-        kh,
-        kw,
-        sh,
-        sw,
-        ph,
-        pw,
-        bool(count_include_pad),
-        int(divisor_override),
-        False,
+        _bits(grad_out), kh, kw, sh, sw, ph, pw, bool(count_include_pad), int(divisor_override), False, planes,
         _bits(grad_x),
-    )
+    )  # fmt: skip
 
 
 def adaptive_avg_pool2d(x, out) -> None:
@@ -455,4 +456,5 @@ def adaptive_avg_pool2d(x, out) -> None:
 
 
 def adaptive_avg_pool2d_backward(grad_out, grad_x) -> None:
-    _avg_pool_backward(_bits(grad_out), 0, 0, 1, 1, 0, 0, True, 0, True, _bits(grad_x))
+    planes = _planes(grad_x).reshape(grad_x.shape[0] * grad_x.shape[1], *grad_x.shape[2:])
+    _avg_pool_backward(_bits(grad_out), 0, 0, 1, 1, 0, 0, True, 0, True, planes, _bits(grad_x))

@@ -19,8 +19,9 @@ taps read it (a tap contributes where ``ih + pad - i * dilation`` is a multiple 
 and grad_w reduces over the batch inside its own dot products. On GPU archs a block of
 ``BLOCK_THREADS`` threads stages ``BLOCK_K``-deep slices of both operands in threadgroup memory
 and each thread keeps a ``TILE_N x TILE_M`` register tile, as ``linear_act_shared``; ``ti.cpu``
-runs the same loaders without threadgroup memory. The forward's epilogue adds the bias,
-applies the activation and keeps ``pre``, as ``linear_act``'s; the backward's first pass forms
+runs the same loaders without threadgroup memory. The forward's epilogue adds the bias;
+an activation runs as the elementwise kernel after it (in place, or from ``pre``), as
+``linear_act`` with ``pre`` does; the backward's first pass forms
 grad_pre = grad_out * act'(pre) in float32 and per-(image, channel) partial sums that a second
 small kernel adds into grad_b (two levels, no atomics).
 
@@ -36,6 +37,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from taifuse.backends._spec import activation_code
+from taifuse.backends.taichi import forward as F
 from taifuse.backends.taichi._runtime import (
     FLOAT_DTYPES,
     INDEX_DTYPE,
@@ -139,20 +141,13 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
         return r
 
     @ti.func
-    def store(
-        mode: ti.template(), b: ti.template(), out: ti.template(), pre: ti.template(), geo, bz, m, p, v,
-        has_bias, act, keep_pre,
-    ):  # fmt: skip
+    def store(mode: ti.template(), b: ti.template(), out: ti.template(), geo, bz, m, p, v, has_bias):
         c, oc, groups = geo[1], geo[4], geo[15]
         if ti.static(mode == FWD):
             o = (bz % groups) * (oc // groups) + m
-            i = ((bz // groups) * oc + o) * geo[7] * geo[8] + p
             if has_bias != 0:
                 v += ti.cast(b[o], ti.f32)
-            if keep_pre != 0:
-                pre[i] = ti.cast(v, T)
-                v = ti.cast(pre[i], ti.f32)
-            out[i] = ti.cast(M.activate(v, act), T)
+            out[((bz // groups) * oc + o) * geo[7] * geo[8] + p] = ti.cast(v, T)
         elif ti.static(mode == DGRAD):
             out[((bz // groups) * c + (bz % groups) * (c // groups) + m) * geo[2] * geo[3] + p] = ti.cast(
                 v, T
@@ -164,7 +159,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
     def make(mode):
         @ti.kernel
         def gemm(
-            x: X, w: X, gp: F32, b: X, out: X, pre: X, geo: GEO, has_bias: ti.i32, act: ti.i32, keep_pre: ti.i32,
+            x: X, w: X, gp: F32, b: X, out: X, geo: GEO, has_bias: ti.i32,
             items: ti.i32, m_dim: ti.i32, p_dim: ti.i32, k_dim: ti.i32,
         ):  # fmt: skip
             # One TILE_N x TILE_M register tile (m x p) per thread; edges masked.
@@ -188,11 +183,11 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         acc[i, j] += av[i] * bv[j]
                 for i, j in ti.static(ti.ndrange(TILE_N, TILE_M)):
                     if m0 + i < m_dim and p0 + j < p_dim:
-                        store(mode, b, out, pre, geo, bz, m0 + i, p0 + j, acc[i, j], has_bias, act, keep_pre)
+                        store(mode, b, out, geo, bz, m0 + i, p0 + j, acc[i, j], has_bias)
 
         @ti.kernel
         def gemm_shared(
-            x: X, w: X, gp: F32, b: X, out: X, pre: X, geo: GEO, has_bias: ti.i32, act: ti.i32, keep_pre: ti.i32,
+            x: X, w: X, gp: F32, b: X, out: X, geo: GEO, has_bias: ti.i32,
             items: ti.i32, m_dim: ti.i32, p_dim: ti.i32, k_dim: ti.i32,
         ):  # fmt: skip
             # A block owns a BLOCK_N (m) x BLOCK_M (p) output tile of one batch item and walks k in
@@ -214,7 +209,8 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                 acc = ti.Matrix.zero(ti.f32, TILE_N, TILE_M)
                 for chunk in range((k_dim + BLOCK_K - 1) // BLOCK_K):
                     k0 = chunk * BLOCK_K
-                    for r in ti.static(range(BLOCK_K * BLOCK_N // BLOCK_THREADS)):
+                    # Dynamic loops: unrolled, the inlined loaders make a larger shader.
+                    for r in range(BLOCK_K * BLOCK_N // BLOCK_THREADS):
                         e = tid + r * BLOCK_THREADS
                         row = e // BLOCK_K
                         kk = e % BLOCK_K
@@ -222,7 +218,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         if m_base + row < m_dim and k0 + kk < k_dim:
                             v = a_val(mode, w, gp, geo, bz, m_base + row, k0 + kk)
                         As[kk * BLOCK_N + row] = v
-                    for r in ti.static(range(BLOCK_K * BLOCK_M // BLOCK_THREADS)):
+                    for r in range(BLOCK_K * BLOCK_M // BLOCK_THREADS):
                         e = tid + r * BLOCK_THREADS
                         col = e % BLOCK_M  # consecutive threads: consecutive pixels
                         kk = e // BLOCK_M
@@ -245,7 +241,7 @@ def kernels_for(dtype: np.dtype) -> SimpleNamespace:
                     m = m_base + ty * TILE_N + i
                     p = p_base + tx * TILE_M + j
                     if m < m_dim and p < p_dim:
-                        store(mode, b, out, pre, geo, bz, m, p, acc[i, j], has_bias, act, keep_pre)
+                        store(mode, b, out, geo, bz, m, p, acc[i, j], has_bias)
 
         return gemm, gemm_shared
 
@@ -403,7 +399,7 @@ def all_kernels() -> list[tuple[str, object]]:
 # ----------------------------------------------------------------------------- wrappers
 
 
-def _gemm(mode: int, x, w, gp, b, out, pre, geo: list, act: int = 0) -> None:
+def _gemm(mode: int, x, w, gp, b, out, geo: list) -> None:
     k = kernels_for(out.dtype)
     name = ("conv_fwd", "conv_dgrad", "conv_wgrad")[mode]
     kernel = getattr(k, name + "_shared") if _on_gpu() else getattr(k, name)
@@ -411,15 +407,25 @@ def _gemm(mode: int, x, w, gp, b, out, pre, geo: list, act: int = 0) -> None:
     dtype = out.dtype
     kernel(
         _optional(x, dtype), _optional(w, dtype), _optional(gp, np.float32), _optional(b, dtype), _nd(out),
-        _optional(pre, dtype), geo, int(b is not None and mode == FWD), act, int(pre is not None),
-        items, m_dim, p_dim, k_dim,
+        geo, int(b is not None and mode == FWD), items, m_dim, p_dim, k_dim,
     )  # fmt: skip
 
 
 def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
     """See the reference's conv2d; NOTE [ Convolution on the device: implicit GEMM ]."""
     geo = _geo(x.shape, w.shape, out.shape[2:], stride, padding, dilation, groups)
-    _gemm(FWD, x, w, None, b, out, pre, geo, int(activation_code(activation)))
+    if activation is None:
+        _gemm(FWD, x, w, None, b, out, geo)
+        return
+    # The product with the bias, then the activation kernel (in place without pre), as linear_act
+    # with pre: the activation's code in the tiled kernel's unrolled epilogue made a shader that
+    # took lavapipe seconds to compile per dtype.
+    target = out if pre is None else pre
+    _gemm(FWD, x, w, None, b, target, geo)
+    if activation in ("gelu", "gelu_tanh"):
+        F.gelu(target, out, "tanh" if activation == "gelu_tanh" else "none")
+    else:
+        {"relu": F.relu, "silu": F.silu}[activation](target, out)
 
 
 def conv2d_backward(
@@ -437,9 +443,9 @@ def conv2d_backward(
     if grad_b is not None:
         k.conv_channel_sums(_nd(partial), _nd(grad_b), n, oc)
     if grad_x is not None:
-        _gemm(DGRAD, None, w, gp, None, grad_x, None, geo)
+        _gemm(DGRAD, None, w, gp, None, grad_x, geo)
     if grad_w is not None:
-        _gemm(WGRAD, x, None, gp, None, grad_w, None, geo)
+        _gemm(WGRAD, x, None, gp, None, grad_w, geo)
 
 
 def _pool_geo(x_shape, out_shape, kernel_size, stride, padding, dilation) -> list:
