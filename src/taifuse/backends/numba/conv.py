@@ -48,7 +48,7 @@ from taifuse.backends.numba._jit import (
 from taifuse.backends.numba.backward import _grad_pre_span
 
 # Scratch for one block of columns (NOTE [ Convolution on the host: im2col in blocks ]).
-COLS_BLOCK_BYTES = 4 * 1024 * 1024
+COLS_BLOCK_BYTES = 16 * 1024 * 1024
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -186,10 +186,19 @@ def _grad_pre(pre, g, op, gp, gb):
 # ----------------------------------------------------------------------------- direct kernels
 
 
+@njit(**_FMA_INLINE)
+def _valid(count, s, off, size):
+    """[lo, hi): the output positions q < count whose tap q * s + off lies in [0, size)."""
+    lo = 0 if off >= 0 else (-off + s - 1) // s
+    hi = 0 if off >= size else min(count, (size - off + s - 1) // s)
+    return lo, max(lo, hi)
+
+
 @njit(**_FMA_PARALLEL)
-def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, out, pre):
-    # One (n, o) output plane per work item, each output summed over its group's taps in float64.
-    n_dim, c_dim, h, wd = x.shape
+def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, acc_planes, out, pre):
+    # One (n, o) output plane per work item, summed tap by tap into its plane of pool scratch:
+    # the inner loop runs over the output columns whose tap is inside the input (no branch).
+    n_dim, _, h, wd = x.shape
     oc, cg, kh, kw = w.shape
     oh, ow = out.shape[2], out.shape[3]
     ocg = oc // groups
@@ -197,22 +206,25 @@ def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, out, pre):
         n = item // oc
         o = item % oc
         c0 = (o // ocg) * cg
+        acc = acc_planes[item]
         bias = _widen(b[o]) if b is not None else 0.0
+        acc[:] = bias
+        for c in range(cg):
+            for i in range(kh):
+                r0, r1 = _valid(oh, sh, i * dh - ph, h)
+                for j in range(kw):
+                    wv = _widen(w[o, c, i, j])
+                    off = j * dw - pw
+                    q0, q1 = _valid(ow, sw, off, wd)
+                    for r in range(r0, r1):
+                        src = x[n, c0 + c, r * sh - ph + i * dh]
+                        row = acc[r]
+                        for q in range(q0, q1):
+                            row[q] += wv * _widen(src[q * sw + off])
         dst = out[n, o]
         for r in range(oh):
             for q in range(ow):
-                acc = 0.0
-                for c in range(cg):
-                    for i in range(kh):
-                        ih = r * sh - ph + i * dh
-                        if ih < 0 or ih >= h:
-                            continue
-                        src = x[n, c0 + c, ih]
-                        for j in range(kw):
-                            iw = q * sw - pw + j * dw
-                            if 0 <= iw < wd:
-                                acc += _widen(w[o, c, i, j]) * _widen(src[iw])
-                v = acc + bias
+                v = acc[r, q]
                 if pre is not None:
                     keep = pre[n, o]
                     keep[r, q] = _narrow(v, keep)
@@ -239,11 +251,12 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     bb = None if b is None else _bits(b)
     pb = None if pre is None else _bits(pre)
-    if _direct_wins(groups, c, oc):
-        _direct(_bits(x), _bits(w), bb, sh, sw, ph, pw, dh, dw, groups, op, _bits(out), pb)
-        return
     scratch = pool.host_pool()
     ct = _compute_dtype(x.dtype)
+    if _direct_wins(groups, c, oc):
+        planes = scratch.acquire((n * oc, oh, ow), ct)
+        _direct(_bits(x), _bits(w), bb, sh, sw, ph, pw, dh, dw, groups, op, planes, _bits(out), pb)
+        return
     p = oh * ow
     k = cg * kh * kw
     ocg = oc // groups
