@@ -312,3 +312,19 @@ def test_conv2d_layer_bad_arguments():
     ):
         with pytest.raises(ValueError, match=match):
             nn.Conv2d(**kwargs)
+
+
+def test_conv2d_empty_batch_gives_empty_output_and_zero_gradients(backend):
+    """N = 0, as PyTorch: an empty output, zero weight and bias gradients."""
+    backend.activate()
+    x = taifuse.tensor(np.zeros((0, 2, 5, 4), np.float32), requires_grad=True)
+    w = taifuse.tensor(np.ones((3, 2, 3, 3), np.float32), requires_grad=True)
+    b = taifuse.tensor(np.ones(3, np.float32), requires_grad=True)
+    y = F.conv2d(x, w, b, padding=1)
+    assert y.shape == (0, 3, 5, 4)
+    y.sum().backward()
+    assert x.grad.shape == (0, 2, 5, 4)
+    np.testing.assert_array_equal(w.grad.numpy(), np.zeros((3, 2, 3, 3), np.float32))
+    np.testing.assert_array_equal(b.grad.numpy(), np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="non-empty height and width"):
+        F.conv2d(np.zeros((1, 2, 0, 4), np.float32), np.ones((3, 2, 1, 1), np.float32), padding=1)

@@ -32,14 +32,14 @@ def _run_check(tmp_path, *flags: str) -> subprocess.CompletedProcess:
 
 
 def test_every_kernel_passes_metal_capabilities_and_binding_limit(tmp_path):
-    from taifuse.backends.taichi import backward, forward, tensor_math
+    from taifuse.backends.taichi import backward, conv, forward, tensor_math
 
     flags = ("--msl",) if shutil.which("spirv-cross") else ()
     result = _run_check(tmp_path, *flags)
     assert result.returncode == 0, result.stdout + result.stderr
     meta = json.loads((tmp_path / "aot" / "metadata.json").read_text())
     compiled = {kernel["name"] for kernel in meta["kernels"]}
-    expected = {name for module in (forward, tensor_math, backward) for name, _ in module.all_kernels()}
+    expected = {name for module in (forward, tensor_math, backward, conv) for name, _ in module.all_kernels()}
     assert expected <= compiled  # the optimizer kernels are checked too (tests/test_optim.py owns them)
     assert {
         "bw_softmax_backward_rows_float32",

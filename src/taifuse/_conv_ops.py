@@ -84,8 +84,11 @@ def conv_geometry(
     oc, cg, kh, kw = w_shape
     if min(c, cg, kh, kw) < 1:
         raise ValueError(
-            f"{op}: input and weight should have at least one channel and tap; shapes input {tuple(x_shape)}, weight {tuple(w_shape)}"
+            f"{op}: input and weight should have at least one channel and tap; "
+            f"shapes input {tuple(x_shape)}, weight {tuple(w_shape)}"
         )
+    if h < 1 or w < 1:  # PyTorch: non-zero size for the non-batch dimensions
+        raise ValueError(f"{op}: input should have a non-empty height and width, got shape {tuple(x_shape)}")
     if c % groups:
         raise ValueError(f"{op}: groups={groups} should divide the input's {c} channels (input.shape[1])")
     if oc % groups:
@@ -343,12 +346,10 @@ class _Conv2d(_Op):
     def backward(self, g: Any) -> tuple[Any, ...]:
         be, m, x, w, geom = self.be, self.m, self.x, self.w, self.geom
         oc = w.shape[0]
-        if not (x.size and g.size and w.size):  # an empty sum: zero gradients
+        if not x.size:  # an empty batch: zero gradients (the input's spatial size is never 0)
             gx = m.full(tuple(x.shape), 0.0, x.dtype) if self.needs_grad[0] else None
             gw = m.full(tuple(w.shape), 0.0, w.dtype) if self.needs_grad[1] else None
-            gb = None
-            if self.has_bias and self.needs_grad[2]:
-                gb = m.full((oc,), 0.0, w.dtype) if not g.size else m.sum(g, (0, 2, 3), False)
+            gb = m.full((oc,), 0.0, w.dtype) if self.has_bias and self.needs_grad[2] else None
             return gx, gw, gb, None, None
         gx = _empty(be, x.shape, x.dtype) if self.needs_grad[0] else None
         gw = _empty(be, w.shape, w.dtype) if self.needs_grad[1] else None

@@ -11,9 +11,9 @@ pass then adds the bias, applies the activation (keeping ``pre``) and stores NCH
 forms grad_pre = grad_out * act'(pre) channel-major for the whole batch in one pass that also
 sums grad_b, then per block: grad_w_g += grad_pre_g @ cols_g.T and the columns' gradient
 ``w_g.T @ grad_pre_g``, which col2im adds back into grad_x one (image, channel) plane per work
-item (so no two threads write one element). Where the product is degenerate (depthwise: one
-channel per group), ``conv2d`` runs a direct kernel instead (``_direct_wins``; measured in
-docs/cnn.md). float16 is storage only: the columns, the weight and the sums are float32.
+item (so no two threads write one element). A depthwise forward (one input channel per group)
+runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns;
+everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded machine's ratios). float16 is storage only: the columns, the weight and the sums are float32.
 
 Pooling runs one (image, channel) plane per work item: the max-pool backward scatters each
 window's gradient to its recorded index inside its own plane, the averages add the window sums.
@@ -233,8 +233,8 @@ def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, acc_planes, out, pre):
 
 
 def _direct_wins(groups: int, c: int, oc: int) -> bool:
-    """The direct kernel for depthwise-like convolutions (a group of one input channel and at most
-    a few outputs), where the per-group product is a vector: docs/cnn.md has the measurement."""
+    """The direct forward for depthwise-like convolutions (a group of one input channel and at most
+    a few outputs): a tie in time with im2col there, without the columns (docs/cnn.md)."""
     return c // groups == 1 and oc // groups <= 4
 
 
