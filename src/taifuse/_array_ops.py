@@ -124,6 +124,9 @@ class _Call:
         return self.be.to_numpy(value) if self.host_io else value
 
 
+Call = _Call  # the public name, for the ops' modules beside this one (_conv_ops)
+
+
 def _shares_memory(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         return np.shares_memory(a, b)

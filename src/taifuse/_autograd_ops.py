@@ -43,7 +43,7 @@ def _check_active(be: ModuleType, op: str) -> None:
         )
 
 
-def _empty(be: ModuleType, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+def new_array(be: ModuleType, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     # Intermediates and gradients come from the pool; see NOTE [ Buffer ownership ] in taifuse/pool.py.
     return pool.empty(be, tuple(shape), np.dtype(dtype))
 
@@ -68,7 +68,7 @@ def _tensor_arg(
     return value
 
 
-def _constants(op: str, names: tuple[str, ...], *values: Any) -> tuple[Any, ...]:
+def constants(op: str, names: tuple[str, ...], *values: Any) -> tuple[Any, ...]:
     """The NumPy arrays among a Tensor op's array arguments (``names``, in the order of its public
     signature) as constant Tensors, on the first argument's backend when it is a Tensor.
 
@@ -89,7 +89,7 @@ def _no_out(op: str, out: Any) -> None:
         raise TypeError(f"{op}: out= is not supported with Tensor arguments")
 
 
-class _Op(Function):
+class Op(Function):
     """A Function whose forward runs on the active backend (checked against the tensors')."""
 
     @classmethod
@@ -105,7 +105,7 @@ class _Op(Function):
 # ----------------------------------------------------------------------------- elementwise
 
 
-class _FromInput(_Op):
+class _FromInput(Op):
     """Activations whose backward reads the forward input ``x``."""
 
     op = ""
@@ -115,7 +115,7 @@ class _FromInput(_Op):
         return getattr(A, self.op)(x, *params)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gi = _empty(self.be, self.x.shape, self.x.dtype)
+        gi = new_array(self.be, self.x.shape, self.x.dtype)
         if self.x.size:
             getattr(kernels(self.be), self.op + "_backward")(self.x, g, gi, *self.params)
         return (gi,) + (None,) * len(self.params)
@@ -137,7 +137,7 @@ class _Silu(_FromInput):
     op = "silu"
 
 
-class _FromOutput(_Op):
+class _FromOutput(Op):
     """Activations whose backward reads the forward output ``y`` (sigmoid, tanh)."""
 
     op = ""
@@ -147,7 +147,7 @@ class _FromOutput(_Op):
         return self.y
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gi = _empty(self.be, self.y.shape, self.y.dtype)
+        gi = new_array(self.be, self.y.shape, self.y.dtype)
         if self.y.size:
             getattr(kernels(self.be), self.op + "_backward")(self.y, g, gi)
         return (gi,)
@@ -191,20 +191,20 @@ def tanh(x: Tensor, out: Any) -> Tensor:
     return _Tanh.apply(x)
 
 
-class _AddRelu(_Op):
+class _AddRelu(Op):
     def forward(self, a: Any, b: Any) -> Any:
         self.y = A.add_relu(a, b)
         self.shapes = (tuple(a.shape), tuple(b.shape))
         return self.y
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gi = _empty(self.be, self.y.shape, self.y.dtype)
+        gi = new_array(self.be, self.y.shape, self.y.dtype)
         if self.y.size:
             kernels(self.be).add_relu_backward(self.y, g, gi)
         return tuple(sum_to_shape(self.m, gi, s) if n else None for s, n in zip(self.shapes, self.needs_grad))
 
 
-class _MulRelu(_Op):
+class _MulRelu(Op):
     def forward(self, a: Any, b: Any) -> Any:
         out = A.mul_relu(a, b)  # validates, and broadcasts a copy for its own kernel
         self.shapes = (tuple(a.shape), tuple(b.shape))
@@ -214,8 +214,8 @@ class _MulRelu(_Op):
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         be, shape, dtype = self.be, tuple(self.a.shape), self.a.dtype
-        ga = _empty(be, shape, dtype) if self.needs_grad[0] else None
-        gb = _empty(be, shape, dtype) if self.needs_grad[1] else None
+        ga = new_array(be, shape, dtype) if self.needs_grad[0] else None
+        gb = new_array(be, shape, dtype) if self.needs_grad[1] else None
         if math.prod(shape):
             kernels(be).mul_relu_backward(self.a, self.b, g, ga, gb)
         return (
@@ -225,18 +225,18 @@ class _MulRelu(_Op):
 
 
 def add_relu(a: Any, b: Any, out: Any) -> Tensor:
-    a, b = autocast_args("widest", *_constants("add_relu", ("a", "b"), a, b))
+    a, b = autocast_args("widest", *constants("add_relu", ("a", "b"), a, b))
     _no_out("add_relu", out)
     return _AddRelu.apply(a, b)
 
 
 def mul_relu(a: Any, b: Any, out: Any) -> Tensor:
-    a, b = autocast_args("widest", *_constants("mul_relu", ("a", "b"), a, b))
+    a, b = autocast_args("widest", *constants("mul_relu", ("a", "b"), a, b))
     _no_out("mul_relu", out)
     return _MulRelu.apply(a, b)
 
 
-class _Affine(_Op):
+class _Affine(Op):
     def forward(self, x: Any, scale: Any, bias: Any) -> Any:
         out = A.affine(x, scale, bias)
         self.x = x
@@ -250,9 +250,9 @@ class _Affine(_Op):
         be, x = self.be, self.x
         features = x.shape[-1]
         rows = x.size // features if features else 0
-        gx = _empty(be, x.shape, x.dtype) if self.needs_grad[0] else None
-        gs = _empty(be, (features,), x.dtype) if self.needs_grad[1] else None
-        gb = _empty(be, (features,), x.dtype) if self.needs_grad[2] else None
+        gx = new_array(be, x.shape, x.dtype) if self.needs_grad[0] else None
+        gs = new_array(be, (features,), x.dtype) if self.needs_grad[1] else None
+        gb = new_array(be, (features,), x.dtype) if self.needs_grad[2] else None
         if x.size:
             kernels(be).affine_backward(
                 x.reshape(rows, features),
@@ -269,7 +269,7 @@ class _Affine(_Op):
 
 
 def affine(x: Any, scale: Any, bias: Any, out: Any) -> Tensor:
-    x, scale, bias = autocast_args("widest", *_constants("affine", ("x", "scale", "bias"), x, scale, bias))
+    x, scale, bias = autocast_args("widest", *constants("affine", ("x", "scale", "bias"), x, scale, bias))
     _no_out("affine", out)
     return _Affine.apply(x, scale, bias)
 
@@ -279,7 +279,7 @@ def affine(x: Any, scale: Any, bias: Any, out: Any) -> Tensor:
 _SPLIT_ACTIVATION = frozenset(("gelu", "gelu_tanh", "silu"))
 
 
-class _Linear(_Op):
+class _Linear(Op):
     """``activation(x @ w.T + b)``.
 
     NOTE [ Linear saves the pre-activation ]
@@ -312,9 +312,9 @@ class _Linear(_Op):
             gw = m.full(tuple(w.shape), 0.0, w.dtype) if self.needs_grad[1] else None
             gb = m.full((out_features,), 0.0, w.dtype) if self.has_bias and self.needs_grad[2] else None
             return gx, gw, gb, None
-        gx = _empty(be, x.shape, x.dtype) if self.needs_grad[0] else None
-        gw = _empty(be, w.shape, w.dtype) if self.needs_grad[1] else None
-        gb = _empty(be, (out_features,), w.dtype) if self.has_bias and self.needs_grad[2] else None
+        gx = new_array(be, x.shape, x.dtype) if self.needs_grad[0] else None
+        gw = new_array(be, w.shape, w.dtype) if self.needs_grad[1] else None
+        gb = new_array(be, (out_features,), w.dtype) if self.has_bias and self.needs_grad[2] else None
         kernels(be).linear_act_backward(
             x.reshape(rows, in_features),
             w,
@@ -330,7 +330,7 @@ class _Linear(_Op):
 
 
 def linear(x: Any, weight: Any, bias: Any, activation: str | None, out: Any) -> Tensor:
-    x, weight, bias = autocast_args("lower", *_constants("linear", ("x", "weight", "bias"), x, weight, bias))
+    x, weight, bias = autocast_args("lower", *constants("linear", ("x", "weight", "bias"), x, weight, bias))
     _no_out("linear", out)
     A.check_activation(activation)
     return _Linear.apply(x, weight, bias, activation)
@@ -339,7 +339,7 @@ def linear(x: Any, weight: Any, bias: Any, activation: str | None, out: Any) -> 
 # ----------------------------------------------------------------------------- row reductions
 
 
-class _SoftmaxLike(_Op):
+class _SoftmaxLike(Op):
     op = ""
 
     def forward(self, x: Any, dim: int) -> Any:
@@ -348,7 +348,7 @@ class _SoftmaxLike(_Op):
         return self.y
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gi = _empty(self.be, self.y.shape, self.y.dtype)
+        gi = new_array(self.be, self.y.shape, self.y.dtype)
         if self.y.size:
             getattr(kernels(self.be), self.op + "_backward")(
                 self.y.reshape(self.view), g.reshape(self.view), gi.reshape(self.view)
@@ -376,7 +376,7 @@ def log_softmax(x: Tensor, dim: int, out: Any) -> Tensor:
     return _LogSoftmax.apply(x, dim)
 
 
-class _LayerNorm(_Op):
+class _LayerNorm(Op):
     def forward(self, x: Any, weight: Any, bias: Any, norm_shape: tuple[int, ...], eps: float) -> Any:
         features = math.prod(norm_shape)
         rows = x.size // features if features else 0
@@ -384,16 +384,16 @@ class _LayerNorm(_Op):
         self.w = None if weight is None else weight.reshape(features)
         self.has_bias = bias is not None
         self.param_shape = norm_shape
-        out = _empty(self.be, x.shape, x.dtype)
+        out = new_array(self.be, x.shape, x.dtype)
         self.mean, self.rstd = A.layer_norm_rows(self.be, x, weight, bias, norm_shape, eps, out)
         return out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         be, x2 = self.be, self.x2
         rows, features = x2.shape
-        gx = _empty(be, x2.shape, x2.dtype) if self.needs_grad[0] else None
-        gw = _empty(be, (features,), x2.dtype) if self.w is not None and self.needs_grad[1] else None
-        gb = _empty(be, (features,), x2.dtype) if self.has_bias and self.needs_grad[2] else None
+        gx = new_array(be, x2.shape, x2.dtype) if self.needs_grad[0] else None
+        gw = new_array(be, (features,), x2.dtype) if self.w is not None and self.needs_grad[1] else None
+        gb = new_array(be, (features,), x2.dtype) if self.has_bias and self.needs_grad[2] else None
         if rows and features:
             kernels(be).layer_norm_backward(
                 x2, self.w, self.mean, self.rstd, g.reshape(rows, features), gx, gw, gb
@@ -413,7 +413,7 @@ class _LayerNorm(_Op):
 
 def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: float, out: Any) -> Tensor:
     x, weight, bias = autocast_args(
-        "float32", *_constants("layer_norm", ("x", "weight", "bias"), x, weight, bias)
+        "float32", *constants("layer_norm", ("x", "weight", "bias"), x, weight, bias)
     )
     _no_out("layer_norm", out)
     norm_shape, eps = A.layer_norm_args(normalized_shape, eps)
@@ -428,22 +428,22 @@ def layer_norm(x: Any, normalized_shape: Any, weight: Any, bias: Any, eps: float
     return _LayerNorm.apply(x, params[0], params[1], norm_shape, eps)
 
 
-class _RmsNorm(_Op):
+class _RmsNorm(Op):
     def forward(self, x: Any, weight: Any, norm_shape: tuple[int, ...], eps: float) -> Any:
         features = math.prod(norm_shape)
         rows = x.size // features if features else 0
         self.x2 = x.reshape(rows, features)
         self.w = None if weight is None else weight.reshape(features)
         self.param_shape = norm_shape
-        out = _empty(self.be, x.shape, x.dtype)
+        out = new_array(self.be, x.shape, x.dtype)
         self.rstd = A.rms_norm_rows(self.be, x, weight, norm_shape, eps, out)
         return out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         be, x2 = self.be, self.x2
         rows, features = x2.shape
-        gx = _empty(be, x2.shape, x2.dtype) if self.needs_grad[0] else None
-        gw = _empty(be, (features,), x2.dtype) if self.w is not None and self.needs_grad[1] else None
+        gx = new_array(be, x2.shape, x2.dtype) if self.needs_grad[0] else None
+        gw = new_array(be, (features,), x2.dtype) if self.w is not None and self.needs_grad[1] else None
         if rows and features:
             kernels(be).rms_norm_backward(x2, self.w, self.rstd, g.reshape(rows, features), gx, gw)
         else:
@@ -457,7 +457,7 @@ class _RmsNorm(_Op):
 
 
 def rms_norm(input: Any, normalized_shape: Any, weight: Any, eps: float | None, out: Any) -> Tensor:
-    x, weight = autocast_args("float32", *_constants("rms_norm", ("input", "weight"), input, weight))
+    x, weight = autocast_args("float32", *constants("rms_norm", ("input", "weight"), input, weight))
     _no_out("rms_norm", out)
     norm_shape, eps = A.rms_norm_args(normalized_shape, eps)
     x = _tensor_arg(x, "rms_norm", "input")
@@ -471,14 +471,14 @@ def rms_norm(input: Any, normalized_shape: Any, weight: Any, eps: float | None, 
 # ----------------------------------------------------------------------------- embedding
 
 
-class _Embedding(_Op):
+class _Embedding(Op):
     def forward(self, weight: Any, indices: Any, shape: tuple[int, ...], padding_idx: int) -> Any:
         self.indices, self.padding_idx = indices, padding_idx
         self.wshape, self.wdtype = tuple(weight.shape), weight.dtype
         return A.embedding_forward(self.be, indices, weight).reshape(shape + (weight.shape[1],))
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gw = _empty(self.be, self.wshape, self.wdtype)
+        gw = new_array(self.be, self.wshape, self.wdtype)
         if gw.size:  # NOTE: with no indices the kernel still writes gw: all zeros
             kernels(self.be).embedding_backward(
                 self.indices, g.reshape(self.indices.size, self.wshape[1]), gw, self.padding_idx
@@ -523,16 +523,16 @@ def embedding(
 # ----------------------------------------------------------------------------- dropout
 
 
-class _Dropout(_Op):
+class _Dropout(Op):
     def forward(self, x: Any, p: float) -> Any:
         self.p, self.seed = p, _random.next_seed()
-        out = _empty(self.be, x.shape, x.dtype)
+        out = new_array(self.be, x.shape, x.dtype)
         if x.size:
             self.be.dropout(x, out, p, self.seed)
         return out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gi = _empty(self.be, g.shape, g.dtype)
+        gi = new_array(self.be, g.shape, g.dtype)
         if g.size:
             kernels(self.be).dropout_backward(g, gi, self.p, self.seed)
         return gi, None
@@ -550,7 +550,7 @@ def dropout(x: Any, p: float, training: bool, out: Any) -> Tensor:
 # ----------------------------------------------------------------------------- attention
 
 
-class _Attention(_Op):
+class _Attention(Op):
     """``scaled_dot_product_attention``: keeps the inputs, the output and one log-sum-exp per
     query row; the backward kernel recomputes the probabilities from them."""
 
@@ -571,7 +571,7 @@ class _Attention(_Op):
     def backward(self, g: Any) -> tuple[Any, ...]:
         be, q, k, v = self.be, self.q, self.k, self.v
         grads = [
-            _empty(be, a.shape, a.dtype) if need else None for a, need in zip((q, k, v), self.needs_grad)
+            new_array(be, a.shape, a.dtype) if need else None for a, need in zip((q, k, v), self.needs_grad)
         ]
         if q.shape[1] * k.shape[1] * v.shape[2] * q.shape[0]:
             kernels(be).attention_backward(
@@ -627,14 +627,14 @@ def scaled_dot_product_attention(
 # ----------------------------------------------------------------------------- losses
 
 
-class _MseLoss(_Op):
+class _MseLoss(Op):
     def forward(self, x: Any, t: Any, reduction: str) -> Any:
         self.x, self.t, self.reduction = x, t, reduction
         out = A.mse_loss_forward(self.be, x, t, reduction)
         return out if reduction == "none" else out.reshape(())
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gi = _empty(self.be, self.x.shape, self.x.dtype)
+        gi = new_array(self.be, self.x.shape, self.x.dtype)
         if self.x.size:
             g = g if self.reduction == "none" else g.reshape(1)
             kernels(self.be).mse_loss_backward(self.x, self.t, g, gi, self.reduction)
@@ -652,7 +652,7 @@ def mse_loss(input: Any, target: Any, reduction: str) -> Tensor:
     return _MseLoss.apply(x, t, reduction)
 
 
-class _CrossEntropy(_Op):
+class _CrossEntropy(Op):
     def forward(self, logits: Any, target: Any, reduction: str) -> Any:
         self.vector = logits.ndim == 1
         rows, classes = (1, logits.shape[0]) if self.vector else logits.shape
@@ -663,7 +663,7 @@ class _CrossEntropy(_Op):
         return out.reshape(()) if reduction != "none" or self.vector else out
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        gi = _empty(self.be, self.logits.shape, self.logits.dtype)
+        gi = new_array(self.be, self.logits.shape, self.logits.dtype)
         if self.logits.shape[0]:
             g = g.reshape(self.logits.shape[0]) if self.reduction == "none" else g.reshape(1)
             kernels(self.be).cross_entropy_backward(self.logits, self.target, self.lse, g, gi, self.reduction)

@@ -24,14 +24,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from taifuse import _array_ops, _autograd_ops, _batch_norm_ops
+from taifuse import _array_ops, _autograd_ops, _batch_norm_ops, _conv_ops
 from taifuse.backends import _spec
 from taifuse.tensor import Tensor, tensors_in
 
 __all__ = [
+    "adaptive_avg_pool2d",
     "add_relu",
     "affine",
+    "avg_pool2d",
     "batch_norm",
+    "conv1d",
+    "conv2d",
     "cross_entropy",
     "dropout",
     "embedding",
@@ -40,6 +44,7 @@ __all__ = [
     "leaky_relu",
     "linear",
     "log_softmax",
+    "max_pool2d",
     "mse_loss",
     "mul_relu",
     "relu",
@@ -167,6 +172,167 @@ def linear(x: Any, weight: Any, bias: Any = None, activation: str | None = None,
     if tensors_in((x, weight, bias)):
         return _autograd_ops.linear(x, weight, bias, activation, out)
     return _array_ops.linear(x, weight, bias, activation, out)
+
+
+# ----------------------------------------------------------------------------- convolution and pooling
+# The geometry rules, array path and autograd Functions: taifuse/_conv_ops.py; the kernels'
+# arguments: NOTE [ Convolution kernel arguments ] in backends/reference/conv.py.
+
+
+def conv2d(
+    input: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] | str = 0,
+    dilation: int | tuple[int, int] = 1,
+    groups: int = 1,
+    activation: str | None = None,
+) -> Any:
+    """2-D convolution (cross-correlation) over NCHW input, as ``torch.nn.functional.conv2d``, with
+    ``F.linear``'s fused bias and activation epilogue.
+
+    out[n, o, y, x] = activation(b[o] + sum_{c, i, j} weight[o, c, i, j] *
+    input[n, g * C/groups + c, y * stride - pad + i * dilation, x * stride - pad + j * dilation])
+    for ``input (N, C, H, W)`` (4-D only: add the batch dimension of one image with ``x[None]``),
+    ``weight (out_channels, C / groups, kH, kW)``, ``bias (out_channels,)`` or None, and ``g`` the
+    group of output channel ``o``. ``padding``: an int, a pair, ``'valid'`` (none) or ``'same'``
+    (stride 1; an odd total puts the extra row and column at the end, as PyTorch). ``groups``
+    splits the channels (``groups == C`` is a depthwise convolution). ``activation``: None,
+    'relu', 'gelu', 'gelu_tanh' or 'silu', applied in the same pass that adds the bias. Under
+    autocast the input, weight and bias are cast to the lower precision, as PyTorch's CUDA autocast
+    casts ``conv2d``.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> x = np.arange(9, dtype=np.float32).reshape(1, 1, 3, 3)
+        >>> F.conv2d(x, np.ones((1, 1, 2, 2), np.float32))
+        array([[[[ 8., 12.],
+                 [20., 24.]]]], dtype=float32)
+    """
+    if tensors_in((input, weight, bias)):
+        return _conv_ops.conv2d_tensor(input, weight, bias, stride, padding, dilation, groups, activation)
+    return _conv_ops.conv2d(input, weight, bias, stride, padding, dilation, groups, activation)
+
+
+def conv1d(
+    input: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: int | tuple[int] = 1,
+    padding: int | tuple[int] | str = 0,
+    dilation: int | tuple[int] = 1,
+    groups: int = 1,
+    activation: str | None = None,
+) -> Any:
+    """1-D convolution over ``input (N, C, L)`` with ``weight (out_channels, C / groups, k)``, as
+    ``torch.nn.functional.conv1d``: :func:`conv2d` on a height of 1, with the same arguments.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.conv1d(np.arange(4, dtype=np.float32).reshape(1, 1, 4), np.ones((1, 1, 2), np.float32))
+        array([[[1., 3., 5.]]], dtype=float32)
+    """
+
+    def as_2d(a: Any, argname: str) -> Any:
+        if getattr(a, "ndim", None) != 3:
+            shape = getattr(a, "shape", None)
+            raise ValueError(
+                f"conv1d: {argname} should be 3-D, got shape {None if shape is None else tuple(shape)}"
+            )
+        return a.reshape(tuple(a.shape[:2]) + (1, a.shape[2]))
+
+    def pair(v: Any, name: str, fill: int) -> Any:
+        if isinstance(v, str):
+            return v
+        items = v if isinstance(v, (tuple, list)) else (v,)
+        if len(items) != 1:
+            raise TypeError(f"conv1d: {name} should be an int or a tuple of one int, got {v!r}")
+        return (fill, items[0])
+
+    x4, w4 = as_2d(input, "input"), as_2d(weight, "weight")
+    y = conv2d(x4, w4, bias, pair(stride, "stride", 1), pair(padding, "padding", 0),
+               pair(dilation, "dilation", 1), groups, activation)  # fmt: skip
+    return y.reshape((y.shape[0], y.shape[1], y.shape[3]))
+
+
+def max_pool2d(
+    input: Any,
+    kernel_size: int | tuple[int, int],
+    stride: int | tuple[int, int] | None = None,
+    padding: int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Any:
+    """2-D max pooling over ``(N, C, H, W)`` or ``(C, H, W)``, as ``torch.nn.functional.max_pool2d``.
+
+    out[n, c, y, x] = the maximum of input[n, c] over the window of ``kernel_size`` taps spaced
+    ``dilation`` apart, starting at (y * stride - padding, x * stride - padding); padded taps are
+    ignored (``padding`` at most half the kernel). ``stride`` defaults to ``kernel_size``;
+    ``ceil_mode`` keeps a last partial window that starts inside the input. With
+    ``return_indices`` also the flat index ``h * W + w`` of each maximum (int64; int32 on taichi).
+    The first maximum of a window wins, and a NaN wins over any number, as in PyTorch.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.max_pool2d(np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4), 2)
+        array([[[[ 5.,  7.],
+                 [13., 15.]]]], dtype=float32)
+    """
+    if isinstance(input, Tensor):
+        return _conv_ops.max_pool2d_tensor(
+            input, kernel_size, stride, padding, dilation, ceil_mode, return_indices
+        )
+    return _conv_ops.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+
+
+def avg_pool2d(
+    input: Any,
+    kernel_size: int | tuple[int, int],
+    stride: int | tuple[int, int] | None = None,
+    padding: int | tuple[int, int] = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Any:
+    """2-D average pooling, as ``torch.nn.functional.avg_pool2d``: the sum over each window divided
+    by its size, counting the zero padding (``count_include_pad``, as PyTorch clips the window to
+    the padded input) or not, or by ``divisor_override``.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.avg_pool2d(np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4), 2)
+        array([[[[ 2.5,  4.5],
+                 [10.5, 12.5]]]], dtype=float32)
+    """
+    if isinstance(input, Tensor):
+        return _conv_ops.avg_pool2d_tensor(
+            input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+        )
+    return _conv_ops.avg_pool2d(
+        input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+    )
+
+
+def adaptive_avg_pool2d(input: Any, output_size: int | tuple[int | None, int | None]) -> Any:
+    """Average pooling to a fixed ``output_size``, as ``torch.nn.functional.adaptive_avg_pool2d``:
+    output row ``y`` averages input rows ``floor(y * H / OH)`` to ``ceil((y + 1) * H / OH) - 1``
+    (columns alike); a None size keeps the input's.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> F.adaptive_avg_pool2d(np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4), 1)
+        array([[[[7.5]]]], dtype=float32)
+    """
+    if isinstance(input, Tensor):
+        return _conv_ops.adaptive_avg_pool2d_tensor(input, output_size)
+    return _conv_ops.adaptive_avg_pool2d(input, output_size)
 
 
 # ----------------------------------------------------------------------------- row reductions

@@ -497,6 +497,25 @@ class Tensor(TensorCore):
             shape = tuple(shape[0])
         return Reshape.apply(self, _resolve_shape(shape, self.shape))
 
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        """Dimensions ``start_dim`` to ``end_dim`` merged into one, as ``torch.Tensor.flatten`` (a reshape).
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([[[1.0, 2.0], [3.0, 4.0]]]).flatten(1).shape
+            (1, 4)
+        """
+        ndim = max(self.ndim, 1)
+        start, end = (
+            dim_index(d, ndim, "flatten", name) for d, name in ((start_dim, "start_dim"), (end_dim, "end_dim"))
+        )
+        if start > end:
+            raise ValueError(f"flatten: start_dim ({start_dim}) should not come after end_dim ({end_dim})")
+        shape = self.shape or (1,)
+        return self.reshape(shape[:start] + (math.prod(shape[start : end + 1]),) + shape[end + 1 :])
+
     def transpose(self, dim0: int, dim1: int) -> Tensor:
         """Swap dimensions ``dim0`` and ``dim1`` (returns a copy, unlike PyTorch's view: NOTE [ Views copy ]).
 

@@ -74,6 +74,11 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("batch_norm_stats", "forward", "batch_norm", None),
     Kernel("batch_norm_update", "forward", "batch_norm", None),
     Kernel("batch_norm_elemt", "forward", "batch_norm", None),
+    # Convolution and pooling: _conv_ops launches them (its own array path, like batch norm's).
+    Kernel("conv2d", "forward", "conv", None),
+    Kernel("max_pool2d", "forward", "conv", None),
+    Kernel("avg_pool2d", "forward", "conv", None),
+    Kernel("adaptive_avg_pool2d", "forward", "conv", None),
     # The autograd layer's kernels: a backward per differentiable op, and the losses with theirs.
     _backward("gelu_backward"),
     _backward("relu_backward"),
@@ -97,6 +102,10 @@ KERNELS: tuple[Kernel, ...] = (
     _backward("rms_norm_backward"),
     _backward("embedding_backward"),
     _backward("batch_norm_backward", "batch_norm"),
+    _backward("conv2d_backward", "conv"),
+    _backward("max_pool2d_backward", "conv"),
+    _backward("avg_pool2d_backward", "conv"),
+    _backward("adaptive_avg_pool2d_backward", "conv"),
     # Fused optimizer update kernels (taifuse.optim).
     _optim("sgd_step"),
     _optim("adam_step"),

@@ -14,6 +14,7 @@ Example::
 
 from taifuse.nn.batchnorm import BatchNorm1d, BatchNorm2d
 from taifuse.nn.checkpoint import Checkpoint
+from taifuse.nn.conv import AdaptiveAvgPool2d, AvgPool2d, Conv2d, Flatten, MaxPool2d
 from taifuse.nn.layers import (
     GELU,
     CausalSelfAttention,
@@ -36,17 +37,22 @@ from taifuse.nn.module import Module, Parameter
 
 __all__ = [
     "GELU",
+    "AdaptiveAvgPool2d",
+    "AvgPool2d",
     "BatchNorm1d",
     "BatchNorm2d",
     "CausalSelfAttention",
     "Checkpoint",
+    "Conv2d",
     "CrossEntropyLoss",
     "Dropout",
     "Embedding",
+    "Flatten",
     "LayerNorm",
     "LeakyReLU",
     "Linear",
     "MSELoss",
+    "MaxPool2d",
     "Module",
     "ModuleList",
     "Parameter",

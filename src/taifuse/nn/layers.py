@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
     from typing_extensions import Self
 
 
-def _uniform(shape: tuple[int, ...], bound: float, dtype: Any) -> np.ndarray:
+def uniform_init(shape: tuple[int, ...], bound: float, dtype: Any) -> np.ndarray:
     # One draw from taifuse's generator seeds the layer's values, so manual_seed fixes them.
     rng = np.random.default_rng(_random.next_seed())
     return rng.uniform(-bound, bound, size=shape).astype(dtype)
@@ -55,8 +55,8 @@ class Linear(Module):
             raise ValueError(f"Linear: activation should be one of {F.ACTIVATIONS}, got {activation!r}")
         self.in_features, self.out_features, self.activation = int(in_features), int(out_features), activation
         bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
-        self.weight = Parameter(_uniform((out_features, in_features), bound, dtype))
-        self.bias = Parameter(_uniform((out_features,), bound, dtype)) if bias else None
+        self.weight = Parameter(uniform_init((out_features, in_features), bound, dtype))
+        self.bias = Parameter(uniform_init((out_features,), bound, dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias, self.activation)
@@ -337,7 +337,7 @@ class Embedding(Module):
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         pad = _array_ops.embedding_padding_idx(padding_idx, self.num_embeddings, "Embedding")
         self.padding_idx = None if pad < 0 else pad
-        rng = np.random.default_rng(_random.next_seed())  # one draw seeds the table, as _uniform
+        rng = np.random.default_rng(_random.next_seed())  # one draw seeds the table, as uniform_init
         weight = rng.standard_normal((self.num_embeddings, self.embedding_dim)).astype(dtype)
         if self.padding_idx is not None:
             weight[self.padding_idx] = 0

@@ -1,0 +1,473 @@
+"""The Numba backend's convolution and pooling kernels (reference: ``backends/reference/conv.py``).
+
+NOTE [ Convolution on the host: im2col in blocks ]
+A convolution is a matrix product per group once the input under every tap is laid out as
+columns: ``cols[(c, i, j), (n, oh, ow)]``. The product runs in BLAS (NumPy's matmul, as
+``linear_act``), on blocks of images whose columns take about ``COLS_BLOCK_BYTES`` of scratch
+from the host pool, never the columns of the whole batch. The layout puts a block's images side
+by side in the columns, ``(C * KH * KW, nb * OH * OW)``, so that each group is ONE product per
+block, ``w_g (OCg, K) @ cols_g (K, nb * P)``, into a channel-major scratch ``(OC, nb * P)``; one
+pass then adds the bias, applies the activation (keeping ``pre``) and stores NCHW. The backward
+forms grad_pre = grad_out * act'(pre) channel-major for the whole batch in one pass that also
+sums grad_b, then per block: grad_w_g += grad_pre_g @ cols_g.T and the columns' gradient
+``w_g.T @ grad_pre_g``, which col2im adds back into grad_x one (image, channel) plane per work
+item (so no two threads write one element). A depthwise forward (one input channel per group)
+runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns;
+everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded machine's ratios). float16 is storage only: the columns, the weight and the sums are float32.
+
+Pooling runs one (image, channel) plane per work item: the max-pool backward scatters each
+window's gradient to its recorded index inside its own plane, the averages add the window sums.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from taifuse import pool
+from taifuse.backends._spec import activation_code
+from taifuse.backends.numba import _jit
+from taifuse.backends.numba._jit import (
+    _FMA_INLINE,
+    _FMA_PARALLEL,
+    _GELU,
+    _GELU_TANH,
+    _IDENTITY,
+    _RELU,
+    _SILU,
+    _bits,
+    _gelu,
+    _gelu_tanh,
+    _narrow,
+    _relu,
+    _silu,
+    _widen,
+)
+from taifuse.backends.numba.backward import _grad_pre_span
+
+# Scratch for one block of columns (NOTE [ Convolution on the host: im2col in blocks ]).
+COLS_BLOCK_BYTES = 16 * 1024 * 1024
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _as_compute(a: np.ndarray, scratch) -> np.ndarray:
+    """``a`` in its compute dtype: float16 converted into pool scratch, others as they are."""
+    if a.dtype != np.float16:
+        return a
+    out = scratch.acquire(a.shape, np.float32)
+    _jit._convert(out, a)
+    return out
+
+
+@njit(**_FMA_INLINE)
+def _act(v, op):
+    if op == _RELU:
+        return _relu(v)
+    if op == _GELU:
+        return _gelu(v)
+    if op == _GELU_TANH:
+        return _gelu_tanh(v)
+    if op == _SILU:
+        return _silu(v)
+    return v
+
+
+# ----------------------------------------------------------------------------- im2col / col2im
+
+
+@njit(**_FMA_PARALLEL)
+def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
+    # cols[(c, i, j), (n - n0) * P + oh * OW + ow] = x[n, c, ih, iw], 0 outside the input.
+    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    p = oh * ow
+    for row in prange(c_dim * kh * kw):
+        c = row // (kh * kw)
+        i = (row // kw) % kh
+        j = row % kw
+        dst = cols[row]
+        for n in range(n0, n1):
+            base = (n - n0) * p
+            for r in range(oh):
+                ih = r * sh - ph + i * dh
+                o = base + r * ow
+                if ih < 0 or ih >= h:
+                    for q in range(ow):
+                        dst[o + q] = 0
+                    continue
+                src = x[n, c, ih]
+                for q in range(ow):
+                    iw = q * sw - pw + j * dw
+                    if 0 <= iw < w:
+                        dst[o + q] = _widen(src[iw])
+                    else:
+                        dst[o + q] = 0
+
+
+@njit(**_FMA_PARALLEL)
+def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
+    # gx[n, c] = the sum of every column entry that read it; one (n, c) plane per work item,
+    # summed in acc (the columns' dtype, pool scratch of nb * C planes).
+    c_dim, h, w = gx.shape[1], gx.shape[2], gx.shape[3]
+    p = oh * ow
+    nb = n1 - n0
+    for item in prange(nb * c_dim):
+        n = n0 + item // c_dim
+        c = item % c_dim
+        plane = acc[item]
+        plane[:] = 0
+        base = (n - n0) * p
+        for i in range(kh):
+            for j in range(kw):
+                src = gcols[(c * kh + i) * kw + j]
+                for r in range(oh):
+                    ih = r * sh - ph + i * dh
+                    if ih < 0 or ih >= h:
+                        continue
+                    for q in range(ow):
+                        iw = q * sw - pw + j * dw
+                        if 0 <= iw < w:
+                            plane[ih, iw] += src[base + r * ow + q]
+        dst = gx[n, c]
+        for a in range(h):
+            for b in range(w):
+                dst[a, b] = _narrow(plane[a, b], gx)
+
+
+# ----------------------------------------------------------------------------- epilogues
+
+
+@njit(**_FMA_PARALLEL)
+def _epilogue(y, b, op, n0, out, pre):
+    # out[n, o] = act(y[o, (n - n0) * P + p] + b[o]) (pre keeps y + b, and out the act of it as stored).
+    nb = y.shape[1] // out.shape[2]
+    oc, p = out.shape[1], out.shape[2]
+    for item in prange(nb * oc):
+        n = item // oc
+        o = item % oc
+        src = y[o, n * p : (n + 1) * p]
+        dst = out[n0 + n, o]
+        bias = _widen(b[o]) if b is not None else _widen(src[0]) * 0
+        if pre is None:
+            for q in range(p):
+                dst[q] = _narrow(_act(src[q] + bias, op), out)
+        else:
+            keep = pre[n0 + n, o]
+            for q in range(p):
+                v = _narrow(src[q] + bias, keep)
+                keep[q] = v
+                dst[q] = _narrow(_act(_widen(v), op), out)
+
+
+@njit(**_FMA_PARALLEL)
+def _grad_pre(pre, g, op, gp, gb):
+    # gp[o, n * P + p] = g[n, o, p] * act'(pre[n, o, p]) (channel-major), gb[o] = its float64 sum.
+    n_dim, oc, p = g.shape
+    for o in prange(oc):
+        acc = 0.0
+        for n in range(n_dim):
+            dst = gp[o, n * p : (n + 1) * p]
+            if op == _IDENTITY:
+                src = g[n, o]
+                for q in range(p):
+                    dst[q] = _widen(src[q])
+            else:
+                _grad_pre_span(pre[n, o], g[n, o], op, dst)
+            for q in range(p):
+                acc += dst[q]
+        if gb is not None:
+            gb[o] = _narrow(acc, gb)
+
+
+# ----------------------------------------------------------------------------- direct kernels
+
+
+@njit(**_FMA_INLINE)
+def _valid(count, s, off, size):
+    """[lo, hi): the output positions q < count whose tap q * s + off lies in [0, size)."""
+    lo = 0 if off >= 0 else (-off + s - 1) // s
+    hi = 0 if off >= size else min(count, (size - off + s - 1) // s)
+    return lo, max(lo, hi)
+
+
+@njit(**_FMA_PARALLEL)
+def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, acc_planes, out, pre):
+    # One (n, o) output plane per work item, summed tap by tap into its plane of pool scratch:
+    # the inner loop runs over the output columns whose tap is inside the input (no branch).
+    n_dim, _, h, wd = x.shape
+    oc, cg, kh, kw = w.shape
+    oh, ow = out.shape[2], out.shape[3]
+    ocg = oc // groups
+    for item in prange(n_dim * oc):
+        n = item // oc
+        o = item % oc
+        c0 = (o // ocg) * cg
+        acc = acc_planes[item]
+        bias = _widen(b[o]) if b is not None else 0.0
+        acc[:] = bias
+        for c in range(cg):
+            for i in range(kh):
+                r0, r1 = _valid(oh, sh, i * dh - ph, h)
+                for j in range(kw):
+                    wv = _widen(w[o, c, i, j])
+                    off = j * dw - pw
+                    q0, q1 = _valid(ow, sw, off, wd)
+                    for r in range(r0, r1):
+                        src = x[n, c0 + c, r * sh - ph + i * dh]
+                        row = acc[r]
+                        for q in range(q0, q1):
+                            row[q] += wv * _widen(src[q * sw + off])
+        dst = out[n, o]
+        for r in range(oh):
+            for q in range(ow):
+                v = acc[r, q]
+                if pre is not None:
+                    keep = pre[n, o]
+                    keep[r, q] = _narrow(v, keep)
+                    v = _widen(keep[r, q])
+                dst[r, q] = _narrow(_act(v, op), out)
+
+
+def _direct_wins(groups: int, c: int, oc: int) -> bool:
+    """The direct forward for depthwise-like convolutions (a group of one input channel and at most
+    a few outputs): a tie in time with im2col there, without the columns (docs/cnn.md)."""
+    return c // groups == 1 and oc // groups <= 4
+
+
+def _images_per_block(rows: int, p: int, itemsize: int, n: int) -> int:
+    return max(1, min(n, COLS_BLOCK_BYTES // max(1, rows * p * itemsize)))
+
+
+def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
+    """See the reference's conv2d; NOTE [ Convolution on the host: im2col in blocks ]."""
+    op = int(activation_code(activation))
+    n, c, _, _ = x.shape
+    oc, cg, kh, kw = w.shape
+    oh, ow = out.shape[2:]
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    bb = None if b is None else _bits(b)
+    pb = None if pre is None else _bits(pre)
+    scratch = pool.host_pool()
+    ct = _compute_dtype(x.dtype)
+    if _direct_wins(groups, c, oc):
+        planes = scratch.acquire((n * oc, oh, ow), ct)
+        _direct(_bits(x), _bits(w), bb, sh, sw, ph, pw, dh, dw, groups, op, planes, _bits(out), pb)
+        return
+    p = oh * ow
+    k = cg * kh * kw
+    ocg = oc // groups
+    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
+    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
+    cols = scratch.acquire((c * kh * kw, nb * p), ct)
+    y = scratch.acquire((oc, nb * p), ct)
+    for n0 in range(0, n, nb):
+        n1 = min(n, n0 + nb)
+        width = (n1 - n0) * p
+        cv, yv = cols[:, :width], y[:, :width]
+        _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
+        for g in range(groups):
+            np.matmul(w2[g], cv[g * k : (g + 1) * k], out=yv[g * ocg : (g + 1) * ocg])
+        _epilogue(yv, bb, op, n0, _bits(out).reshape(n, oc, p), None if pb is None else pb.reshape(n, oc, p))
+
+
+def conv2d_backward(
+    x, w, pre, grad_out, stride, padding, dilation, groups, activation, grad_x, grad_w, grad_b
+) -> None:
+    """See the reference's conv2d_backward; NOTE [ Convolution on the host: im2col in blocks ]."""
+    op = int(activation_code(activation))
+    n, c, _, _ = x.shape
+    oc, cg, kh, kw = w.shape
+    oh, ow = grad_out.shape[2:]
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    scratch = pool.host_pool()
+    ct = _compute_dtype(x.dtype)
+    p = oh * ow
+    k = cg * kh * kw
+    ocg = oc // groups
+    gp = scratch.acquire((oc, n * p), ct)
+    gb = None if grad_b is None else scratch.acquire((oc,), np.float64)
+    g3 = _bits(grad_out).reshape(n, oc, p)
+    # pre is read only with an activation; without one, grad_out stands in for the argument.
+    _grad_pre(g3 if pre is None else _bits(pre).reshape(n, oc, p), g3, op, gp, gb)
+    if grad_b is not None:
+        np.copyto(grad_b, gb, casting="unsafe")
+    if grad_x is None and grad_w is None:
+        return
+    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
+    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
+    cols = scratch.acquire((c * kh * kw, nb * p), ct)
+    planes = None if grad_x is None else scratch.acquire((nb * c,) + tuple(grad_x.shape[2:]), ct)
+    gw = None
+    if grad_w is not None:
+        gw = grad_w.reshape(groups, ocg, k) if grad_w.dtype == ct else scratch.acquire((groups, ocg, k), ct)
+        gw_part = scratch.acquire((ocg, k), ct)
+    for n0 in range(0, n, nb):
+        n1 = min(n, n0 + nb)
+        width = (n1 - n0) * p
+        cv, gpv = cols[:, :width], gp[:, n0 * p : n1 * p]
+        if gw is not None:
+            _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
+            for g in range(groups):
+                rows = slice(g * ocg, (g + 1) * ocg)
+                target = gw[g] if n0 == 0 else gw_part
+                np.matmul(gpv[rows], cv[g * k : (g + 1) * k].T, out=target)
+                if n0:
+                    gw[g] += gw_part
+        if grad_x is not None:
+            for g in range(groups):
+                np.matmul(w2[g].T, gpv[g * ocg : (g + 1) * ocg], out=cv[g * k : (g + 1) * k])
+            _col2im(cv, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, planes, _bits(grad_x))
+    if grad_w is not None and gw.dtype != grad_w.dtype:
+        _jit._convert(grad_w, gw.reshape(grad_w.shape))
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+@njit(**_FMA_PARALLEL)
+def _max_pool(x, kh, kw, sh, sw, ph, pw, dh, dw, out, idx):
+    n_dim, c_dim, h, w = x.shape
+    oh, ow = out.shape[2], out.shape[3]
+    for item in prange(n_dim * c_dim):
+        n = item // c_dim
+        c = item % c_dim
+        plane = x[n, c]
+        for r in range(oh):
+            for q in range(ow):
+                best = _widen(plane[0, 0])
+                where = -1
+                for i in range(kh):
+                    ih = r * sh - ph + i * dh
+                    if ih < 0 or ih >= h:
+                        continue
+                    for j in range(kw):
+                        iw = q * sw - pw + j * dw
+                        if iw < 0 or iw >= w:
+                            continue
+                        v = _widen(plane[ih, iw])
+                        if where < 0 or v > best or math.isnan(v):
+                            best = v
+                            where = ih * w + iw
+                out[n, c, r, q] = _narrow(best, out)
+                idx[n, c, r, q] = where
+
+
+@njit(**_FMA_PARALLEL)
+def _max_pool_backward(idx, g, acc_planes, gx):
+    # Each (n, c) plane scatters its windows' gradients into its own float64 plane of pool scratch.
+    n_dim, c_dim, h, w = gx.shape
+    for item in prange(n_dim * c_dim):
+        n = item // c_dim
+        c = item % c_dim
+        acc = acc_planes[item]
+        acc[:] = 0
+        src, where = g[n, c].ravel(), idx[n, c].ravel()
+        for e in range(src.size):
+            acc[where[e]] += _widen(src[e])
+        dst = gx[n, c].ravel()
+        for e in range(h * w):
+            dst[e] = _narrow(acc[e], gx)
+
+
+@njit(**_FMA_INLINE)
+def _window(o, size, k, s, p, count_include_pad, adaptive, out_size):
+    """(start, end, divisor) of output position ``o`` along one axis (the reference's rule)."""
+    if adaptive:
+        start = (o * size) // out_size
+        end = -((-(o + 1) * size) // out_size)
+        return start, end, end - start
+    start = o * s - p
+    end = min(start + k, size + p)
+    padded = end - start
+    start, end = max(start, 0), min(end, size)
+    return start, end, padded if count_include_pad else end - start
+
+
+@njit(**_FMA_PARALLEL)
+def _avg_pool(x, kh, kw, sh, sw, ph, pw, count_include_pad, divisor, adaptive, out):
+    n_dim, c_dim, h, w = x.shape
+    oh, ow = out.shape[2], out.shape[3]
+    for item in prange(n_dim * c_dim):
+        n = item // c_dim
+        c = item % c_dim
+        plane = x[n, c]
+        for r in range(oh):
+            h0, h1, hd = _window(r, h, kh, sh, ph, count_include_pad, adaptive, oh)
+            for q in range(ow):
+                w0, w1, wdv = _window(q, w, kw, sw, pw, count_include_pad, adaptive, ow)
+                acc = 0.0
+                for a in range(h0, h1):
+                    for b in range(w0, w1):
+                        acc += _widen(plane[a, b])
+                div = divisor if divisor else hd * wdv
+                out[n, c, r, q] = _narrow(acc / div, out)
+
+
+@njit(**_FMA_PARALLEL)
+def _avg_pool_backward(g, kh, kw, sh, sw, ph, pw, count_include_pad, divisor, adaptive, acc_planes, gx):
+    n_dim, c_dim, h, w = gx.shape
+    oh, ow = g.shape[2], g.shape[3]
+    for item in prange(n_dim * c_dim):
+        n = item // c_dim
+        c = item % c_dim
+        acc = acc_planes[item]
+        acc[:] = 0
+        for r in range(oh):
+            h0, h1, hd = _window(r, h, kh, sh, ph, count_include_pad, adaptive, oh)
+            for q in range(ow):
+                w0, w1, wdv = _window(q, w, kw, sw, pw, count_include_pad, adaptive, ow)
+                div = divisor if divisor else hd * wdv
+                v = _widen(g[n, c, r, q]) / div
+                for a in range(h0, h1):
+                    for b in range(w0, w1):
+                        acc[a, b] += v
+        dst = gx[n, c]
+        for a in range(h):
+            for b in range(w):
+                dst[a, b] = _narrow(acc[a, b], gx)
+
+
+def max_pool2d(x, kernel_size, stride, padding, dilation, out, indices) -> None:
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel_size, stride, padding, dilation
+    _max_pool(_bits(x), kh, kw, sh, sw, ph, pw, dh, dw, _bits(out), indices)
+
+
+def _planes(grad_x):
+    """float64 accumulators, one (H * W) plane per (image, channel), from the host pool."""
+    n, c, h, w = grad_x.shape
+    return pool.host_pool().acquire((n * c, h * w), np.float64)
+
+
+def max_pool2d_backward(indices, grad_out, kernel_size, stride, padding, dilation, grad_x) -> None:
+    _max_pool_backward(indices, _bits(grad_out), _planes(grad_x), _bits(grad_x))
+
+
+def avg_pool2d(x, kernel_size, stride, padding, count_include_pad, divisor_override, out) -> None:
+    (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
+    _avg_pool(
+        _bits(x), kh, kw, sh, sw, ph, pw, bool(count_include_pad), int(divisor_override), False, _bits(out)
+    )
+
+
+def avg_pool2d_backward(
+    grad_out, kernel_size, stride, padding, count_include_pad, divisor_override, grad_x
+) -> None:
+    (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
+    planes = _planes(grad_x).reshape(grad_x.shape[0] * grad_x.shape[1], *grad_x.shape[2:])
+    _avg_pool_backward(
+        _bits(grad_out), kh, kw, sh, sw, ph, pw, bool(count_include_pad), int(divisor_override), False, planes,
+        _bits(grad_x),
+    )  # fmt: skip
+
+
+def adaptive_avg_pool2d(x, out) -> None:
+    _avg_pool(_bits(x), 0, 0, 1, 1, 0, 0, True, 0, True, _bits(out))
+
+
+def adaptive_avg_pool2d_backward(grad_out, grad_x) -> None:
+    planes = _planes(grad_x).reshape(grad_x.shape[0] * grad_x.shape[1], *grad_x.shape[2:])
+    _avg_pool_backward(_bits(grad_out), 0, 0, 1, 1, 0, 0, True, 0, True, planes, _bits(grad_x))
