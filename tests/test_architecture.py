@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse._tensor_functions",),  # the Functions of the Tensor methods, dtype promotion, autocast casts
     ("taifuse.tensor",),
     ("taifuse._autograd_ops", "taifuse.functional", "taifuse.checkpoint"),
-    ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler"),
+    ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler", "taifuse.distributed"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 
