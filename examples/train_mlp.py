@@ -31,6 +31,13 @@ lr, throughput and memory, and ``--plot run.png`` draws them (matplotlib, the ``
     python examples/train_mlp.py --optimizer sgd --backend numpy
     python examples/train_mlp.py --amp           # float16 autocast with a GradScaler
     python examples/train_mlp.py --log mlp.csv --plot mlp.png
+    mpiexec -n 2 python examples/train_mlp.py --ddp   # data-parallel over 2 processes (docs/distributed.md)
+
+``--ddp`` (run under ``mpiexec``, the ``distributed`` extra) trains data-parallel: every process
+wraps the model in ``taifuse.nn.parallel.DistributedDataParallel`` and takes its share
+(``idx[rank::world]``) of each minibatch of ``BATCH_SIZE``, so the steps are those of one process
+with the whole minibatch (to float32 rounding; a last, short minibatch that does not split evenly
+weighs the ranks' shares equally). Rank 0 logs, evaluates and prints; the others train quietly.
 """
 
 from __future__ import annotations
@@ -137,8 +144,10 @@ def train(
     amp: bool = False,
     log_path: str | None = None,
     plot_path: str | None = None,
+    ddp: bool = False,
 ) -> Result:
-    """:func:`main`, returning everything the run reached."""
+    """:func:`main`, returning everything the run reached; with ``ddp``, this process's share of a
+    data-parallel run (``taifuse.distributed`` must be initialized; the result is rank 0's)."""
     for name, value in (("epochs", epochs), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} should be a positive int, got {value!r}")
@@ -154,10 +163,21 @@ def train(
     split = len(y) * 3 // 4
     x_train, y_train, x_test, y_test = x[:split], y[:split], x[split:], y[split:]
     model = build_model()
+    rank, world = 0, 1
+    trained: nn.Module = model
+    if ddp:
+        from taifuse import distributed as dist
+        from taifuse.nn.parallel import DistributedDataParallel
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        trained = DistributedDataParallel(model)  # rank 0's initial parameters on every rank
+        quiet = quiet or rank != 0
+        if rank != 0:
+            log_path = plot_path = None
     steps_per_epoch = -(-split // batch_size)
     opt = sched = None
     if optimizer == "adamw":
-        opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+        opt = optim.AdamW(trained.parameters(), lr=lr, weight_decay=1e-4)
         sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
     scaler = GradScaler(enabled=amp)  # without amp every call passes straight through
     rng = np.random.default_rng(seed + 1)
@@ -167,10 +187,10 @@ def train(
         order = rng.permutation(split)
         total = 0.0
         for lo in range(0, split, batch_size):
-            idx = order[lo : lo + batch_size]
+            idx = order[lo : lo + batch_size][rank::world]  # this rank's share of the minibatch
             step_lr = lr if opt is None else opt.param_groups[0]["lr"]
             with autocast(enabled=amp):
-                loss = F.cross_entropy(model(taifuse.tensor(x_train[idx])), y_train[idx])
+                loss = F.cross_entropy(trained(taifuse.tensor(x_train[idx])), y_train[idx])
             if opt is not None:
                 opt.zero_grad()
                 scaler.scale(loss).backward()
@@ -184,7 +204,7 @@ def train(
                     for p in model.parameters():
                         p -= lr * p.grad
             loss_value = loss.item()
-            total += loss_value * len(idx)
+            total += loss_value * len(idx) * world  # rank 0's share stands for the minibatch
             scale = {"loss_scale": scaler.get_scale()} if amp else {}
             monitor.step(loss_value, n=len(idx), lr=step_lr, **scale)
         epoch_losses.append(total / split)
@@ -194,6 +214,8 @@ def train(
                 line += f"  loss scale {scaler.get_scale():g}"
             monitor.write(line)
     monitor.close()
+    if rank != 0:  # every rank holds the same model: rank 0 evaluates it
+        return Result(float("nan"), float("nan"), epoch_losses, scaler.get_scale() if amp else None, False)
     val_loss, acc = evaluate(model, x_test, y_test, amp)
     target_applies = epochs == EPOCHS and batch_size == BATCH_SIZE and lr == LEARNING_RATES[optimizer]
     if not quiet:
@@ -205,6 +227,7 @@ def train(
         print(
             f"held-out loss {val_loss:.4f}, accuracy {acc:.3f} on {len(y_test)} points ({target}), "
             f"optimizer {optimizer}{', amp' if amp else ''}, backend {taifuse.get_backend()}"
+            + (f", data-parallel over {world} processes" if ddp else "")
         )
     if plot_path is not None:  # last: the result is in and printed whatever happens here
         monitor.plot(plot_path)
@@ -258,7 +281,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler (adamw only)")
     parser.add_argument("--log", default=None, help="write every step's figures to this .csv or .jsonl file")
     parser.add_argument("--plot", default=None, help="draw loss, throughput and memory to this PNG")
+    parser.add_argument(
+        "--ddp", action="store_true", help="data-parallel over the processes of mpiexec (rank 0 reports)"
+    )
     args = parser.parse_args(argv)
+    if args.ddp and importlib.util.find_spec("mpi4py") is None:
+        parser.error("--ddp needs mpi4py: pip install 'taifuse[distributed]'")
     if args.amp and args.optimizer != "adamw":
         parser.error("--amp needs --optimizer adamw (a GradScaler steps an optimizer)")
     if args.log is not None and Path(args.log).suffix.lower() not in (".csv", ".jsonl"):
@@ -281,8 +309,17 @@ if __name__ == "__main__":
     args = parse_args()
     if args.backend:
         taifuse.set_backend(args.backend)
+    if args.ddp:
+        from taifuse import distributed
+
+        distributed.init_process_group()
     result = train(
-        epochs=args.epochs, optimizer=args.optimizer, amp=args.amp, log_path=args.log, plot_path=args.plot
+        epochs=args.epochs,
+        optimizer=args.optimizer,
+        amp=args.amp,
+        log_path=args.log,
+        plot_path=args.plot,
+        ddp=args.ddp,
     )
     if result.target_applies and result.accuracy < TARGET_ACCURACY:
         print(

@@ -54,7 +54,13 @@ def train(
 ) -> tuple[AdamW, GradScaler | None]:
     """STEPS steps; with ``ddp`` on this rank's share, else (the reference) on the whole batch."""
     runner = ddp if ddp is not None else model
-    opt = AdamW(runner.parameters(), lr=1e-2, weight_decay=0.1)
+    # Two groups, as GPT.configure_optimizer: two flat gradient buffers, the weights' and the biases'.
+    params = list(runner.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim == 2]},
+        {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0},
+    ]
+    opt = AdamW(groups, lr=1e-2, weight_decay=0.1)
     scaler = GradScaler(init_scale=2.0**10) if mode == "autocast" else None
     loss_fn = nn.MSELoss()
     micro = 2 if mode == "nosync" else 1

@@ -19,15 +19,21 @@ flight, so that ``clip_grad_norm_``, ``GradScaler.unscale_`` and the step see av
 
 Where a bucket's numbers live: an optimizer keeps its parameters' gradients side by side in one
 flat buffer per parameter group and dtype, and autograd writes them there (NOTE [ Gradient slots ]
-in taifuse/_grad_slots.py). Parameters neighbouring in a bucket are neighbours there too (a bucket
-is a run of consecutive parameters, reversed), so when every gradient of a bucket lies in its slot
-the bucket *is* one slice of the optimizer's flat buffer, and the all-reduce works on that slice in
-place: no copy. The optimizer is usually made after the wrapper (``opt = AdamW(ddp.parameters())``)
-and its buffers may move (a gradient the user kept), so the wrapper does not own that memory: it
-looks, at each bucket's start, whether the gradients are one slice. When they are not (no optimizer
-yet, gradients assigned by hand, the taichi backend whose gradients live on the device, float16,
-which MPI has no type for) the bucket is staged: copied into a host buffer the wrapper keeps per
-bucket (made once, at the first staged start), reduced there and copied back.
+in taifuse/_grad_slots.py). The optimizer is usually made after the wrapper (``opt =
+AdamW(ddp.parameters())``), so the buckets made at wrap time cannot know those buffers; and its
+buffers may move (a gradient the user kept across ``zero_grad()``). So at the start of each synced
+backward the wrapper reads where the parameters' gradient slots are, and when that changed (the
+first backward after the optimizer was made, as PyTorch rebuilds its buckets after the first
+iteration) it rebuilds the buckets along the flat buffers: per buffer from its end, cut at the
+cap, so that each bucket *is* one slice of an optimizer's flat gradient buffer and its all-reduce
+works on that slice in place, no copy (GPT's optimizer has two groups, matrices and vectors: two
+buffers, so buckets of matrices and buckets of vectors). The buckets start in the order their
+gradients complete: by the earliest-registered parameter each holds, latest first (the vectors'
+bucket, which holds the first LayerNorm, goes last). The layout read is the same on every rank
+running the same program, so every rank rebuilds alike. When a bucket's gradients are not one
+slice after all (no optimizer, gradients assigned by hand, the taichi backend whose gradients live
+on the device, float16, which MPI has no type for) the bucket is staged: copied into a host buffer
+the wrapper keeps per bucket (made once, at its first staged start), reduced there and copied back.
 """
 
 from __future__ import annotations
@@ -173,9 +179,10 @@ class DistributedDataParallel(Module):
                 dist.broadcast(p, src=0)
             for _, b in getattr(module, "named_buffers", lambda: iter(()))():
                 dist.broadcast(b, src=0)
-        buckets = _make_buckets([p for _, p in named], int(self.bucket_cap_mb * 2**20))
-        object.__setattr__(self, "_buckets", buckets)
-        object.__setattr__(self, "_bucket_of", {id(p): b for b in buckets for p in b.params})
+        params = [p for _, p in named]
+        object.__setattr__(self, "_params", params)
+        object.__setattr__(self, "_layout", None)  # the gradient slots the buckets were made for
+        self._set_buckets(_make_buckets(params, self._cap_bytes(), [None] * len(params)))
         object.__setattr__(self, "_next", 0)  # the first bucket not started in this backward
         object.__setattr__(self, "_armed", False)  # a backward with gradient sync is running
         object.__setattr__(
@@ -184,6 +191,21 @@ class DistributedDataParallel(Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def _cap_bytes(self) -> int:
+        return max(1, int(self.bucket_cap_mb * 2**20))
+
+    def _set_buckets(self, buckets: list[_Bucket]) -> None:
+        object.__setattr__(self, "_buckets", buckets)
+        object.__setattr__(self, "_bucket_of", {id(p): b for b in buckets for p in b.params})
+
+    def _check_layout(self) -> None:
+        """Rebuild the buckets along the optimizer's flat gradient buffers when those appeared or
+        moved since (NOTE [ Gradient buckets ]); the same on every rank running the same program."""
+        layout = _slot_layout(self._params)
+        if layout != self._layout:
+            object.__setattr__(self, "_layout", layout)
+            self._set_buckets(_make_buckets(self._params, self._cap_bytes(), layout))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -204,6 +226,7 @@ class DistributedDataParallel(Module):
         if not self._armed:
             object.__setattr__(self, "_armed", True)
             queue_callback(self._finish)
+            self._check_layout()
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1
         for b in self._buckets[: self._next]:  # lets MPI progress what is in flight (no progress thread)
@@ -256,25 +279,51 @@ def _zero_grad_of(p: Any) -> None:
         set_grad(p, wrap(pool.zeros(be, p.shape, p.dtype), be))
 
 
-def _make_buckets(params: list[Any], cap_bytes: int) -> list[_Bucket]:
-    """Runs of one backend and dtype in reverse order, each at most ``cap_bytes`` (NOTE [ Gradient buckets ])."""
-    groups: list[list[Any]] = []
-    size = 0
-    for p in reversed(params):
-        nbytes = p.size * p.dtype.itemsize
-        last = groups[-1] if groups else None
-        if (
-            last is None
-            or backend(last[0]) is not backend(p)
-            or last[0].dtype != p.dtype
-            or size + nbytes > cap_bytes
-        ):
-            groups.append([p])
-            size = nbytes
-        else:
-            last.append(p)
+def _root(array: np.ndarray) -> np.ndarray:
+    return array.base if isinstance(array.base, np.ndarray) else array
+
+
+def _slot_layout(params: list[Any]) -> tuple:
+    """Per parameter, (which flat buffer, element offset) of its gradient slot, or None: the
+    buffers numbered in order of first appearance, so that every rank computes the same tuple."""
+    roots: dict[int, int] = {}
+    layout = []
+    for p in params:
+        slot = grad_slot(p)
+        if slot is None or slot.array.dtype not in _MPI_FLOATS:
+            layout.append(None)
+            continue
+        root = _root(slot.array)
+        offset = slot.array.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+        layout.append((roots.setdefault(id(root), len(roots)), offset // slot.array.itemsize))
+    return tuple(layout)
+
+
+def _make_buckets(params: list[Any], cap_bytes: int, layout: tuple | list) -> list[_Bucket]:
+    """The buckets of NOTE [ Gradient buckets ]: the parameters with a gradient slot, per flat
+    buffer from its end (its last parameter's gradient comes first), the others in reverse
+    registration order per backend and dtype; cut at ``cap_bytes``; started in the order their
+    gradients complete, which is by the earliest-registered parameter each holds, latest first."""
+    runs: dict[Any, list[int]] = {}
+    for i in range(len(params) - 1, -1, -1):
+        where = layout[i]
+        key = ("slot", where[0]) if where is not None else ("own", id(backend(params[i])), params[i].dtype)
+        runs.setdefault(key, []).append(i)
+    for key, members in runs.items():
+        if key[0] == "slot":
+            members.sort(key=lambda i: -layout[i][1])
+    groups: list[list[int]] = []
+    for members in runs.values():
+        size = cap_bytes + 1
+        for i in members:
+            nbytes = params[i].size * params[i].dtype.itemsize
+            if size + nbytes > cap_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
             size += nbytes
-    return [_Bucket(i, g) for i, g in enumerate(groups)]
+    groups.sort(key=lambda g: -min(g))
+    return [_Bucket(k, [params[i] for i in g]) for k, g in enumerate(groups)]
 
 
 def _check_same_model(dist: ModuleType, module: Module) -> None:
