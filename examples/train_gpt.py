@@ -57,6 +57,15 @@ float16 but computes in float32; docs/amp.md has the runs).
     python examples/train_gpt.py --steps 2000 --resume    # train a saved run further
     python examples/train_gpt.py --amp                    # float16 autocast with a GradScaler
     python examples/train_gpt.py --log gpt.csv --plot gpt.png
+    mpiexec -n 2 python examples/train_gpt.py --ddp       # data-parallel over 2 processes
+
+``--ddp`` (under ``mpiexec``, the ``distributed`` extra; docs/distributed.md) trains data-parallel:
+every process wraps the model in ``taifuse.nn.parallel.DistributedDataParallel`` and takes its
+share (``[rank::world]``) of each step's batch of ``--batch-size`` sequences (which the number of
+processes must divide), so the steps are those of one process with the whole batch, to float32
+rounding. The logged loss is the mean over the ranks (one 4-byte all-reduce per step); tokens/s
+counts the whole batch. Rank 0 evaluates, logs, saves the checkpoint and samples; the others train
+quietly. ``--resume`` reads ``--out`` on every rank (on several machines, a shared path).
 """
 
 from __future__ import annotations
@@ -420,7 +429,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--amp", action="store_true", help="float16 autocast with a GradScaler")
     p.add_argument("--log", type=Path, default=None, help="write every step's figures to this .csv or .jsonl")
     p.add_argument("--plot", type=Path, default=None, help="draw loss, throughput and memory to this PNG")
+    p.add_argument(
+        "--ddp", action="store_true", help="data-parallel over the processes of mpiexec (rank 0 reports)"
+    )
     args = p.parse_args(argv)
+    if args.ddp and importlib.util.find_spec("mpi4py") is None:
+        p.error("--ddp needs mpi4py: pip install 'taifuse[distributed]'")
     if args.log is not None and args.log.suffix.lower() not in (".csv", ".jsonl"):
         p.error(f"--log should end in .csv or .jsonl, got {str(args.log)!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
@@ -466,6 +480,16 @@ def main(argv: list[str] | None = None) -> Result:
     if args.backend:
         taifuse.set_backend(args.backend)
     quiet = args.quiet
+    rank, world = 0, 1
+    if args.ddp:
+        from taifuse import distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if args.batch_size % world:
+            raise _error(f"--ddp: --batch-size {args.batch_size} does not split over {world} processes")
+        quiet = quiet or rank != 0
 
     data = encode(load_corpus())
     split = len(data) * 9 // 10
@@ -501,6 +525,12 @@ def main(argv: list[str] | None = None) -> Result:
             scaler.load_state_dict(state["scaler"])
         start = int(state["step"])
     scheduler = WarmupCosineLR(optimizer, args.warmup, args.steps, args.min_lr_ratio, last_epoch=start - 1)
+    trained: Any = model
+    if args.ddp:
+        from taifuse.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model)  # rank 0's parameters (a resumed run: the same) everywhere
+        loss_sum = np.zeros(1, np.float64)
 
     block = config.block_size
     eval_rng = np.random.default_rng([args.seed, 1])
@@ -531,19 +561,25 @@ def main(argv: list[str] | None = None) -> Result:
         _log(bar, f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}{scale}", quiet)
 
     monitor = TrainingMonitor(
-        args.steps, unit="tokens", log_path=args.log, desc="steps", disable=quiet, initial_step=start
+        args.steps,
+        unit="tokens",
+        log_path=args.log if rank == 0 else None,
+        desc="steps",
+        disable=quiet,
+        initial_step=start,
     )
     tokens_per_step = args.batch_size * block
     train_time, timed_tokens = 0.0, 0
     done = start  # steps completed
-    if start < args.steps:
+    if start < args.steps and rank == 0:
         with monitor.paused():
             evaluate(start, monitor)
     for step in range(start, args.steps):
         x, y = get_batch(train_data, args.batch_size, block, np.random.default_rng([args.seed, 0, step]))
+        x, y = x[rank::world], y[rank::world]  # this rank's share (all of it in one process)
         t0 = time.perf_counter()
         with autocast(enabled=args.amp):
-            _, loss = model(x, y)
+            _, loss = trained(x, y)
         optimizer.zero_grad()
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # the true gradients, for the clipping
@@ -553,6 +589,10 @@ def main(argv: list[str] | None = None) -> Result:
         lr = optimizer.param_groups[0]["lr"]  # the step's (the scheduler moves it for the next)
         scheduler.step()
         loss_value = loss.item()
+        if args.ddp:  # the whole batch's loss, and every rank agrees on stopping for a non-finite one
+            loss_sum[0] = loss_value
+            dist.all_reduce(loss_sum, op="avg")
+            loss_value = float(loss_sum[0])
         elapsed = time.perf_counter() - t0
         if step > start:  # the first step of a process compiles the kernels: leave it out of the rate
             train_time += elapsed
@@ -562,12 +602,29 @@ def main(argv: list[str] | None = None) -> Result:
         monitor.step(loss_value, n=tokens_per_step, lr=lr, grad_norm=grad_norm, **scale)
         if not math.isfinite(loss_value):
             _log(monitor, f"step {done}: the loss is {loss_value}; stopping", quiet)
-            evaluate(done, monitor)
+            if rank == 0:
+                evaluate(done, monitor)
             break
-        if done % args.eval_interval == 0 or done == args.steps:
+        if rank == 0 and (done % args.eval_interval == 0 or done == args.steps):
             with monitor.paused():
                 evaluate(done, monitor)
     monitor.close()
+    if rank != 0:  # every rank holds the same model: rank 0 evaluates, saves and reports it
+        nan = float("nan")
+        return Result(
+            nan,
+            nan,
+            nan,
+            time.perf_counter() - start_wall,
+            baseline,
+            bigram,
+            done,
+            args.out,
+            "",
+            [],
+            None,
+            False,
+        )
     if not history:  # nothing left to train: still report where the checkpoint stands
         evaluate(start, None)
     # Saved first: nothing after this (the sample, the report, the plot) can lose the run.
@@ -601,7 +658,7 @@ def main(argv: list[str] | None = None) -> Result:
         f"wall time {wall_s:.1f} s",
         quiet,
     )
-    if args.plot is not None:  # last: the run is saved and reported whatever happens here
+    if args.plot is not None and rank == 0:  # last: the run is saved and reported whatever happens here
         monitor.plot(args.plot)
     loss_scale = scaler.get_scale() if args.amp else None
     return Result(
