@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -26,18 +27,21 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMEOUT = 240
 
 
-def _mpiexec(*argv: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+
+
+def _mpiexec(*argv: str, timeout: float = TIMEOUT, script: Path = WORKER, cwd: Path | None = None):
     pytest.importorskip("mpi4py")
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable} (pip install 'taifuse[distributed]')")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(MPIEXEC), "-n", "2", sys.executable, str(WORKER), *argv],
+        [str(MPIEXEC), "-n", "2", sys.executable, str(script), *argv],
         capture_output=True,
         text=True,
-        env=env,
+        env=ENV,
         timeout=timeout,
         check=False,
+        cwd=cwd,
     )
 
 
@@ -73,6 +77,40 @@ def test_a_rank_that_raises_ends_the_job_non_zero():
 def test_mismatched_models_are_an_error_naming_the_parameter():
     error = _results(_mpiexec("mismatch"))["error"]
     assert "'0.weight' of shape (16, 8)" in error and "rank 1 has '0.weight' of shape (12, 8)" in error
+
+
+def test_train_gpt_ddp_gives_the_one_process_model(tmp_path):
+    """examples/train_gpt.py --ddp under mpiexec -n 2 (a tiny config) saves the model that one
+    process training on the whole batches saves, and only rank 0 reports."""
+    tiny = ["--backend", "numpy", "--steps", "3", "--n-layer", "1", "--n-embd", "16", "--n-head", "2"]
+    tiny += [
+        "--block-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "4",
+        "--quiet",
+    ]
+    script = ROOT / "examples" / "train_gpt.py"
+    one = subprocess.run(
+        [sys.executable, str(script), *tiny, "--out", str(tmp_path / "one.pkl")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=TIMEOUT,
+        check=False,
+        cwd=ROOT / "examples",
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _mpiexec(*tiny, "--ddp", "--out", str(tmp_path / "two.pkl"), script=script, cwd=ROOT / "examples")
+    assert two.returncode == 0, two.stderr[-3000:]
+    states = [pickle.loads((tmp_path / f"{n}.pkl").read_bytes())["model"] for n in ("one", "two")]
+    assert states[0].keys() == states[1].keys()
+    for name in states[0]:
+        np.testing.assert_allclose(states[1][name], states[0][name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 # ----------------------------------------------------------------------------- one process
