@@ -170,7 +170,8 @@ def check_train(backend: str) -> dict:
 
 
 def check_overlap() -> list[str]:
-    """The first bucket's all-reduce starts before the backward reaches the first layer."""
+    """The first buckets' all-reduces start before the backward reaches the first layer: without an
+    optimizer and with one of two parameter groups (the events of both runs)."""
     events: list[str] = []
     model = make_model()
     layers = list(model.children())
@@ -182,17 +183,30 @@ def check_overlap() -> list[str]:
         events.append(f"all_reduce {array.size}")
         return real(array, *args, **kwargs)
 
-    dist.all_reduce = recording
-    try:
-        x, y = batches(0, 1, dist.get_world_size())
-        nn.MSELoss()(ddp(taifuse.tensor(x[:B])), taifuse.tensor(y[:B])).backward()
-    finally:
-        dist.all_reduce = real
-    # The first layer's gradient is the backward's last: two buckets were in flight before it.
-    started = [i for i, e in enumerate(events) if e.startswith("all_reduce")]
-    assert started[1] < events.index("grad 0.weight"), events
-    assert sum(e.startswith("all_reduce") for e in events) == len(ddp._buckets), events
-    return events
+    x, y = batches(0, 1, dist.get_world_size())
+    runs = []
+    for with_optimizer in (False, True):
+        if with_optimizer:  # the buckets are rebuilt along its two flat gradient buffers
+            params = list(ddp.parameters())
+            AdamW(
+                [
+                    {"params": [p for p in params if p.ndim == 2]},
+                    {"params": [p for p in params if p.ndim == 1]},
+                ]
+            )
+            ddp.zero_grad()
+        events.clear()
+        dist.all_reduce = recording
+        try:
+            nn.MSELoss()(ddp(taifuse.tensor(x[:B])), taifuse.tensor(y[:B])).backward()
+        finally:
+            dist.all_reduce = real
+        # The first layer's gradient is the backward's last: two buckets were in flight before it.
+        started = [i for i, e in enumerate(events) if e.startswith("all_reduce")]
+        assert started[1] < events.index("grad 0.weight"), events
+        assert len(started) == len(ddp._buckets), events
+        runs.append(list(events))
+    return runs
 
 
 def main() -> None:

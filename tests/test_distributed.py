@@ -64,8 +64,8 @@ def test_ddp_matches_one_process_with_the_whole_batch(backend):
     modes = ["plain"] if backend.startswith("taichi") else ["plain", "nosync", "autocast"]
     assert sorted(k for k in results if k != "overlap") == sorted(modes)
     if backend == "numpy":
-        events = results["overlap"]
-        assert events[-1].startswith("all_reduce") and "grad 0.weight" in events
+        for events in results["overlap"]:  # without and with the optimizer's flat buffers
+            assert "grad 0.weight" in events and sum(e.startswith("all_reduce") for e in events) >= 3
 
 
 def test_a_rank_that_raises_ends_the_job_non_zero():
