@@ -239,3 +239,30 @@ def test_hooks_stop_counting_once_their_tensors_are_gone():
     assert _engine._hooks.live == before + 1
     del w, handle
     assert _engine._hooks.live == before  # the backward walks without counting again
+
+
+def test_ddp_recovers_from_a_backward_that_raised(world_of_one):
+    """A backward that raised after some buckets started (its end-of-backward callback dropped)
+    leaves no stale state: the next backward syncs every bucket afresh."""
+    from taifuse import nn
+    from taifuse.nn.parallel import DistributedDataParallel
+
+    taifuse.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e-5)  # a bucket per parameter
+    x = taifuse.tensor(np.ones((2, 3), np.float32))
+
+    def fail(p):
+        raise KeyError("fails on purpose")
+
+    handle = model[0].weight.register_post_accumulate_grad_hook(fail)
+    with pytest.raises(KeyError, match="on purpose"):
+        ddp(x).sum().backward()
+    handle.remove()
+    started = []
+    ddp_start = ddp._start
+    ddp._start = lambda bucket: started.append(bucket.index) or ddp_start(bucket)
+    model.zero_grad()
+    ddp(x).sum().backward()
+    assert sorted(started) == list(range(len(ddp._buckets)))
+    assert ddp._armed is None and all(b.ready == 0 and b.work is None for b in ddp._buckets)

@@ -42,6 +42,7 @@ from taifuse._tensor_math import math_for
 
 __all__ = [
     "Function",
+    "backward_pass",
     "enable_grad",
     "graph_node",
     "is_grad_enabled",
@@ -391,6 +392,7 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
 class _Hooks(threading.local):
     live = 0  # leaves that have hooks, over all threads (a class attribute: see _HookTable)
     depth = 0  # backwards running in this thread (nested: a checkpoint's recomputation)
+    passes = 0  # outermost hooked backwards begun in this thread
 
     def __init__(self) -> None:
         self.callbacks: list[Callable[[], None]] = []
@@ -454,7 +456,16 @@ def queue_callback(callback: Callable[[], None]) -> None:
     _hooks.callbacks.append(callback)
 
 
+def backward_pass() -> int:
+    """A number that identifies the outermost backward running in this thread (hooked, NOTE
+    [ Gradient hooks ]): a hook can tell a new pass from the one it saw last, even when that one
+    raised before its queued callbacks ran."""
+    return _hooks.passes
+
+
 def _run_backward_hooked(root: TensorCore, grad: Any, retain_graph: bool) -> None:
+    if _hooks.depth == 0:
+        _hooks.passes += 1
     _hooks.depth += 1
     ok = False
     try:

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from taifuse import pool
-from taifuse._engine import no_grad, queue_callback
+from taifuse._engine import backward_pass, no_grad, queue_callback
 from taifuse._internal import backend, data, grad_data, grad_slot, set_grad, wrap
 from taifuse.nn.module import Module
 
@@ -184,7 +184,7 @@ class DistributedDataParallel(Module):
         object.__setattr__(self, "_layout", None)  # the gradient slots the buckets were made for
         self._set_buckets(_make_buckets(params, self._cap_bytes(), [None] * len(params)))
         object.__setattr__(self, "_next", 0)  # the first bucket not started in this backward
-        object.__setattr__(self, "_armed", False)  # a backward with gradient sync is running
+        object.__setattr__(self, "_armed", None)  # the backward pass (_engine.backward_pass) being synced
         object.__setattr__(
             self, "_handles", [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
         )
@@ -223,8 +223,10 @@ class DistributedDataParallel(Module):
     def _grad_ready(self, param: Any) -> None:
         if not self.require_backward_grad_sync:
             return
-        if not self._armed:
-            object.__setattr__(self, "_armed", True)
+        if self._armed != backward_pass():
+            if self._armed is not None:  # that backward raised before its end: drop what it left
+                self._reset(wait=True)
+            object.__setattr__(self, "_armed", backward_pass())
             queue_callback(self._finish)
             self._check_layout()
         bucket = self._bucket_of[id(param)]
@@ -259,10 +261,15 @@ class DistributedDataParallel(Module):
                 if bucket.staged is not None:
                     bucket.stage_out()
         finally:
-            for bucket in buckets:
-                bucket.ready, bucket.work, bucket.staged = 0, None, None
-            object.__setattr__(self, "_next", 0)
-            object.__setattr__(self, "_armed", False)
+            self._reset(wait=False)
+
+    def _reset(self, wait: bool) -> None:
+        for bucket in self._buckets:
+            if wait and bucket.work is not None:
+                bucket.work.wait()
+            bucket.ready, bucket.work, bucket.staged = 0, None, None
+        object.__setattr__(self, "_next", 0)
+        object.__setattr__(self, "_armed", None)
 
     def extra_repr(self) -> str:
         return f"buckets={len(self._buckets)}, bucket_cap_mb={self.bucket_cap_mb:g}"
