@@ -47,7 +47,9 @@ __all__ = [
 # Names whose module does not exist (yet) are simply absent attributes. ``tensor`` is not here:
 # ``taifuse.tensor`` is the function (the NOTE above); ``taifuse.checkpoint`` is the module,
 # whose function is ``taifuse.checkpoint.checkpoint``, as ``torch.utils.checkpoint``.
+# ``distributed`` imports mpi4py (the ``distributed`` extra) on first use only.
 _LAZY_SUBMODULES = ("nn", "optim", "functional", "checkpoint", "pool", "amp", "profiler", "monitor")
+_LAZY_SUBMODULES += ("distributed",)
 
 
 def __getattr__(name: str) -> _ModuleType:
