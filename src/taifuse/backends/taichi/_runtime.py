@@ -573,8 +573,10 @@ def copy_from_host(a: DeviceArray, src: np.ndarray) -> None:
 
 
 def all_kernels() -> list[tuple[str, object]]:
-    """The fill kernels, per dtype the pool may hand out (for ``metal_check``)."""
-    return [(f"fill_{dtype.name}", _fill_kernel(dtype)) for dtype in _TI_DTYPES]
+    """The fill kernels, per dtype the pool may hand out, and the host copies of the float dtypes
+    (taifuse.distributed's staging), for ``metal_check``."""
+    fills = [(f"fill_{dtype.name}", _fill_kernel(dtype)) for dtype in _TI_DTYPES]
+    return fills + [(f"copy_to_host_{dtype.name}", _copy_kernel(dtype)) for dtype in FLOAT_DTYPES]
 
 
 class TaichiAllocator:
