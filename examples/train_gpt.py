@@ -70,6 +70,15 @@ float16 but computes in float32; docs/amp.md has the runs).
     python examples/train_gpt.py --log gpt.csv --plot gpt.png
     python examples/train_gpt.py --grad-accum 4          # 4 micro-batches of 8 per step of 32
     python examples/train_gpt.py --find-batch-size --plot sizes.png
+    mpiexec -n 2 python examples/train_gpt.py --ddp       # data-parallel over 2 processes
+
+``--ddp`` (under ``mpiexec``, the ``distributed`` extra; docs/distributed.md) trains data-parallel:
+every process wraps the model in ``taifuse.nn.parallel.DistributedDataParallel`` and takes its
+share (``[rank::world]``) of each step's batch of ``--batch-size`` sequences (which the number of
+processes must divide), so the steps are those of one process with the whole batch, to float32
+rounding. The logged loss is the mean over the ranks (one 4-byte all-reduce per step); tokens/s
+counts the whole batch. Rank 0 evaluates, logs, saves the checkpoint and samples; the others train
+quietly. ``--resume`` reads ``--out`` on every rank (on several machines, a shared path).
 """
 
 from __future__ import annotations
@@ -514,7 +523,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log", type=Path, default=None, help="write every step's figures to this .csv or .jsonl")
     p.add_argument("--plot", type=Path, default=None, help="draw loss, throughput and memory to this PNG")
+    p.add_argument(
+        "--ddp", action="store_true", help="data-parallel over the processes of mpiexec (rank 0 reports)"
+    )
     args = p.parse_args(argv)
+    if args.ddp and importlib.util.find_spec("mpi4py") is None:
+        p.error("--ddp needs mpi4py: pip install 'taifuse[distributed]'")
     if args.log is not None and args.log.suffix.lower() not in (".csv", ".jsonl"):
         p.error(f"--log should end in .csv or .jsonl, got {str(args.log)!r}")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
@@ -592,6 +606,19 @@ def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
     if args.backend:
         taifuse.set_backend(args.backend)
     quiet = args.quiet
+    rank, world = 0, 1
+    if args.ddp:
+        from taifuse import distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (args.batch_size // args.grad_accum) % world:  # each micro-batch splits over the ranks
+            raise _error(
+                f"--ddp: the micro-batch of {args.batch_size // args.grad_accum} sequences (--batch-size "
+                f"{args.batch_size} / --grad-accum {args.grad_accum}) does not split over {world} processes"
+            )
+        quiet = quiet or rank != 0
 
     data = write_tokens(args.tokens, encode(load_corpus()))
     split = len(data) * 9 // 10
@@ -629,6 +656,12 @@ def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
             scaler.load_state_dict(state["scaler"])
         start = int(state["step"])
     scheduler = WarmupCosineLR(optimizer, args.warmup, args.steps, args.min_lr_ratio, last_epoch=start - 1)
+    trained: Any = model
+    if args.ddp:
+        from taifuse.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model)  # rank 0's parameters (a resumed run: the same) everywhere
+        loss_sum = np.zeros(1, np.float64)
 
     block = config.block_size
     eval_rng = np.random.default_rng([args.seed, 1])
@@ -659,12 +692,17 @@ def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
         _log(bar, f"step {step:5d}  train loss {train_loss:.4f}  val loss {val_loss:.4f}{scale}", quiet)
 
     monitor = TrainingMonitor(
-        args.steps, unit="tokens", log_path=args.log, desc="steps", disable=quiet, initial_step=start
+        args.steps,
+        unit="tokens",
+        log_path=args.log if rank == 0 else None,
+        desc="steps",
+        disable=quiet,
+        initial_step=start,
     )
     tokens_per_step = args.batch_size * block
     train_time, timed_tokens = 0.0, 0
     done = start  # steps completed
-    if start < args.steps:
+    if start < args.steps and rank == 0:
         with monitor.paused():
             evaluate(start, monitor)
     accum = args.grad_accum
@@ -682,8 +720,10 @@ def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
         micro_losses = []
         for _ in range(accum):  # --grad-accum: N micro-batches, loss / N each, one step
             x, y = next(batches)
+            if world > 1:  # this rank's share of the micro-batch (all of it in one process)
+                x, y = x[rank::world], y[rank::world]
             with autocast(enabled=args.amp):
-                _, loss = model(x, y)
+                _, loss = trained(x, y)
             scaler.scale(loss / accum if accum > 1 else loss).backward()
             micro_losses.append(loss)
         scaler.unscale_(optimizer)  # the true gradients, for the clipping
@@ -693,6 +733,10 @@ def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
         lr = optimizer.param_groups[0]["lr"]  # the step's (the scheduler moves it for the next)
         scheduler.step()
         loss_value = float(np.mean([m.item() for m in micro_losses]))
+        if args.ddp:  # the whole batch's loss, and every rank agrees on stopping for a non-finite one
+            loss_sum[0] = loss_value
+            dist.all_reduce(loss_sum, op="avg")
+            loss_value = float(loss_sum[0])
         elapsed = time.perf_counter() - t0
         if step > start:  # the first step of a process compiles the kernels: leave it out of the rate
             train_time += elapsed
@@ -702,13 +746,30 @@ def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
         monitor.step(loss_value, n=tokens_per_step, lr=lr, grad_norm=grad_norm, **scale)
         if not math.isfinite(loss_value):
             _log(monitor, f"step {done}: the loss is {loss_value}; stopping", quiet)
-            evaluate(done, monitor)
+            if rank == 0:
+                evaluate(done, monitor)
             break
-        if done % args.eval_interval == 0 or done == args.steps:
+        if rank == 0 and (done % args.eval_interval == 0 or done == args.steps):
             with monitor.paused():
                 evaluate(done, monitor)
     del batches  # stops the loader's threads (a NaN loss leaves the epoch early)
     monitor.close()
+    if rank != 0:  # every rank holds the same model: rank 0 evaluates, saves and reports it
+        nan = float("nan")
+        return Result(
+            nan,
+            nan,
+            nan,
+            time.perf_counter() - start_wall,
+            baseline,
+            bigram,
+            done,
+            args.out,
+            "",
+            [],
+            None,
+            False,
+        )
     if not history:  # nothing left to train: still report where the checkpoint stands
         evaluate(start, None)
     # Saved first: nothing after this (the sample, the report, the plot) can lose the run.
@@ -742,7 +803,7 @@ def main(argv: list[str] | None = None) -> Result | BatchSizeSearch:
         f"wall time {wall_s:.1f} s",
         quiet,
     )
-    if args.plot is not None:  # last: the run is saved and reported whatever happens here
+    if args.plot is not None and rank == 0:  # last: the run is saved and reported whatever happens here
         monitor.plot(args.plot)
     loss_scale = scaler.get_scale() if args.amp else None
     return Result(

@@ -33,6 +33,7 @@ lr, throughput and memory, and ``--plot run.png`` draws them (matplotlib, the ``
     python examples/train_mlp.py --log mlp.csv --plot mlp.png
     python examples/train_mlp.py --grad-accum 2 --workers 2   # micro-batches of 32, a loader thread pair
     python examples/train_mlp.py --find-batch-size --plot sizes.png
+    mpiexec -n 2 python examples/train_mlp.py --ddp   # data-parallel over 2 processes (docs/distributed.md)
 
 The batches come through a ``taifuse.data.DataLoader`` over the training split (its shuffle draws
 each epoch's permutation from the generator the hand-written loop used, so the batches are the
@@ -40,6 +41,12 @@ same); ``--workers N`` gathers them in N threads ahead of the step. ``--grad-acc
 batch into N micro-batches, each loss divided by N and backpropagated, then one optimizer step
 (docs/training.md). ``--find-batch-size`` times the training step at batch sizes 8, 16, ... and
 prints the table (``--plot`` draws it) without training.
+
+``--ddp`` (run under ``mpiexec``, the ``distributed`` extra) trains data-parallel: every process
+wraps the model in ``taifuse.nn.parallel.DistributedDataParallel`` and takes its share
+(``[rank::world]``) of each batch the loader gives, so the steps are those of one process with the
+whole batch (to float32 rounding; a last, short batch that does not split evenly weighs the ranks'
+shares equally). Rank 0 logs, evaluates and prints; the others train quietly.
 """
 
 from __future__ import annotations
@@ -151,10 +158,12 @@ def train(
     plot_path: str | None = None,
     grad_accum: int = 1,
     workers: int = 0,
+    ddp: bool = False,
 ) -> Result:
     """:func:`main`, returning everything the run reached. ``grad_accum`` splits each batch into
     that many micro-batches (loss / N each, one optimizer step); ``workers`` are the data loader's
-    threads."""
+    threads; with ``ddp``, this process's share of a data-parallel run (``taifuse.distributed``
+    must be initialized; the result is rank 0's)."""
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("grad_accum", grad_accum)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} should be a positive int, got {value!r}")
@@ -172,10 +181,21 @@ def train(
     split = len(y) * 3 // 4
     x_train, y_train, x_test, y_test = x[:split], y[:split], x[split:], y[split:]
     model = build_model()
+    rank, world = 0, 1
+    trained: nn.Module = model
+    if ddp:
+        from taifuse import distributed as dist
+        from taifuse.nn.parallel import DistributedDataParallel
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        trained = DistributedDataParallel(model)  # rank 0's initial parameters on every rank
+        quiet = quiet or rank != 0
+        if rank != 0:
+            log_path = plot_path = None
     steps_per_epoch = -(-split // batch_size)
     opt = sched = None
     if optimizer == "adamw":
-        opt = optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+        opt = optim.AdamW(trained.parameters(), lr=lr, weight_decay=1e-4)
         sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
     scaler = GradScaler(enabled=amp)  # without amp every call passes straight through
     # The loader's shuffle draws each epoch's permutation from this generator, as the hand-written
@@ -202,8 +222,10 @@ def train(
             # --grad-accum: N micro-batches of batch_size / N, each loss / N, then one step (the
             # epoch's last step may get fewer, as PyTorch's recipe does).
             for xb, yb in itertools.islice(micro_batches, grad_accum):
+                if world > 1:  # this rank's share of the batch
+                    xb, yb = xb[rank::world], yb[rank::world]
                 with autocast(enabled=amp):
-                    loss = F.cross_entropy(model(xb), yb)
+                    loss = F.cross_entropy(trained(xb), yb)
                 if opt is not None:
                     scaler.scale(loss / grad_accum if grad_accum > 1 else loss).backward()
                 else:
@@ -220,7 +242,7 @@ def train(
                         p -= lr * p.grad
             step_total = sum(loss.item() * count for loss, count in losses)
             loss_value = step_total / n
-            total += step_total
+            total += step_total * world  # rank 0's share stands for the batch
             scale = {"loss_scale": scaler.get_scale()} if amp else {}
             monitor.step(loss_value, n=n, lr=step_lr, **scale)
         epoch_losses.append(total / split)
@@ -230,6 +252,8 @@ def train(
                 line += f"  loss scale {scaler.get_scale():g}"
             monitor.write(line)
     monitor.close()
+    if rank != 0:  # every rank holds the same model: rank 0 evaluates it
+        return Result(float("nan"), float("nan"), epoch_losses, scaler.get_scale() if amp else None, False)
     val_loss, acc = evaluate(model, x_test, y_test, amp)
     target_applies = epochs == EPOCHS and batch_size == BATCH_SIZE and lr == LEARNING_RATES[optimizer]
     if not quiet:
@@ -241,6 +265,7 @@ def train(
         print(
             f"held-out loss {val_loss:.4f}, accuracy {acc:.3f} on {len(y_test)} points ({target}), "
             f"optimizer {optimizer}{', amp' if amp else ''}, backend {taifuse.get_backend()}"
+            + (f", data-parallel over {world} processes" if ddp else "")
         )
     if plot_path is not None:  # last: the result is in and printed whatever happens here
         monitor.plot(plot_path)
@@ -307,7 +332,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--log", default=None, help="write every step's figures to this .csv or .jsonl file")
     parser.add_argument("--plot", default=None, help="draw loss, throughput and memory to this PNG")
+    parser.add_argument(
+        "--ddp", action="store_true", help="data-parallel over the processes of mpiexec (rank 0 reports)"
+    )
     args = parser.parse_args(argv)
+    if args.ddp and importlib.util.find_spec("mpi4py") is None:
+        parser.error("--ddp needs mpi4py: pip install 'taifuse[distributed]'")
     if BATCH_SIZE % args.grad_accum:
         parser.error(f"--grad-accum should divide the batch size {BATCH_SIZE}, got {args.grad_accum}")
     if args.workers < 0:
@@ -365,6 +395,10 @@ if __name__ == "__main__":
     if args.find_batch_size:
         search_batch_size(amp=args.amp, plot_path=args.plot)
         sys.exit(0)
+    if args.ddp:
+        from taifuse import distributed
+
+        distributed.init_process_group()
     result = train(
         epochs=args.epochs,
         optimizer=args.optimizer,
@@ -373,6 +407,7 @@ if __name__ == "__main__":
         plot_path=args.plot,
         grad_accum=args.grad_accum,
         workers=args.workers,
+        ddp=args.ddp,
     )
     if result.target_applies and result.accuracy < TARGET_ACCURACY:
         print(

@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse.tensor",),
     ("taifuse._autograd_ops", "taifuse._batch_norm_ops", "taifuse._conv_ops", "taifuse.functional", "taifuse.checkpoint"),
     ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler",
-     "taifuse.serialization", "taifuse.data", "taifuse.utils"),
+     "taifuse.serialization", "taifuse.data", "taifuse.utils",
+     "taifuse.distributed"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 

@@ -23,7 +23,7 @@ def _reads_active(fn) -> bool:
 
 @pytest.mark.parametrize(
     "fn",
-    [tensor.Function.apply.__func__, _engine.run_backward, pool.BufferPool.acquire, module.Module.__call__,
+    [tensor.Function.apply.__func__, _engine._walk, pool.BufferPool.acquire, module.Module.__call__,
      optimizer.Optimizer.step],
     ids=lambda f: f.__qualname__,
 )  # fmt: skip
@@ -41,7 +41,7 @@ def test_hook_switch_swaps_every_hooked_function_and_back():
     try:
         switch.use(False)
         assert not _reads_active(tensor.Function.__dict__["apply"].__func__)
-        assert not _reads_active(_engine.run_backward)
+        assert not _reads_active(_engine._walk)
         assert all(not hasattr(getattr(_array_ops, n), "__wrapped__") for n in _array_ops.PROFILED_OPS)
     finally:
         switch.use(True)

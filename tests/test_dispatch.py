@@ -22,7 +22,7 @@ import taifuse.functional as F
 from taifuse import backends
 from taifuse.backends import _spec
 
-HEAVY_MODULES = ("numba", "llvmlite", "taichi", "torch")
+HEAVY_MODULES = ("numba", "llvmlite", "taichi", "torch", "mpi4py")
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import numbers
 import threading
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -31,18 +32,23 @@ from taifuse._internal import (
     grad_data,
     grad_slot,
     node,
+    post_accumulate_hooks,
     requires_grad,
     set_grad,
+    set_post_accumulate_hooks,
     wrap,
 )
 from taifuse._tensor_math import math_for
 
 __all__ = [
     "Function",
+    "backward_pass",
     "enable_grad",
     "graph_node",
     "is_grad_enabled",
     "no_grad",
+    "queue_callback",
+    "register_post_accumulate_grad_hook",
     "run_backward",
     "set_grad_enabled",
 ]
@@ -290,15 +296,26 @@ def _accumulate_leaf(leaf: TensorCore, grad: Any, m: Any, owned: bool = False) -
 def run_backward(root: TensorCore, grad: Any, retain_graph: bool) -> None:
     """Backpropagate ``grad`` (an array of ``root``'s shape, dtype and backend) from ``root``
     through the graph into the ``.grad`` of the leaves that require grad: ``Tensor.backward``
-    after its argument checks, and a checkpoint's recomputation. Call it as
-    ``_engine.run_backward``: the profiler suite swaps it for a copy without the profiler hook
-    (taifuse/bench/suites/profiler.py)."""
+    after its argument checks, and a checkpoint's recomputation. The walk itself is
+    :func:`_walk`, called through this module's globals: the profiler suite swaps it for a copy
+    without the profiler hook (taifuse/bench/suites/profiler.py)."""
+    if _hooks.live:  # NOTE [ Gradient hooks ]
+        _run_backward_hooked(root, grad, retain_graph)
+    else:
+        _walk(root, grad, retain_graph, None)
+
+
+def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, list] | None) -> None:
     m = math_for(backend(root))
     top = node(root)
     if top is None:
         _accumulate_leaf(root, grad, m)
+        if counts is not None:
+            _leaf_done(root)
         return
     order = _graph_order(top)
+    if counts is not None:
+        _count_leaf_edges(order, counts)
     pending: dict[int, Any] = {id(top): grad}
     # The ids in `pending` whose gradient is an array the engine may add into in place (NOTE
     # [ Gradients summed in place ]).
@@ -313,6 +330,10 @@ def run_backward(root: TensorCore, grad: Any, retain_graph: bool) -> None:
         g = pending.pop(id(ctx), None)
         summable.discard(id(ctx))
         if g is None:
+            if counts is not None:  # no gradient reaches this node: nor its leaves through it
+                for parent, needed in zip(ctx.parents, ctx.needs_grad):
+                    if needed:
+                        _edge_done(parent, counts)
             continue
         acc = _summed_so_far(ctx, g, pending, summable)
         ctx.accumulate_into = acc
@@ -324,10 +345,14 @@ def run_backward(root: TensorCore, grad: Any, retain_graph: bool) -> None:
             ctx.release()
         for parent, pg, needed in zip(parents, grads, ctx.needs_grad):
             if parent is None or pg is None or not needed:
+                if counts is not None and needed:
+                    _edge_done(parent, counts)
                 continue
             creator = _creator(parent)
             if creator is None:
                 _accumulate_leaf(parent, pg, m, owned=ctx.owns_grads)  # type: ignore[arg-type]
+                if counts is not None:
+                    _edge_done(parent, counts)
             elif id(creator) in pending:
                 so_far = pending[id(creator)]
                 if pg is so_far:  # added in place by ctx.backward (acc)
@@ -342,6 +367,143 @@ def run_backward(root: TensorCore, grad: Any, retain_graph: bool) -> None:
                 if ctx.accumulates:  # a fresh array of the input's shape (owns_grads)
                     summable.add(id(creator))
         g = grads = parents = parent = creator = pg = ctx = acc = so_far = None
+
+
+# ----------------------------------------------------------------------------- gradient hooks
+
+# NOTE [ Gradient hooks ]
+# Two hook points, as PyTorch's, for code that acts on gradients while the backward runs (data
+# parallelism: taifuse/nn/parallel.py starts the all-reduce of a bucket of gradients as soon as
+# its last gradient is in, so that communication overlaps the rest of the backward):
+# * ``register_post_accumulate_grad_hook(leaf, fn)`` (``Tensor.register_post_accumulate_grad_hook``):
+#   ``fn(leaf)`` runs once per backward pass, after the last gradient that pass adds into the
+#   leaf's ``.grad`` (a leaf used by several ops gets one call, after the sum), and not at all when
+#   the pass gives the leaf no gradient. The walk knows "last" by counting, before it starts, the
+#   graph's edges into each hooked leaf, and counting them down as the nodes run (a node that gets
+#   no gradient counts its edges down too).
+# * ``queue_callback(fn)``: from inside a backward (a hook), run ``fn()`` once the outermost
+#   backward ends (a checkpoint's recomputation runs a backward inside the backward), as
+#   ``Variable._execution_engine.queue_callback``. Callbacks queued by a backward that raised are
+#   dropped, not run.
+# Zero cost when unused: while no live tensor has a hook (``_hooks.live == 0``) ``run_backward``
+# walks exactly as before, without the counting.
+
+
+class _Hooks(threading.local):
+    live = 0  # leaves that have hooks, over all threads (a class attribute: see _HookTable)
+    depth = 0  # backwards running in this thread (nested: a checkpoint's recomputation)
+    passes = 0  # outermost hooked backwards begun in this thread
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+
+_hooks = _Hooks()
+
+
+class _HookTable(dict):
+    """One leaf's hooks, {handle id: hook}. Counted in ``_Hooks.live`` from its making until it
+    is freed (its last hook removed, or its leaf freed), so that the count goes back to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _Hooks.live += 1
+        weakref.finalize(self, _one_table_less)
+
+
+def _one_table_less() -> None:
+    _Hooks.live -= 1
+
+
+class RemovableHandle:
+    """What registering a hook returns: ``remove()`` unregisters it (as ``torch.utils.hooks``)."""
+
+    _next_id = 0
+
+    def __init__(self, leaf: TensorCore) -> None:
+        self._leaf = weakref.ref(leaf)
+        self.id = RemovableHandle._next_id
+        RemovableHandle._next_id += 1
+
+    def remove(self) -> None:
+        leaf = self._leaf()
+        if leaf is None:
+            return
+        hooks = post_accumulate_hooks(leaf)
+        if hooks is not None:
+            hooks.pop(self.id, None)
+            if not hooks:
+                set_post_accumulate_hooks(leaf, None)
+
+
+def register_post_accumulate_grad_hook(leaf: TensorCore, hook: Callable[[Any], None]) -> RemovableHandle:
+    """Run ``hook(leaf)`` after each backward pass's last gradient into ``leaf`` (NOTE [ Gradient
+    hooks ]); the Tensor method checks its arguments first."""
+    handle = RemovableHandle(leaf)
+    hooks = post_accumulate_hooks(leaf)
+    if hooks is None:
+        hooks = _HookTable()
+        set_post_accumulate_hooks(leaf, hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` when the outermost backward running in this thread ends (NOTE [ Gradient
+    hooks ]); ``RuntimeError`` outside a backward."""
+    if _hooks.depth == 0:
+        raise RuntimeError("queue_callback: no backward is running in this thread")
+    _hooks.callbacks.append(callback)
+
+
+def backward_pass() -> int:
+    """A number that identifies the outermost backward running in this thread (hooked, NOTE
+    [ Gradient hooks ]): a hook can tell a new pass from the one it saw last, even when that one
+    raised before its queued callbacks ran."""
+    return _hooks.passes
+
+
+def _run_backward_hooked(root: TensorCore, grad: Any, retain_graph: bool) -> None:
+    if _hooks.depth == 0:
+        _hooks.passes += 1
+    _hooks.depth += 1
+    ok = False
+    try:
+        _walk(root, grad, retain_graph, {})
+        ok = True
+    finally:
+        _hooks.depth -= 1
+        if _hooks.depth == 0:
+            callbacks, _hooks.callbacks = _hooks.callbacks, []
+            if ok:
+                for callback in callbacks:
+                    callback()
+
+
+def _count_leaf_edges(order: list[Function], counts: dict[int, list]) -> None:
+    """Per hooked leaf, the edges into it in this graph: {id: [leaf, edges not yet run]}."""
+    for ctx in order:
+        for parent, needed in zip(ctx.parents, ctx.needs_grad):
+            if needed and isinstance(parent, TensorCore) and post_accumulate_hooks(parent) is not None:
+                entry = counts.setdefault(id(parent), [parent, 0])
+                entry[1] += 1
+
+
+def _edge_done(parent: Any, counts: dict[int, list]) -> None:
+    entry = counts.get(id(parent))
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] == 0:
+        del counts[id(parent)]
+        _leaf_done(entry[0])
+
+
+def _leaf_done(leaf: TensorCore) -> None:
+    hooks = post_accumulate_hooks(leaf)
+    if hooks and grad_data(leaf) is not None:
+        for hook in list(hooks.values()):
+            hook(leaf)
 
 
 # NOTE [ Gradients summed in place ]

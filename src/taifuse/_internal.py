@@ -35,6 +35,9 @@ class TensorCore:
     _grad: TensorCore | None
     # Where autograd may put this leaf's first gradient, a GradSlot (NOTE [ Gradient slots ]).
     _grad_slot: Any = None
+    # Callables run once this leaf's gradient of a backward pass is complete (NOTE [ Gradient
+    # hooks ] in _engine.py); None while it has none.
+    _post_accumulate_hooks: Any = None
 
 
 _tensor_class: type[TensorCore] = TensorCore
@@ -64,6 +67,7 @@ backend: Callable[[TensorCore], ModuleType] = operator.attrgetter("_be")  # the 
 node: Callable[[TensorCore], Any] = operator.attrgetter("_ctx")  # its creator (grad_fn); None: a leaf
 requires_grad: Callable[[TensorCore], bool] = operator.attrgetter("_requires_grad")  # t.requires_grad
 grad_slot: Callable[[TensorCore], Any] = operator.attrgetter("_grad_slot")  # its GradSlot, or None
+post_accumulate_hooks: Callable[[TensorCore], Any] = operator.attrgetter("_post_accumulate_hooks")
 
 
 def attach(t: TensorCore, node: Any) -> None:
@@ -88,6 +92,11 @@ def set_grad(t: TensorCore, grad: TensorCore | None) -> None:
 
 def set_grad_slot_field(t: TensorCore, slot: Any) -> None:
     t._grad_slot = slot
+
+
+def set_post_accumulate_hooks(t: TensorCore, hooks: Any) -> None:
+    """Replace ``t``'s post-accumulate gradient hooks (a dict, or None for none)."""
+    t._post_accumulate_hooks = hooks
 
 
 def common_backend(tensors: Sequence[TensorCore], op: str) -> ModuleType:

@@ -207,6 +207,22 @@ class Tensor(TensorCore):
     def grad_fn(self) -> Function | None:
         return self._ctx
 
+    def register_post_accumulate_grad_hook(self, hook: Any) -> _engine.RemovableHandle:
+        """Run ``hook(self)`` in every backward pass once this leaf's gradient of that pass is in
+        ``self.grad`` (after the last contribution is added), as PyTorch's method of that name;
+        returns a handle whose ``remove()`` unregisters it (NOTE [ Gradient hooks ] in _engine.py).
+
+        Raises ``RuntimeError`` on a non-leaf or a tensor that does not require grad (PyTorch's
+        rule), ``TypeError`` when ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_post_accumulate_grad_hook: hook should be callable, got {hook!r}")
+        if self._ctx is not None:
+            raise RuntimeError("post accumulate grad hooks cannot be registered on non-leaf tensors")
+        if not self._requires_grad:
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+        return _engine.register_post_accumulate_grad_hook(self, hook)
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")

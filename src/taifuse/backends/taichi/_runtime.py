@@ -547,9 +547,54 @@ def _fill_kernel(dtype: np.dtype):
     return ti.kernel(fill)
 
 
+@functools.cache
+def _copy_kernel(dtype: np.dtype):
+    """A kernel ``copy(src, dst, n)`` that copies ``n`` elements between flat ``dtype`` arrays, one
+    of them a host NumPy array (Taichi passes it as an external array): the device-to-host copy into
+    a buffer the caller owns, which ``to_numpy`` (a new array per call) is not."""
+    ti = _import_taichi()
+    T = _ti_dtype(np.dtype(dtype))
+
+    def copy(src, dst, n):
+        for i in range(n):
+            dst[i] = src[i]
+
+    copy.__annotations__ = {
+        "src": ti.types.ndarray(dtype=T, ndim=1),
+        "dst": ti.types.ndarray(dtype=T, ndim=1),
+        "n": ti.i32,
+    }
+    return ti.kernel(copy)
+
+
+def copy_to_host(a: DeviceArray, out: np.ndarray) -> None:
+    """Copy DeviceArray ``a`` into the existing C-contiguous host array ``out`` (same size and
+    dtype): one counted device-to-host transfer and no new host buffer (taifuse.distributed stages
+    device arrays through pooled host buffers this way)."""
+    if out.size != a.size or out.dtype != a.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"copy_to_host: out should be a C-contiguous {a.dtype} array of {a.size} elements")
+    storage = a._ndarray()
+    _count_transfer("device_to_host", a.nbytes)
+    if a.size:
+        _copy_kernel(a.dtype)(storage, out.reshape(-1), a.size)
+        sync()
+
+
+def copy_from_host(a: DeviceArray, src: np.ndarray) -> None:
+    """Overwrite DeviceArray ``a`` with host array ``src`` (same size and dtype), in place."""
+    if src.size != a.size or src.dtype != a.dtype:
+        raise ValueError(f"copy_from_host: src should be a {a.dtype} array of {a.size} elements")
+    storage = a._ndarray()
+    _count_transfer("host_to_device", a.nbytes)
+    if a.size:
+        storage.from_numpy(np.ascontiguousarray(src).reshape(-1))
+
+
 def all_kernels() -> list[tuple[str, object]]:
-    """The fill kernels, per dtype the pool may hand out (for ``metal_check``)."""
-    return [(f"fill_{dtype.name}", _fill_kernel(dtype)) for dtype in _TI_DTYPES]
+    """The fill kernels, per dtype the pool may hand out, and the host copies of the float dtypes
+    (taifuse.distributed's staging), for ``metal_check``."""
+    fills = [(f"fill_{dtype.name}", _fill_kernel(dtype)) for dtype in _TI_DTYPES]
+    return fills + [(f"copy_to_host_{dtype.name}", _copy_kernel(dtype)) for dtype in FLOAT_DTYPES]
 
 
 class TaichiAllocator:

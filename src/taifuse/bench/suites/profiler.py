@@ -35,7 +35,7 @@ _HOOK_SPLIT = " if rec is None else "
 # (module, owner attribute or None for a module-level function, function name)
 _HOOKED = (
     ("taifuse._engine", "Function", "apply"),
-    ("taifuse._engine", None, "run_backward"),  # called as _engine.run_backward, so swapped there
+    ("taifuse._engine", None, "_walk"),  # run_backward's walk, looked up in _engine's globals: swapped there
     ("taifuse.pool", "BufferPool", "acquire"),
     ("taifuse.nn.module", "Module", "__call__"),
     ("taifuse.optim.optimizer", "Optimizer", "step"),
