@@ -187,8 +187,10 @@ def get_batch(data: np.ndarray, batch_size: int, block_size: int, rng: np.random
 
 def write_tokens(path: Path, ids: np.ndarray) -> np.ndarray:
     """Write the encoded corpus to ``path`` (a ``.npy`` file, replaced atomically) and return it
-    memory-mapped, as the loader reads it: only the windows a batch takes are brought in."""
-    tmp = path.with_name(path.name + ".tmp.npy")
+    memory-mapped, as the loader reads it: only the windows a batch takes are brought in. The
+    temporary name is the process's own: under ``--ddp`` every rank writes the same bytes, and each
+    replaces the file whole."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npy")
     np.save(tmp, ids, allow_pickle=False)
     os.replace(tmp, path)
     return np.load(path, mmap_mode="r")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +95,7 @@ def test_train_gpt_ddp_gives_the_one_process_model(tmp_path):
     ]
     script = ROOT / "examples" / "train_gpt.py"
     one = subprocess.run(
-        [sys.executable, str(script), *tiny, "--out", str(tmp_path / "one.pkl")],
+        [sys.executable, str(script), *tiny, "--out", str(tmp_path / "one.safetensors")],
         capture_output=True,
         text=True,
         env=ENV,
@@ -105,12 +104,15 @@ def test_train_gpt_ddp_gives_the_one_process_model(tmp_path):
         cwd=ROOT / "examples",
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _mpiexec(*tiny, "--ddp", "--out", str(tmp_path / "two.pkl"), script=script, cwd=ROOT / "examples")
+    two = _mpiexec(*tiny, "--ddp", "--out", str(tmp_path / "two.safetensors"), script=script, cwd=ROOT / "examples")
     assert two.returncode == 0, two.stderr[-3000:]
-    states = [pickle.loads((tmp_path / f"{n}.pkl").read_bytes())["model"] for n in ("one", "two")]
+    import taifuse
+
+    states = [taifuse.load(tmp_path / f"{n}.safetensors")["model"] for n in ("one", "two")]
     assert states[0].keys() == states[1].keys()
     for name in states[0]:
-        np.testing.assert_allclose(states[1][name], states[0][name], rtol=1e-5, atol=1e-6, err_msg=name)
+        one_value, two_value = (np.asarray(getattr(s[name], "numpy", lambda v=s[name]: v)()) for s in states)
+        np.testing.assert_allclose(two_value, one_value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 # ----------------------------------------------------------------------------- one process
