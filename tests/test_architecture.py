@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse.tensor",),
     ("taifuse._autograd_ops", "taifuse._batch_norm_ops", "taifuse.functional", "taifuse.checkpoint"),
     ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler",
-     "taifuse.serialization", "taifuse.data", "taifuse.utils"),
+     "taifuse.serialization", "taifuse.data", "taifuse.utils", "taifuse.library"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 

@@ -52,6 +52,7 @@ __all__ = [
 # whose function is ``taifuse.checkpoint.checkpoint``, as ``torch.utils.checkpoint``.
 _LAZY_SUBMODULES = (
     "nn", "optim", "functional", "checkpoint", "pool", "amp", "profiler", "monitor", "data", "utils",
+    "library",
 )  # fmt: skip
 # Functions reachable as ``taifuse.<name>``, imported from their module on first use (the module
 # imports its heavy dependency, safetensors, only when called).
