@@ -24,6 +24,10 @@ def _doc_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
 
 
+def _bench_block() -> str:
+    return next(b for b in _doc_blocks() if "def cases(" in b)
+
+
 @pytest.fixture(scope="module")
 def swiglu_ops(tmp_path_factory):
     """docs/custom_ops.md's first block, saved as swiglu_ops.py and imported (once per process:
@@ -33,6 +37,7 @@ def swiglu_ops(tmp_path_factory):
     if "swiglu_ops" not in sys.modules:
         folder = tmp_path_factory.mktemp("docs_ops")
         (folder / "swiglu_ops.py").write_text(_doc_blocks()[0])
+        (folder / "bench_swiglu.py").write_text(_bench_block())
         sys.path.insert(0, str(folder))
     import swiglu_ops
 
@@ -120,6 +125,8 @@ def test_docs_example_runs(swiglu_ops):
     assert len(blocks) >= 3
     with backends.preserved_choice():
         for code in blocks[1:]:
+            if code == _bench_block():
+                continue  # a module for taifuse bench: test_docs_bench_suite
             exec(compile(code, str(DOC), "exec"), {"__name__": "docs_custom_ops"})  # noqa: S102  the docs' own code
 
 
@@ -138,6 +145,24 @@ def test_docs_example_model_is_profiled_by_name(swiglu_ops):
         # cost= fed the roofline column: 3 arrays of 4 x 16 float32 forward, one written
         ev = next(e for e in prof.events() if e.name == "mylib::swiglu")
         assert (ev.cost.bytes_moved, ev.cost.bytes_written) == (3 * 256, 256)
+
+
+def test_docs_bench_suite_loads_and_its_variants_agree(swiglu_ops, monkeypatch):
+    from taifuse.bench.suites import load_cases, suite_names
+
+    monkeypatch.setenv("TAIFUSE_BENCH_SUITES", "swiglu=bench_swiglu")
+    assert suite_names()[-1] == "swiglu"
+    (case,) = load_cases(["swiglu"])
+    assert case.id == "swiglu/swiglu forward+backward"
+    with backends.preserved_choice():
+        taifuse.set_backend("numba")
+        inputs = case.setup(0)
+        fused = case.candidate.build(inputs)()
+        unfused = case.baselines[0].build(inputs)()
+    np.testing.assert_allclose(fused, unfused, rtol=case.rtol, atol=case.atol)
+    monkeypatch.setenv("TAIFUSE_BENCH_SUITES", "elementwise=bench_swiglu")
+    with pytest.raises(ValueError, match="TAIFUSE_BENCH_SUITES"):
+        suite_names()
 
 
 def test_user_taichi_kernels_pass_metal_check(swiglu_ops, tmp_path):
@@ -215,6 +240,22 @@ def test_no_backward_where_a_gradient_is_needed_names_the_op():
             y.sum().backward()
         with taifuse.no_grad():
             assert not op(t).requires_grad
+
+
+@pytest.mark.parametrize("name", ["numpy", "numba"])
+def test_a_gradient_returned_for_two_inputs_is_not_shared_by_their_grads(name):
+    # backward hands the incoming gradient to both inputs: their leaves must each get a copy (a
+    # fresh gradient is taken as it is: CustomOp.run_backward's owns_grads), or accumulating
+    # into one .grad would change the other.
+    op = library.custom_op(_unique("add"), lambda a, b: a + b)
+    op.register_autograd(lambda ctx, g: (g, g))
+    with backends.use_backend(name):
+        a = taifuse.tensor(_f32(4), requires_grad=True)
+        b = taifuse.tensor(_f32(4), requires_grad=True)
+        for _ in range(2):
+            op(a, b).backward(np.ones(4, np.float32))
+        np.testing.assert_array_equal(a.grad.numpy(), np.full(4, 2.0, np.float32))
+        np.testing.assert_array_equal(b.grad.numpy(), np.full(4, 2.0, np.float32))
 
 
 def test_registering_for_an_unknown_backend():

@@ -423,6 +423,9 @@ class CustomOp:
                     f"Tensor of shape {shape}"
                 )
             out.append(arr)
+        # A leaf may take a fresh gradient as it is instead of copying it (Function.owns_grads):
+        # so when no two are one array and none is the incoming gradient or saved state.
+        node.owns_grads = _fresh(out, grad, node.ctx)
         return tuple(out)
 
 
@@ -475,6 +478,34 @@ def _profile_cost(cost: Callable | None, params: tuple[str, ...]) -> Callable | 
         return Cost(int(moved), int(written), int(flops))
 
     return op_cost
+
+
+def _root(a: Any) -> int:
+    """The identity of the memory ``a`` views: a DeviceArray's buffer, a NumPy view's base."""
+    if not isinstance(a, np.ndarray):
+        storage = getattr(a, "storage", None)
+        return id(a if storage is None else storage)
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return id(a)
+
+
+def _fresh(grads: list, incoming: Any, ctx: Any) -> bool:
+    """Whether the gradients ``grads`` are distinct arrays, none the incoming gradient or an
+    array the context holds."""
+    taken = {_root(incoming)}
+    for value in vars(ctx).values():
+        for t in value if isinstance(value, tuple | list) else (value,):
+            if is_tensor(t):
+                taken.add(_root(data(t)))
+    for g in grads:
+        if g is None:
+            continue
+        root = _root(g)
+        if root in taken:
+            return False
+        taken.add(root)
+    return True
 
 
 def _is_array(v: Any) -> bool:
