@@ -589,7 +589,8 @@ def opcheck(
     * that no input is written (forward or backward), and that a kernel fills every element of
       the pooled output buffers it is handed (they start as NaN here).
 
-    Returns the :class:`OpCheckReport`; raises :class:`OpCheckError` with it when a check failed
+    Keep the samples small (tens to hundreds of elements): the finite differences call the
+    reference twice per input element. Returns the :class:`OpCheckReport`; raises :class:`OpCheckError` with it when a check failed
     (unless ``raise_on_failure=False``).
     """
     if not isinstance(op, CustomOp):
