@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse._autograd_ops", "taifuse._batch_norm_ops", "taifuse._conv_ops", "taifuse.functional", "taifuse.checkpoint"),
     ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler",
      "taifuse.serialization", "taifuse.data", "taifuse.utils",
-     "taifuse.distributed"),
+     "taifuse.distributed", "taifuse.library"),
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 

@@ -53,6 +53,7 @@ __all__ = [
 _LAZY_SUBMODULES = (
     "nn", "optim", "functional", "checkpoint", "pool", "amp", "profiler", "monitor", "data", "utils",
     "distributed",  # imports mpi4py (the ``distributed`` extra) on first use only
+    "library",
 )  # fmt: skip
 # Functions reachable as ``taifuse.<name>``, imported from their module on first use (the module
 # imports its heavy dependency, safetensors, only when called).

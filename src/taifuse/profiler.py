@@ -194,7 +194,11 @@ _CAMEL = re.compile(r"(?<!^)(?=[A-Z][a-z])")
 
 @functools.cache
 def _op_name(cls: type) -> str:
-    """``_LayerNorm`` -> ``layer_norm``, ``_MatMul`` -> ``matmul``."""
+    """``_LayerNorm`` -> ``layer_norm``, ``_MatMul`` -> ``matmul``; a custom op's node class
+    carries its name (``mylib::swiglu``: taifuse.library)."""
+    custom = getattr(cls, "op_name", None)
+    if isinstance(custom, str):
+        return custom
     name = cls.__name__.lstrip("_")
     return "matmul" if name == "MatMul" else _CAMEL.sub("_", name).lower()
 
@@ -962,11 +966,19 @@ class profile:
                 param_bytes, grad_bytes = (_raw_bytes((item,)) for item in sig)
                 ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, r[7])
             elif kind == "op" and r[7] is not False:
-                ev.cost = _cost_of(name, "forward", split, r[7], (), 0)
+                custom = getattr(who, "op_cost", None)  # a custom op's cost= (taifuse.library)
+                ev.cost = (
+                    _cost_of(name, "forward", split, r[7], (), 0) if custom is None else custom(split, False)
+                )
             elif kind == "backward" and r[7] is not None:
                 out_bytes, needs_grad, forward_sig = r[7:10]
-                ev.cost = _cost_of(
-                    name, "backward", _split(forward_sig), out_bytes, tuple(needs_grad), _raw_bytes(sig)
+                custom = getattr(who, "op_cost", None)
+                ev.cost = (
+                    _cost_of(
+                        name, "backward", _split(forward_sig), out_bytes, tuple(needs_grad), _raw_bytes(sig)
+                    )
+                    if custom is None
+                    else custom(_split(forward_sig), True)
                 )
             self._events.append(ev)
         self._done = len(self._raw)

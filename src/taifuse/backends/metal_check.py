@@ -12,7 +12,12 @@ kernel exactly where it would fail on Metal. It then checks the saved module:
 
 Usage::
 
-    python -m taifuse.backends.metal_check [--out DIR] [--msl]
+    python -m taifuse.backends.metal_check [--out DIR] [--msl] [--module mypkg.ops ...]
+
+``--module`` checks a user's Taichi kernels (a custom op's, docs/custom_ops.md) instead of
+taifuse's: the module's ``all_kernels()`` when it defines one (``(name, kernel)`` pairs, as the
+backend's), else every ``@ti.kernel`` at its top level. Their ndarray arguments need a dtype and
+ndim, as an AOT module's do.
 
 Exit status 0 when every kernel passes, 1 when one fails, 2 when Vulkan is unavailable.
 Taichi allows one AOT module per process, so tests run this in a subprocess. The hidden flags
@@ -158,6 +163,23 @@ def _selftest_kernels(f64: bool, bindings: bool) -> list[tuple[str, object]]:
     return pairs
 
 
+def user_kernels(module_name: str) -> list[tuple[str, object]]:
+    """The (name, kernel) pairs of a user's module: its ``all_kernels()``, else its top-level
+    ``@ti.kernel`` functions; ``ValueError`` when it has none."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    listed = getattr(module, "all_kernels", None)
+    if callable(listed):
+        pairs = list(listed())
+    else:
+        # Taichi marks the functions ti.kernel returns (its public API has no predicate for it).
+        pairs = [(n, v) for n, v in vars(module).items() if getattr(v, "_is_wrapped_kernel", False)]
+    if not pairs:
+        raise ValueError(f"module {module_name!r} defines no Taichi kernel (@ti.kernel) and no all_kernels()")
+    return [(f"{module_name.rpartition('.')[2]}_{n}", k) for n, k in pairs]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -170,6 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--msl", action="store_true", help="also translate the SPIR-V to MSL with spirv-cross"
     )
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=None,
+        metavar="MODULE",
+        help="check the Taichi kernels of this importable module (repeatable) instead of taifuse's",
+    )
     parser.add_argument("--selftest-f64", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--selftest-bindings", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -179,9 +208,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"metal_check: Vulkan is unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    from taifuse.backends.taichi import all_kernels
+    if args.module:
+        try:
+            kernels = [pair for name in args.module for pair in user_kernels(name)]
+        except (ImportError, ValueError) as exc:
+            print(f"metal_check: {exc}", file=sys.stderr)
+            return 1
+    else:
+        from taifuse.backends.taichi import all_kernels
 
-    kernels = all_kernels() + _selftest_kernels(args.selftest_f64, args.selftest_bindings)
+        kernels = all_kernels()
+    kernels += _selftest_kernels(args.selftest_f64, args.selftest_bindings)
     out_dir = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="taifuse-metal-check-"))
     print(f"metal_check: taichi {'.'.join(map(str, ti.__version__))}, {len(kernels)} kernels -> {out_dir}")
     problems = check(kernels, out_dir, msl=args.msl)

@@ -1,12 +1,15 @@
 """The suite registry: a suite is one module here with ``cases(quick, compare_torch) -> list[Case]``.
 
-Adding a suite is a file in this package and one line in :data:`SUITES`.
+Adding a suite is a file in this package and one line in :data:`SUITES`. A user adds suites of
+their own without editing the package: ``TAIFUSE_BENCH_SUITES="name=module,..."`` names modules
+with the same ``cases()`` function (the worker processes inherit the variable; docs/custom_ops.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 from taifuse.bench.case import Case
 
@@ -23,21 +26,36 @@ SUITES = {
 }
 
 
+def all_suites() -> dict[str, str]:
+    """:data:`SUITES`, then the user's from ``TAIFUSE_BENCH_SUITES`` (``name=module`` pairs,
+    comma-separated); ``ValueError`` for a malformed entry or a name that is taken."""
+    suites = dict(SUITES)
+    for entry in filter(None, (e.strip() for e in os.environ.get("TAIFUSE_BENCH_SUITES", "").split(","))):
+        name, sep, module = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not module or name in suites:
+            raise ValueError(
+                f"TAIFUSE_BENCH_SUITES: each entry should be name=module with a new name, got {entry!r}"
+            )
+        suites[name] = module
+    return suites
+
+
 def suite_names() -> list[str]:
-    """Names of the registered suites, in report order."""
-    return list(SUITES)
+    """Names of the registered suites (and the user's), in report order."""
+    return list(all_suites())
 
 
 def load_cases(
     names: list[str] | None = None, *, quick: bool = False, compare_torch: bool = False
 ) -> list[Case]:
     """The cases of the named suites (all suites when ``names`` is empty), in registry order."""
-    wanted = list(SUITES) if not names else list(names)
-    unknown = [n for n in wanted if n not in SUITES]
+    suites = all_suites()
+    wanted = list(suites) if not names else list(names)
+    unknown = [n for n in wanted if n not in suites]
     if unknown:
-        raise ValueError(f"unknown suite(s) {unknown}; the suites are {list(SUITES)}")
+        raise ValueError(f"unknown suite(s) {unknown}; the suites are {list(suites)}")
     cases: list[Case] = []
-    for name, module in SUITES.items():
+    for name, module in suites.items():
         if name in wanted:
             cases.extend(importlib.import_module(module).cases(quick=quick, compare_torch=compare_torch))
     return cases
