@@ -13,7 +13,7 @@ import numpy as np
 
 from taifuse.data.dataset import as_generator
 
-__all__ = ["BatchSampler", "RandomSampler", "Sampler", "SequentialSampler"]
+__all__ = ["BatchSampler", "DistributedSampler", "RandomSampler", "Sampler", "SequentialSampler"]
 
 
 class Sampler:
@@ -123,3 +123,69 @@ class BatchSampler(Sampler):
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+
+class DistributedSampler(Sampler):
+    """Each rank's share of an epoch, as ``torch.utils.data.DistributedSampler``.
+
+    The epoch's indices (shuffled from ``(seed, epoch)`` when ``shuffle``: call :meth:`set_epoch`
+    before each epoch, as with torch) are padded by repeating the first ones until they divide
+    evenly (or, with ``drop_last``, cut to the largest multiple of ``num_replicas``); rank ``r``
+    takes every ``num_replicas``-th from ``r``. The ranks' shares are disjoint and together cover
+    the data set. Without shuffle the order is torch's exactly; with it the permutation is NumPy
+    PCG64's, the same on every backend and machine (not torch's ``randperm``).
+
+    ``num_replicas`` and ``rank`` default to ``taifuse.distributed``'s world size and rank (its
+    process group must be initialized, as torch's).
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas is None or rank is None:
+            from taifuse import distributed
+
+            num_replicas = distributed.get_world_size() if num_replicas is None else num_replicas
+            rank = distributed.get_rank() if rank is None else rank
+        for name, value in (("num_replicas", num_replicas), ("rank", rank), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"DistributedSampler: {name} should be an int, got {value!r}")
+        if num_replicas < 1:
+            raise ValueError(f"DistributedSampler: num_replicas should be >= 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"DistributedSampler: invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
+            )
+        self.dataset = dataset
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.epoch = 0
+        n = len(dataset)
+        if self.drop_last and n % self.num_replicas:
+            self.num_samples = -(-(n - self.num_replicas) // self.num_replicas)
+        else:
+            self.num_samples = -(-n // self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        if self.shuffle:
+            indices = np.random.Generator(np.random.PCG64([self.seed, self.epoch])).permutation(n)
+        else:
+            indices = np.arange(n)
+        if not self.drop_last:
+            padding = self.total_size - n
+            if padding and n:
+                indices = np.concatenate([indices, np.resize(indices, padding)])
+        else:
+            indices = indices[: self.total_size]
+        return iter(indices[self.rank : self.total_size : self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
