@@ -12,6 +12,7 @@ Example::
     (3, 2)
 """
 
+from taifuse.nn import utils as utils  # torch.nn.utils: fuse_conv_bn_eval
 from taifuse.nn.batchnorm import BatchNorm1d, BatchNorm2d
 from taifuse.nn.checkpoint import Checkpoint
 from taifuse.nn.conv import AdaptiveAvgPool2d, AvgPool2d, Conv2d, Flatten, MaxPool2d
