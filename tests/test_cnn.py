@@ -189,9 +189,6 @@ def _example(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=env, cwd=cwd, timeout=300)  # fmt: skip
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn (the examples extra)"
-)
 def test_train_cnn_example_reports_an_accuracy_and_saves_a_checkpoint(tmp_path):
     # One epoch on the numpy backend (about 3 s): no verdict, an accuracy well above chance (0.69
     # measured), the folded model's equal to it, and a checkpoint that loads with the model's keys.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taifuse.nn.batchnorm import _BatchNorm
+from taifuse.nn.batchnorm import BatchNorm1d, BatchNorm2d
 from taifuse.nn.conv import Conv2d
 from taifuse.nn.module import Module, Parameter
 
@@ -53,7 +53,7 @@ def fuse_conv_bn_weights(
     return weight.astype(w_dtype), bias.astype(b_dtype)
 
 
-def fuse_conv_bn_eval(conv: Conv2d, bn: _BatchNorm) -> Conv2d:
+def fuse_conv_bn_eval(conv: Conv2d, bn: BatchNorm1d | BatchNorm2d) -> Conv2d:
     """A new ``Conv2d`` whose weight and bias fold ``bn``'s evaluation-mode affine map into ``conv``,
     as ``torch.nn.utils.fuse_conv_bn_eval`` (without ``transpose``: taifuse has no transposed
     convolution).
@@ -74,7 +74,7 @@ def fuse_conv_bn_eval(conv: Conv2d, bn: _BatchNorm) -> Conv2d:
     """
     if not isinstance(conv, Conv2d):
         raise TypeError(f"fuse_conv_bn_eval: conv should be a taifuse.nn.Conv2d, got {type(conv).__name__}")
-    if not isinstance(bn, _BatchNorm):
+    if not isinstance(bn, (BatchNorm1d, BatchNorm2d)):
         raise TypeError(
             f"fuse_conv_bn_eval: bn should be a taifuse.nn.BatchNorm1d or BatchNorm2d, got {type(bn).__name__}"
         )
