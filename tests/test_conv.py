@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import F16, F32, F64, TOLERANCES, assert_close
+from helpers import F16, F32, F64, SUBSET, TOLERANCES, assert_close
 
 import taifuse
 import taifuse.functional as F
@@ -107,9 +107,9 @@ def _case_arrays(case, dtype, seed=0, bias=True):
 @pytest.mark.parametrize("dtype", [F32, F16], ids=lambda d: d.name)
 def test_conv2d_forward_backward_against_reference(backend, name, dtype):
     if backend.arch in ("vulkan", "metal") and name not in VULKAN_CASES:
-        pytest.skip("a few cases on the GPU proxy keep the suite's time down")
+        pytest.skip(SUBSET + "a few cases on the GPU proxy keep the suite's time down")
     if dtype == F16 and name not in ("3x3", "depthwise", "dilation2"):
-        pytest.skip("float16 storage: three cases")
+        pytest.skip(SUBSET + "float16 storage: three cases")
     backend.activate()
     x, w, b, g, args = _case_arrays(CASES[name], dtype, bias=name != "depthwise_multiplier")
     got = _run(backend, x, w, b, g, *args)

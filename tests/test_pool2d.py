@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import F16, F32, F64, TOLERANCES, assert_close
+from helpers import F16, F32, F64, SUBSET, TOLERANCES, assert_close
 
 import taifuse
 import taifuse.functional as F
@@ -143,9 +143,9 @@ ALL += [("adaptive", n, c) for n, c in ADAPTIVE_CASES.items()]
 @pytest.mark.parametrize("kind,name,case", ALL, ids=[f"{k}-{n}" for k, n, _ in ALL])
 def test_pool_forward_backward_against_reference(backend, kind, name, case, dtype):
     if backend.arch in ("vulkan", "metal") and name not in VULKAN_CASES:
-        pytest.skip("a few cases on the GPU proxy keep the suite's time down")
+        pytest.skip(SUBSET + "a few cases on the GPU proxy keep the suite's time down")
     if dtype == F16 and name not in ("k3_s2_p1_ceil", "uneven"):
-        pytest.skip("float16 storage: a case per op")
+        pytest.skip(SUBSET + "float16 storage: a case per op")
     backend.activate()
     shape, arg = case
     x, g = _arrays(kind, shape, arg, dtype)
