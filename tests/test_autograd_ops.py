@@ -533,6 +533,36 @@ def _kernel_calls(rng: np.random.Generator, dtype: np.dtype, rows: int, cols: in
             ),
         )
     )
+    # Convolution and pooling (their own tests run odd geometries: tests/test_conv.py,
+    # test_pool2d.py): one geometry each, on a (2, 3, 5, 6) image.
+    xc, wc = arr(2, 3, 5, 6), arr(4, 3, 3, 3)
+    calls.append(
+        (
+            "conv2d_backward",
+            lambda: (
+                (xc, wc, None, arr(2, 4, 5, 6), (1, 1), (1, 1), (1, 1), 1, None),
+                (out(2, 3, 5, 6), out(4, 3, 3, 3), out(4)),
+                (),
+            ),
+        )
+    )
+    pooled, flat_max = np.empty((2, 3, 3, 3), dtype), np.empty((2, 3, 3, 3), np.int64)
+    R.max_pool2d(xc, (3, 3), (2, 2), (1, 1), (1, 1), pooled, flat_max)
+
+    flat_max = flat_max.astype(np.int32)  # taichi's index dtype; the others take it too
+    calls.append(
+        (
+            "max_pool2d_backward",
+            lambda: ((flat_max, arr(2, 3, 3, 3), (3, 3), (2, 2), (1, 1), (1, 1)), (out(2, 3, 5, 6),), ()),
+        )
+    )
+    calls.append(
+        (
+            "avg_pool2d_backward",
+            lambda: ((arr(2, 3, 3, 3), (3, 3), (2, 2), (1, 1), False, 0), (out(2, 3, 5, 6),), ()),
+        )
+    )
+    calls.append(("adaptive_avg_pool2d_backward", lambda: ((arr(2, 3, 2, 4),), (out(2, 3, 5, 6),), ())))
     idx = rng.integers(0, max(1, cols // 3), rows)  # repeated indices, some rows never seen
     calls.append(("embedding_backward", lambda: ((idx, g), (out(cols, cols),), (int(idx[0]),))))
     # attention: q (BH, L, E), k (BH, S, E), v (BH, S, Ev); causal without a mask, and an additive

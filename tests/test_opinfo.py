@@ -544,6 +544,7 @@ NO_OPINFO = {
     "Tensor.detach": "not an op: a view outside the graph",
     "Tensor.numpy": "not an op: the host copy",
     "Tensor.backward": "not an op: runs the graph",
+    "Tensor.register_post_accumulate_grad_hook": "not an op: a hook on the graph (tests/test_distributed.py)",
     "Tensor.__iter__": "iteration, covered through __getitem__",
     "Tensor.__len__": "not an op",
 }
