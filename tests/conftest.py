@@ -6,7 +6,9 @@ session-scoped, so pytest groups the tests by backend and Taichi switches arch a
 instead of once per test. A backend that is absent (its package not installed, or for the GPU
 params the Vulkan/Metal runtime) is skipped, and one that is installed but fails to start fails;
 an absent backend fails too when it is required: ``TAIFUSE_REQUIRE_VULKAN=1`` / ``TAIFUSE_REQUIRE_METAL=1``
-or ``--require-backend=taichi-vulkan``, which CI sets, turn that skip into a failure.
+/ ``TAIFUSE_REQUIRE_CUDA=1`` or ``--require-backend=taichi-vulkan``, which CI sets (and
+``--require-backend=taichi-cuda``, which benchmarks/gpu/run.sh sets on the GPU machine), turn that skip
+into a failure.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import pytest
 from helpers import BACKEND_PARAMS, DESIGN_SKIPS, BackendSpec, start
 from hypothesis import HealthCheck, settings
 
-REQUIRE_ENV = {"taichi-vulkan": "TAIFUSE_REQUIRE_VULKAN", "taichi-metal": "TAIFUSE_REQUIRE_METAL"}
+REQUIRE_ENV = {
+    "taichi-vulkan": "TAIFUSE_REQUIRE_VULKAN",
+    "taichi-metal": "TAIFUSE_REQUIRE_METAL",
+    "taichi-cuda": "TAIFUSE_REQUIRE_CUDA",
+}
 
 # Hypothesis: a modest number of examples (CI has 2 cores and every example runs on every backend),
 # no deadline (the first call of a Taichi or Numba kernel compiles it), and on CI a fixed

@@ -91,7 +91,10 @@ def tolerance(op: str, dtype: np.dtype) -> Tol:
 METAL_HOST = sys.platform == "darwin" and platform.machine() in ("arm64", "aarch64")
 # On Apple silicon the GPU param is the real Metal; elsewhere Vulkan (lavapipe on CI) is its proxy.
 GPU_PARAM = "taichi-metal" if METAL_HOST else "taichi-vulkan"
-BACKEND_PARAMS = ("numpy", "numba", "taichi-cpu", GPU_PARAM)
+# CUDA is the one real GPU the project can reach (the device machine of benchmarks/gpu/run.sh): it
+# shares Taichi's front end and ndarray runtime with Metal. Skipped at once where no NVIDIA driver is.
+CUDA_PARAM = "taichi-cuda"
+BACKEND_PARAMS = ("numpy", "numba", "taichi-cpu", GPU_PARAM, CUDA_PARAM)
 
 
 def current_taichi_arch() -> str | None:
@@ -120,7 +123,7 @@ class BackendSpec:
     @property
     def may_be_absent(self) -> bool:
         """Only a GPU runtime may be missing on a machine that has the backend's package installed."""
-        return self.arch in ("vulkan", "metal") or importlib.util.find_spec(self.name) is None
+        return self.arch in ("vulkan", "metal", "cuda") or importlib.util.find_spec(self.name) is None
 
     @property
     def supports_f64(self) -> bool:
@@ -156,6 +159,10 @@ def start(spec: BackendSpec) -> str | None:
         reason = f"the {spec.name!r} package is not installed"
     elif importlib.util.find_spec(backends._MODULES[spec.name]) is None:
         reason = f"the module {backends._MODULES[spec.name]} does not exist"
+    elif spec.arch == "cuda" and backends.best_taichi_arch() != "cuda":
+        # Asked of the driver without starting Taichi: a failed ti.init(arch=cuda) would fall back
+        # to the CPU and re-initialise Taichi under the other backends' tests.
+        reason = "no NVIDIA GPU with its driver (libcuda.so.1 and /dev/nvidia*) on this machine"
     else:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

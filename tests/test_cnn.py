@@ -61,7 +61,7 @@ def _twin_block(rng, cin: int, cout: int, bias: bool) -> tuple[torch.nn.Module, 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("activation", [None, "relu"])
 def test_fuse_conv_bn_eval_matches_conv_then_bn_and_torch(backend, bias, activation):
-    _only(backend, ("numpy", "numba", "taichi-vulkan", "taichi-metal"))
+    _only(backend, ("numpy", "numba", "taichi-vulkan", "taichi-metal", "taichi-cuda"))
     torch.manual_seed(0)
     rng = np.random.default_rng(1)
     tconv, tbn = _twin_block(rng, 3, 5, bias)
@@ -140,7 +140,7 @@ STATS = ("1.running_mean", "1.running_var", "5.running_mean", "5.running_var")
 
 
 def test_cnn_matches_its_torch_twin_over_adamw_steps(backend):
-    _only(backend, ("numba", "taichi-vulkan", "taichi-metal"))
+    _only(backend, ("numba", "taichi-vulkan", "taichi-metal", "taichi-cuda"))
     torch.manual_seed(0)
     theirs = _cnn(torch.nn)
     ours = _cnn(nn)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import GPU_PARAM, BackendSpec, start
+from helpers import CUDA_PARAM, GPU_PARAM, BackendSpec, start
 
 import taifuse
 import taifuse.functional as F
@@ -24,7 +24,7 @@ from taifuse._tensor_math import HOST_MATH
 pytest.importorskip("taichi")
 
 
-@pytest.fixture(scope="module", params=("taichi-cpu", GPU_PARAM))
+@pytest.fixture(scope="module", params=("taichi-cpu", GPU_PARAM, CUDA_PARAM))
 def taichi(request: pytest.FixtureRequest):
     """The taichi backend module on one arch, active."""
     spec = BackendSpec(request.param)

@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 import pytest
-from helpers import GPU_PARAM, BackendSpec, start
+from helpers import CUDA_PARAM, GPU_PARAM, BackendSpec, start
 
 import taifuse
 
@@ -502,7 +502,7 @@ def test_bad_input_raises_naming_the_argument(backend, expr, error, match):
 # ----------------------------------------------------------------------------- taichi residency
 
 
-@pytest.fixture(scope="module", params=("taichi-cpu", GPU_PARAM))
+@pytest.fixture(scope="module", params=("taichi-cpu", GPU_PARAM, CUDA_PARAM))
 def taichi(request: pytest.FixtureRequest):
     pytest.importorskip("taichi")
     spec = BackendSpec(request.param)

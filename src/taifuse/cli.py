@@ -52,7 +52,10 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--baseline", metavar="FILE",
                        help="an earlier results.json to compare with; exits 1 on a regression, 2 if FILE is "
                             "missing or not a taifuse bench result (checked before measuring)")
-    bench.add_argument("--compare-torch", action="store_true", help="add PyTorch CPU baselines (needs torch)")
+    bench.add_argument("--compare-torch", action="store_true", help="add PyTorch baselines (needs torch)")
+    bench.add_argument("--torch-device", metavar="DEVICE",
+                       help="PyTorch's device (cpu, cuda, mps) with --compare-torch: times the device-resident "
+                            "cases of elementwise, linear, optim and transformer, both sides synchronised")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--processes", type=int, metavar="N",
                        help="fresh processes per case (at least 2; default 3 with --quick, else 5)")
@@ -81,7 +84,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         result = taifuse.bench.run(
             args.suite, quick=args.quick, out=args.out, baseline=args.baseline, compare_torch=args.compare_torch,
-            progress=not args.no_progress, command=" ".join(["taifuse", *argv]), plan=plan,
+            torch_device=args.torch_device, progress=not args.no_progress, command=" ".join(["taifuse", *argv]), plan=plan,
         )
     except taifuse.bench.BenchArgumentError as e:  # raised before anything is measured
         print(f"taifuse bench: error: {e}", file=sys.stderr)

@@ -77,6 +77,7 @@ def run(
     out: str | os.PathLike | None = None,
     baseline: str | os.PathLike | None = None,
     compare_torch: bool = False,
+    torch_device: str | None = None,
     progress: bool = True,
     plan: Plan | None = None,
     command: str | None = None,
@@ -90,7 +91,11 @@ def run(
         out: directory for ``BENCHMARKS.md``, ``results.json`` (and PNGs); nothing is written if None.
         baseline: an earlier ``results.json`` (or its directory) to compare with
             (:mod:`~taifuse.bench.baseline`).
-        compare_torch: add PyTorch CPU baselines (needs torch).
+        compare_torch: add PyTorch baselines (needs torch).
+        torch_device: PyTorch's device (``"cuda"``); the suites then build their device-resident
+            cases (:mod:`taifuse.bench.device`; needs ``compare_torch``). The choice reaches the
+            worker processes through ``TAIFUSE_BENCH_TORCH_DEVICE``, which is set in this process
+            for the run and restored after it.
         progress: show a progress bar on stderr.
         plan: override the amount of measuring (processes, ABBA blocks); default QUICK or FULL.
         command: the command line recorded in the report.
@@ -126,6 +131,27 @@ def run(
 
         if importlib.util.find_spec("torch") is None:
             raise RuntimeError("--compare-torch needs PyTorch: pip install 'taifuse[compare]'")
+    if torch_device is not None:
+        from taifuse.bench import device as device_mod
+
+        if not compare_torch:
+            raise BenchArgumentError("--torch-device needs --compare-torch (it is where PyTorch's tensors live)")
+        try:
+            device_mod.check(torch_device)
+        except ValueError as e:
+            raise BenchArgumentError(str(e)) from None
+        saved = os.environ.get(device_mod.TORCH_DEVICE_ENV)
+        os.environ[device_mod.TORCH_DEVICE_ENV] = torch_device
+        try:
+            return run(
+                suites, quick=quick, out=out, baseline=baseline, compare_torch=compare_torch,
+                progress=progress, plan=plan, command=command, cases=cases,
+            )
+        finally:
+            if saved is None:
+                os.environ.pop(device_mod.TORCH_DEVICE_ENV, None)
+            else:
+                os.environ[device_mod.TORCH_DEVICE_ENV] = saved
     plan = plan or (QUICK if quick else FULL)
     cases = (
         list(cases)
@@ -134,9 +160,7 @@ def run(
     )
     load_before = env_mod.load_average()
     backend, backend_info = _active_backend()
-    worker_env = dict(os.environ, TAIFUSE_BACKEND=backend)
-    if backend == "taichi" and backend_info.get("arch"):
-        worker_env["TAIFUSE_TAICHI_ARCH"] = str(backend_info["arch"])
+    worker_env = worker_environment(backend, backend_info)
     workers = sum(harness.worker_count(c, plan.processes) for c in cases)
     bar = _progress(plan.processes + workers, progress)
 
@@ -172,6 +196,7 @@ def run(
         "suites": list(dict.fromkeys(c.suite for c in cases)),
         "environment": {
             **env_mod.collect(backend, backend_info, threads),
+            "torch_device": _torch_device_info(),
             "load_average": {"before": load_before, "after": env_mod.load_average()},
         },
         "method": method,
@@ -188,10 +213,35 @@ def run(
     return result
 
 
+# Taichi's names of its CPU arches, which TAIFUSE_TAICHI_ARCH spells "cpu".
+_TAICHI_CPU_ARCHES = ("x64", "arm64")
+
+
+def worker_environment(backend: str, backend_info: dict, environ: dict | None = None) -> dict[str, str]:
+    """The environment of the worker processes: this one's, with the active backend and Taichi arch
+    pinned so that every worker runs where this process does. Taichi reports the CPU arch as
+    ``x64``/``arm64``, which ``TAIFUSE_TAICHI_ARCH`` calls ``cpu``."""
+    env = dict(os.environ if environ is None else environ, TAIFUSE_BACKEND=backend)
+    arch = backend_info.get("arch")
+    if backend == "taichi" and arch:
+        env["TAIFUSE_TAICHI_ARCH"] = "cpu" if str(arch) in _TAICHI_CPU_ARCHES else str(arch)
+    return env
+
+
+def _torch_device_info() -> dict | None:
+    from taifuse.bench import device
+
+    return device.describe(device.torch_device())
+
+
 def _python_call(suites, quick, out, baseline, compare_torch) -> str:
     args = [repr(list(suites or []))] + [f"quick={quick}", f"out={str(out)!r}"]
     if baseline is not None:
         args.append(f"baseline={str(baseline)!r}")
     if compare_torch:
         args.append("compare_torch=True")
+    from taifuse.bench import device
+
+    if device.torch_device() is not None:
+        args.append(f"torch_device={device.torch_device()!r}")
     return f"taifuse.bench.run({', '.join(args)})"

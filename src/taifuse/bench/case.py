@@ -36,6 +36,9 @@ class Variant:
         note: one line for the report (why this baseline, what a bound means).
         isolated: time this baseline in fresh processes of its own, never back to back with the
             candidate in one process (NOTE [ Isolated baselines ] in ``taifuse.bench.harness``).
+        sync: statements that wait for the variant's device work (``torch.cuda.synchronize()``),
+            run before each timer starts and before it stops (NOTE [ Timing device work ] in
+            ``taifuse.bench.timing``); empty for work that is done when the call returns.
     """
 
     label: str
@@ -46,6 +49,7 @@ class Variant:
     same_result: bool = True
     note: str = ""
     isolated: bool = False
+    sync: str = ""
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -86,7 +90,12 @@ class Variant:
         source = f"def _bench_call():\n{header}{body}\n    return {self.result}\n"
         # See NOTE [ The code string is the code ]: the suite's own text, run as written.
         exec(compile(source, f"<bench {self.label}>", "exec"), namespace)  # noqa: S102
-        return namespace["_bench_call"]
+        call = namespace["_bench_call"]
+        if self.sync:
+            sync_source = f"def _bench_sync():\n{textwrap.indent(textwrap.dedent(self.sync).strip(), '    ')}\n"
+            exec(compile(sync_source, f"<sync {self.label}>", "exec"), namespace)  # noqa: S102
+            call.sync = namespace["_bench_sync"]
+        return call
 
     def full_code(self) -> str:
         """The text shown in the report: imports, one-time preparation, then the timed statements."""
@@ -94,6 +103,8 @@ class Variant:
         if self.prepare:
             parts += ["# once, before timing:", textwrap.dedent(self.prepare).strip()]
         parts += ["# timed, every call:", textwrap.dedent(self.code).strip()]
+        if self.sync:
+            parts += ["# before the clock starts and before it stops:", textwrap.dedent(self.sync).strip()]
         return "\n".join(parts)
 
 

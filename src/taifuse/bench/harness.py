@@ -105,6 +105,9 @@ def isolated_labels(case: Case) -> list[str]:
     return [b.label for b in case.baselines if b.isolated]
 
 
+# The level of a device-resident row's working set (taifuse.bench.suites.resident): device memory.
+DEVICE_LEVEL = "device"
+
 # The second candidate process of an index, in a case with isolated baselines.
 CANDIDATE_AGAIN = "candidate again"
 
@@ -225,6 +228,8 @@ def bandwidth_levels(cases: list[Any], caches: list[dict] | None = None) -> set[
 
 
 def _roofline_of(case: Case, t: stats.Estimate, ceilings: Ceilings, level: str) -> dict | None:
+    if case.extra.get("device"):
+        return None  # the run's ceilings are the CPU's (taifuse.bench.suites.resident)
     return roofline.judge(
         flops=case.flops,
         bytes_moved=case.bytes_moved,
@@ -275,7 +280,13 @@ def case_rows(
         runs,
         bytes_moved=case.bytes_moved,
         # An allocation moves no data: no level (a 16 MiB scratch buffer is not "L1").
-        cache=roofline.row_level(case.bytes_moved, caches) if case.bytes_moved else NO_DATA,
+        cache=(
+            DEVICE_LEVEL
+            if case.extra.get("device")
+            else roofline.row_level(case.bytes_moved, caches)
+            if case.bytes_moved
+            else NO_DATA
+        ),
         tolerance={"rtol": case.rtol, "atol": case.atol},
     )
     cand = case.candidate

@@ -365,6 +365,14 @@ def _baseline_section(cmp: dict) -> list[str]:
     return lines + [""]
 
 
+def _device_rows(env: dict) -> list[tuple[str, str]]:
+    """PyTorch's device of a ``--torch-device`` run: the GPU, its driver, CUDA (taifuse.bench.device)."""
+    from taifuse.bench import device
+
+    line = device.line(env.get("torch_device"))
+    return [("device", line)] if line else []
+
+
 def _env_rows(env: dict) -> list[tuple[str, str]]:
     caches = ", ".join(
         f"L{c['level']} {c['type'].lower()} {_bytes(c['bytes'])}" for c in env.get("caches", [])
@@ -385,6 +393,7 @@ def _env_rows(env: dict) -> list[tuple[str, str]]:
         ("torch", env.get("torch")),
         ("taifuse backend", f"{env.get('backend')} {json.dumps(env.get('backend_info'))}"),
         ("Taichi arch", env.get("taichi_arch")),
+        *_device_rows(env),
         ("threads", json.dumps(env.get("threads"))),
         ("thread environment", json.dumps(env.get("thread_env"))),
         ("git", f"{env.get('git_commit')} ({'dirty' if env.get('git_dirty') else 'clean'})"),
@@ -716,7 +725,8 @@ def summary_markdown(result: dict, *, chart: str | None = None, drawn: bool = Tr
             f"`{result['command']}` on {result['date']}, commit {str(env.get('git_commit'))[:12]}"
             f"{' (with uncommitted changes)' if env.get('git_dirty') else ''}, backend `{env.get('backend')}`, "
             f"{env.get('cpu_model')} ({env.get('cpus_usable')} CPUs), NumPy {env.get('numpy')} with "
-            f"{env.get('blas')}{f' ({blas} kernel)' if blas else ''}. Each line compares taifuse with a peer "
+            f"{env.get('blas')}{f' ({blas} kernel)' if blas else ''}"
+            f"{'; ' + _device_rows(env)[0][1] if _device_rows(env) else ''}. Each line compares taifuse with a peer "
             "library computing the same result, checked before timing; a ratio above 1 means taifuse is "
             "faster (or, for memory, needs less). The 95% interval, the verdict and every other row, with "
             f"its code, are explained in [{BENCHMARKS}]({BENCHMARKS})."
@@ -787,8 +797,11 @@ def summary(result: dict) -> str:
 def run_line(result: dict) -> str:
     """Backend, threads, load average before/after and date of a run, in one line."""
     env = result["environment"]
+    where = f" (Taichi arch {(env.get('backend_info') or {}).get('arch')})" if env.get("backend") == "taichi" else ""
+    rows = _device_rows(env)
     return (
-        f"backend {env['backend']}, threads {env['threads']}, load average before/after "
+        f"backend {env['backend']}{where}{', ' + rows[0][1] if rows else ''}, threads {env['threads']}, "
+        "load average before/after "
         f"{env['load_average']['before']} / {env['load_average']['after']}, {result['date']}"
     )
 

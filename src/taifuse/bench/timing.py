@@ -1,4 +1,14 @@
-"""Timing primitives, all on ``time.perf_counter_ns``: first call, warm-up, loop calibration, ABBA pairs."""
+"""Timing primitives, all on ``time.perf_counter_ns``: first call, warm-up, loop calibration, ABBA pairs.
+
+NOTE [ Timing device work ]
+A call that launches GPU work returns before the work is done. A callable built from a variant with
+``sync`` code (:class:`taifuse.bench.case.Variant`) carries that code as its ``sync`` attribute
+(``torch.cuda.synchronize()``, Taichi's ``ti.sync()``), and every timer here runs it before the clock
+starts and again before it stops: a timed loop of n calls is then n launches and the device's work
+for all of them, as ``torch.utils.benchmark.Timer`` times it, and a sample never ends while its work
+is still queued or starts while the previous sample's is. Host callables have no ``sync`` and are
+timed as before.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +21,22 @@ _WARMUP_MAX_CALLS = 50
 _WARMUP_MAX_NS = 3_000_000_000
 
 
+def _sync(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """The device synchronisation ``fn`` carries (NOTE [ Timing device work ]), or a no-op."""
+    return getattr(fn, "sync", None) or _no_sync
+
+
+def _no_sync() -> None:
+    return None
+
+
 def first_call(fn: Callable[[], Any]) -> tuple[int, Any]:
     """Time one call (in a fresh process: import, JIT compile or cache load included); return (ns, result)."""
+    sync = _sync(fn)
+    sync()
     start = time.perf_counter_ns()
     result = fn()
+    sync()
     return time.perf_counter_ns() - start, result
 
 
@@ -23,10 +45,13 @@ def warm_up(fn: Callable[[], Any], *, settle: float = 1.5) -> int:
     times the fastest call seen so far; return how many calls that took (capped at 50 calls / 3 s)."""
     fastest = None
     calm = 0
+    sync = _sync(fn)
+    sync()
     started = time.perf_counter_ns()
     for calls in range(1, _WARMUP_MAX_CALLS + 1):
         t0 = time.perf_counter_ns()
         fn()
+        sync()
         dt = time.perf_counter_ns() - t0
         fastest = dt if fastest is None else min(fastest, dt)
         calm = calm + 1 if dt <= settle * fastest else 0
@@ -36,10 +61,14 @@ def warm_up(fn: Callable[[], Any], *, settle: float = 1.5) -> int:
 
 
 def time_loops(fn: Callable[[], Any], loops: int) -> float:
-    """Nanoseconds per call, averaged over ``loops`` back-to-back calls."""
+    """Nanoseconds per call, averaged over ``loops`` back-to-back calls (and their device work:
+    NOTE [ Timing device work ])."""
+    sync = _sync(fn)
+    sync()
     start = time.perf_counter_ns()
     for _ in range(loops):
         fn()
+    sync()
     return (time.perf_counter_ns() - start) / loops
 
 

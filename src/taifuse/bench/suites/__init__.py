@@ -48,15 +48,38 @@ def suite_names() -> list[str]:
 def load_cases(
     names: list[str] | None = None, *, quick: bool = False, compare_torch: bool = False
 ) -> list[Case]:
-    """The cases of the named suites (all suites when ``names`` is empty), in registry order."""
+    """The cases of the named suites (all suites when ``names`` is empty), in registry order.
+
+    With ``--torch-device`` (:func:`taifuse.bench.device.resident`) the suites that have
+    device-resident cases build those (:mod:`taifuse.bench.suites.resident`), all of them when
+    ``names`` is empty; naming another suite is a ``ValueError``.
+    """
+    from taifuse.bench import device
+
     suites = all_suites()
-    wanted = list(suites) if not names else list(names)
+    resident_mode = device.resident()
+    if resident_mode:
+        from taifuse.bench.suites import resident
+
+        wanted = list(resident.SUITES) if not names else list(names)
+        others = [n for n in wanted if n not in resident.SUITES]
+        if others:
+            raise ValueError(
+                f"--torch-device: suite(s) {others} have no device-resident cases; "
+                f"the suites that do are {list(resident.SUITES)}"
+            )
+    else:
+        wanted = list(suites) if not names else list(names)
     unknown = [n for n in wanted if n not in suites]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; the suites are {list(suites)}")
     cases: list[Case] = []
     for name, module in suites.items():
-        if name in wanted:
+        if name not in wanted:
+            continue
+        if resident_mode:
+            cases.extend(resident.cases(name, compare_torch=compare_torch))
+        else:
             cases.extend(importlib.import_module(module).cases(quick=quick, compare_torch=compare_torch))
     return cases
 
