@@ -4,15 +4,17 @@
 #   2. print `taifuse info`,
 #   3. run the Taichi tests on ARCH (default cuda) under a time limit,
 #   4. run `taifuse bench --quick` on taichi/ARCH against PyTorch on TORCH_DEVICE (default cuda) for
-#      the elementwise, linear, optim and transformer suites (their device-resident cases),
+#      the elementwise, linear, optim and transformer suites (their device-resident cases), one
+#      report per suite,
 # writing every log and report into the folder named by the first argument.
 #
 # Dry run on a machine without a GPU (only the GPU is missing):
 #   ARCH=cpu TORCH_DEVICE=cpu bash benchmarks/gpu/run.sh /tmp/gpu-dry
 #
-# Settings (environment): ARCH, TORCH_DEVICE, PYTHON (default python3), TESTS_TIMEOUT (s, 150),
-# BENCH_TIMEOUT (s, 300), TEST_WORKERS (pytest-xdist workers, 8), TEST_PATHS (default tests),
-# PROCESSES (fresh processes per bench case, 2), SUITES (default the four).
+# Settings (environment): ARCH, TORCH_DEVICE, PYTHON (default python3), TESTS_TIMEOUT (s, 120),
+# BENCH_TIMEOUT (s per suite, 180), TOTAL_LIMIT (s for the whole script, 420: no suite starts past
+# it), TEST_WORKERS (pytest-xdist workers, 8), TEST_PATHS (default tests), PROCESSES (fresh
+# processes per bench case, 2), SUITES (default: elementwise linear optim transformer).
 # Each step runs under its own limit and a failing step does not stop the next: the exit status is
 # that of the first step that failed (0 when all passed).
 set -u
@@ -20,8 +22,9 @@ OUTDIR=${1:?usage: bash benchmarks/gpu/run.sh OUT_DIR}
 ARCH=${ARCH:-cuda}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 PYTHON=${PYTHON:-python3}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-120}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
+TOTAL_LIMIT=${TOTAL_LIMIT:-420}
 TEST_WORKERS=${TEST_WORKERS:-8}
 TEST_PATHS=${TEST_PATHS:-tests}
 PROCESSES=${PROCESSES:-2}
@@ -73,13 +76,22 @@ timeout --signal=INT --kill-after=20 "$TESTS_TIMEOUT" \
     --require-backend="taichi-$ARCH" --continue-on-collection-errors -rfE $TEST_PATHS 2>&1 | tee "$OUTDIR/tests.log" | tail -40
 step "tests (limit ${TESTS_TIMEOUT}s)" "${PIPESTATUS[0]}"
 
-# 4. The benchmarks: both sides on the device, synchronised around every timed sample.
-suite_args=()
-for s in $SUITES; do suite_args+=(--suite "$s"); done
-timeout --signal=INT --kill-after=20 "$BENCH_TIMEOUT" \
-    "$PYTHON" -m taifuse.cli bench --quick --processes "$PROCESSES" --no-progress --compare-torch \
-    --torch-device "$TORCH_DEVICE" "${suite_args[@]}" --out "$OUTDIR/bench" 2>&1 | tee "$OUTDIR/bench.log"
-step "bench (limit ${BENCH_TIMEOUT}s)" "${PIPESTATUS[0]}"
+# 4. The benchmarks: both sides on the device, synchronised around every timed sample. One run per
+#    suite, each writing its own report (bench-SUITE/), so a suite cut off by the time limit loses
+#    only itself; a suite is not started when less than 30 s of TOTAL_LIMIT is left.
+for s in $SUITES; do
+    left=$(( TOTAL_LIMIT - ($(date +%s) - started) ))
+    limit=$(( left < BENCH_TIMEOUT ? left : BENCH_TIMEOUT ))
+    if [ "$limit" -lt 30 ]; then
+        echo "bench $s: not started, ${left}s of the ${TOTAL_LIMIT}s limit left" | tee -a "$OUTDIR/steps.txt"
+        step "bench $s" 124
+        continue
+    fi
+    timeout --signal=INT --kill-after=15 "$limit" \
+        "$PYTHON" -m taifuse.cli bench --quick --processes "$PROCESSES" --no-progress --compare-torch \
+        --torch-device "$TORCH_DEVICE" --suite "$s" --out "$OUTDIR/bench-$s" 2>&1 | tee "$OUTDIR/bench-$s.log"
+    step "bench $s (limit ${limit}s)" "${PIPESTATUS[0]}"
+done
 
 echo "== done in $(( $(date +%s) - started )) s, status $status" | tee -a "$OUTDIR/steps.txt"
 exit "$status"
