@@ -187,7 +187,19 @@ def test_bf16_kernels_match_the_reference_bit_for_bit(backend, case):
     for k, (a, b) in enumerate(zip(got, ref)):
         for name, x, y in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), a, b):
             assert x.dtype == y.dtype == (np.float32 if name == "param" else np.uint16)
-            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), f"{case} step {k + 1}: {name}")
+            what = f"{case} step {k + 1}: {name}"
+            if backend.arch == "cuda":
+                # Taichi's CUDA code generator marks every function unsafe-fp-math
+                # (taichi/runtime/cuda/jit_cuda.cpp): products fuse into FMAs and sqrt and division
+                # are approximate there, so "same operations, same rounding" does not hold. Found on
+                # the H100 (issue 31): up to 0.6% of the float32 parameters off by a few ulps. There:
+                # parameters within 64 float32 ulps, the bfloat16 state within one bfloat16 ulp.
+                if name == "param":
+                    np.testing.assert_allclose(x, y, rtol=2.0**-17, atol=1e-30, err_msg=what)
+                else:
+                    assert np.abs(x.astype(np.int32) - y.astype(np.int32)).max(initial=0) <= 1, what
+                continue
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), what)
 
 
 def test_reference_kernel_is_the_float32_update_rounded_into_bf16():

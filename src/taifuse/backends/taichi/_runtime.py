@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import sys
+import threading
 from collections import deque
 from typing import Any
 
@@ -57,6 +58,8 @@ _state: dict[str, Any] = {
     "actual": None,  # arch name Taichi runs on
     "program": None,  # Taichi's Program object we initialised (detects foreign ti.init calls)
     "generation": 0,  # bumped on every (re-)initialisation; see NOTE [ Re-initialising Taichi ]
+    "cuda_context": None,  # on arch cuda: Taichi's CUDA context (NOTE [ CUDA contexts and threads ])
+    "init_thread": None,  # the thread that ran ti.init
 }
 # Written only by _count_transfer.
 _transfers = {"host_to_device": 0, "device_to_host": 0, "bytes_host_to_device": 0, "bytes_device_to_host": 0}
@@ -190,7 +193,7 @@ def init(arch: str | None = None) -> None:
         return
     # Any ti.init call tears the old runtime down, even one that then fails: invalidate first.
     _state["generation"] += 1
-    _state.update(requested=None, actual=None, program=None)
+    _state.update(requested=None, actual=None, program=None, cuda_context=None, init_thread=None)
     _dummies.clear()
     with contextlib.redirect_stdout(io.StringIO()):  # ti.init prints "[Taichi] Starting on arch=..."
         ti.init(
@@ -209,7 +212,48 @@ def init(arch: str | None = None) -> None:
     expected = ("x64", "arm64") if arch == "cpu" else (arch,)
     if actual not in expected:
         raise RuntimeError(f"Taichi started on arch {actual!r} instead of the requested {arch!r}")
-    _state.update(requested=arch, actual=actual, program=_current_program())
+    _state.update(requested=arch, actual=actual, program=_current_program(), init_thread=threading.get_ident())
+    if arch == "cuda":
+        _record_cuda_context()
+
+
+# NOTE [ CUDA contexts and threads ]
+# Taichi's CUDA backend makes its context current on the thread that ran ti.init, and allocates
+# (cuMemAllocAsync), copies and frees on whatever thread calls it without making the context current
+# there. Found on the GPU machine (issue 31): a DataLoader worker thread that moved a batch to the
+# device failed with CUDA_ERROR_INVALID_CONTEXT, and a garbage collection that ran in
+# pytest-xdist's receiver thread freed a DeviceArray there and aborted the process. So on CUDA,
+# init() records the context (cuCtxGetCurrent, through the driver library as best_arch probes it),
+# and the entry points that allocate, copy or free push it for the call when they run on another
+# thread (cuCtxPushCurrent / cuCtxPopCurrent). The thread that ran ti.init pays one comparison.
+
+
+def _record_cuda_context() -> None:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        _state["cuda_context"] = (lib, ctx)
+
+
+@contextlib.contextmanager
+def _pushed_cuda_context(lib, ctx):
+    lib.cuCtxPushCurrent_v2(ctx)
+    try:
+        yield
+    finally:
+        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+def thread_context():
+    """A context manager that makes Taichi's CUDA context current for a call made on a thread other
+    than the one that ran ti.init (NOTE [ CUDA contexts and threads ]); a no-op elsewhere."""
+    cuda = _state["cuda_context"]
+    if cuda is None or threading.get_ident() == _state["init_thread"]:
+        return contextlib.nullcontext()
+    return _pushed_cuda_context(*cuda)
 
 
 def _require_init() -> None:
@@ -220,6 +264,16 @@ def _require_init() -> None:
 def _on_gpu() -> bool:
     # Threadgroup memory exists on the GPU archs only: ti.cpu runs the kernels without it.
     return _state["requested"] != "cpu"
+
+
+def _half_arithmetic() -> bool:
+    """Whether float16 data may be computed in float16 (NOTE [ float16 arithmetic in the elementwise
+    kernels ]): on Metal and Vulkan. Not on CUDA: Taichi's CUDA code generator marks every function
+    unsafe-fp-math (taichi/runtime/cuda/jit_cuda.cpp), and on the H100 float16 arithmetic then
+    flushed float16 subnormals to zero (relu(4.1e-5) gave 0; tanh(-4.5e-6) gave +4.5e-6), where
+    the float32 path converts them exactly. The ops are memory-bound: computing in float32 costs
+    nothing measurable there."""
+    return _state["requested"] in ("metal", "vulkan")
 
 
 def describe() -> dict:
@@ -283,10 +337,12 @@ def _make_storage(ti_dtype, n: int):
                 if _sys.is_finalizing():
                     return
                 if getattr(self, "_generation", None) == self._runtime_state["generation"]:
-                    super().__del__()
+                    with thread_context():  # a collection may run on any thread
+                        super().__del__()
 
         _storage_class = _Storage
-    storage = _storage_class(ti_dtype, (n,))
+    with thread_context():
+        storage = _storage_class(ti_dtype, (n,))
     storage._generation = _state["generation"]
     return storage
 
@@ -366,7 +422,8 @@ class DeviceArray:
         _count_transfer("device_to_host", self.nbytes)
         if storage is None:
             return np.empty(self.shape, dtype=self.dtype)
-        return storage.to_numpy().reshape(self.shape)
+        with thread_context():
+            return storage.to_numpy().reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None):
         # NOTE: lets np.asarray(device_array) work; it is a counted transfer like .numpy().
@@ -459,7 +516,8 @@ def _device_host_array(a: np.ndarray) -> np.ndarray:
 def _copy_in(out: DeviceArray, a: np.ndarray) -> DeviceArray:
     _count_transfer("host_to_device", a.nbytes)
     if out.size:
-        out._ndarray().from_numpy(np.ascontiguousarray(a).reshape(-1))
+        with thread_context():
+            out._ndarray().from_numpy(np.ascontiguousarray(a).reshape(-1))
     return out
 
 

@@ -37,6 +37,7 @@ from taifuse.backends.taichi._runtime import (
     DeviceArray,
     _import_taichi,
     _nd,
+    _half_arithmetic,
     _on_gpu,
     _optional,
     _ti_dtype,
@@ -136,11 +137,14 @@ def elementwise_kernels_for(dtype: np.dtype) -> SimpleNamespace:
     def make_unary(op: int):
         @ti.kernel
         def unary(x: X, out: X, n: ti.i32, slope: ti.f32, math16: ti.i32):
-            # slope and math16 are leaky_relu's (other ops ignore them); relu is a select, exact
-            # in the storage type on every arch.
+            # slope is leaky_relu's, math16 relu's and leaky_relu's (other ops ignore them); relu
+            # is a select, exact in the storage type where float16 arithmetic keeps subnormals.
             for i in range(n):
                 if ti.static(op == M.RELU):
-                    out[i] = relu_t(x[i])
+                    if math16 != 0:
+                        out[i] = relu_t(x[i])
+                    else:  # CUDA (_half_arithmetic): a float16 compare flushes subnormals there
+                        out[i] = ti.cast(M.relu(ti.cast(x[i], ti.f32)), T)
                 elif ti.static(op == M.LEAKY_RELU):
                     if math16 != 0:
                         v = x[i]
@@ -535,7 +539,7 @@ def gelu(x: DeviceArray, out: DeviceArray, approximate: str) -> None:
 
 
 def relu(x: DeviceArray, out: DeviceArray) -> None:
-    _unary("relu", x, out)
+    _unary("relu", x, out, 0.0, _math16(x.dtype))
 
 
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -543,14 +547,15 @@ _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 def _math16(dtype: np.dtype, multiplier: float = 1.0) -> int:
     """1 when a kernel may compute in float16 (NOTE [ float16 arithmetic in the elementwise
-    kernels ]): float16 data on a GPU arch, and float16 holds ``multiplier`` exactly; else 0.
+    kernels ]): float16 data on Metal or Vulkan (``_half_arithmetic``), and float16 holds
+    ``multiplier`` exactly; else 0.
 
     A multiplier past float16's range (dropout's 1 / (1 - p) once p > 1 - 2**-16) is not held: the
     range is checked first, as casting it to float16 would overflow (and warn) to answer the same.
     """
     return int(
         dtype == np.float16
-        and _on_gpu()
+        and _half_arithmetic()
         and abs(multiplier) <= _FLOAT16_MAX
         and float(np.float16(multiplier)) == multiplier
     )
