@@ -35,9 +35,9 @@ from taifuse.backends._spec import Activation, activation_code
 from taifuse.backends.taichi._runtime import (
     FLOAT_DTYPES,
     DeviceArray,
+    _half_arithmetic,
     _import_taichi,
     _nd,
-    _half_arithmetic,
     _on_gpu,
     _optional,
     _ti_dtype,
