@@ -388,6 +388,9 @@ def attention_backward(
     sc_scale = ct.type(scale)
     lc = lse if lse.dtype == ct else lse.astype(ct)
     rows = min(_BLOCK_Q, L)
+    # One query block that reads every key (small L; S <= L under is_causal) writes grad_k and
+    # grad_v with its products directly: no zero fill, no scratch product added in.
+    whole = 0 < L <= rows and (not is_causal or S <= L)
     gs = _group(bh, rows, S)
     groups = list(range(0, bh, gs))
     workers = _workers(len(groups))
@@ -409,8 +412,9 @@ def attention_backward(
         dq = _block(bdq, gn, L, e) if own[0] else grad_q[h0:h1]
         dk = _block(bdk, gn, S, e) if own[1] else grad_k[h0:h1]
         dv = _block(bdv, gn, S, ev) if own[2] else grad_v[h0:h1]
-        dk[...] = 0
-        dv[...] = 0
+        if not whole:
+            dk[...] = 0
+            dv[...] = 0
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if is_causal else S
@@ -421,10 +425,14 @@ def attention_backward(
             _gradient_rows(
                 sc, dp, m, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc
             )  # fmt: skip
+            np.matmul(dp, kh[:, :sn], out=dq[:, q0:q1])
+            if whole:  # the only block, over every key: the products are the sums
+                np.matmul(sc.transpose(0, 2, 1), gh[:, q0:q1], out=dv)
+                np.matmul(dp.transpose(0, 2, 1), qh[:, q0:q1], out=dk)
+                continue
             t = _block(buf_t, gn, sn, ev)
             np.matmul(sc.transpose(0, 2, 1), gh[:, q0:q1], out=t)
             dv[:, :sn] += t
-            np.matmul(dp, kh[:, :sn], out=dq[:, q0:q1])
             t = _block(buf_t, gn, sn, e)
             np.matmul(dp.transpose(0, 2, 1), qh[:, q0:q1], out=t)
             dk[:, :sn] += t
