@@ -24,7 +24,8 @@ block-sized buffer for ``grad_out @ v.T``: P = exp(s - lse), dS = P * (dP * Z - 
 D = rowsum(P * dP * Z) / rowsum(P) summed over the block's row, which holds every key (NOTE
 [ Attention backward's D ] in ``backends/reference/attention.py``; ``out`` is not read).
 grad_q of the block is one product, and grad_k, grad_v of a group are summed over its query
-blocks through an ``(S, E)``-per-head buffer.
+blocks through an ``(S, E)``-per-head buffer (written by the products directly where one block
+reads every key: L <= 64, and S <= L under ``is_causal``).
 
 NOTE [ Numba attention threads ]
 A block's products are small (64 x 64 by 64 x 512 at E = 64): one BLAS call runs them at about
