@@ -42,6 +42,13 @@ def test_registered():
             "transformer/attention forward(B=8, H=8, L=S=512, E=64, causal)",
         ]
         assert ids[2] == "transformer/attention peak memory(B=1, H=1, L=S=4096, E=64, no mask)"
+        # The GPT example's small heads and layer norm: full runs only.
+        small = [
+            "transformer/attention forward+backward(B=16, H=4, L=S=128, E=64, causal)",
+            "transformer/attention forward+backward(B=16, H=8, L=S=64, E=32, causal)",
+            "transformer/layer norm forward+backward(16, 128, 256)",
+        ]
+        assert ids[-4:-1] == small if not quick else not set(small) & set(ids)
 
 
 def test_torch_baselines_only_with_compare_torch_and_isolated():
@@ -116,6 +123,29 @@ def test_torch_variant_agrees(backward):
     with backends.preserved_choice():
         taifuse.set_backend("numba")
         case = transformer.attention_case(True, backward=backward, shape=SMALL)
+        out = _outputs(case, ["taifuse", "torch"], case.setup(0))
+    check = check_outputs(out["taifuse"], out["torch"], case.rtol, case.atol)
+    assert check["ok"], check
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 33)])
+def test_layer_norm_variants_agree(backend, shape):
+    backend.activate()
+    case = transformer.layer_norm_case(False, shape=shape)
+    out = _outputs(case, ["taifuse", "numpy"], case.setup(0))
+    check = check_outputs(out["taifuse"], out["numpy"], case.rtol, case.atol)
+    assert check["ok"], check
+    n, c = np.prod(shape), shape[-1]
+    assert out["taifuse"].shape == (2 * n + 2 * c,)
+    assert case.bytes_moved == 4 * (4 * n + 4 * c) and case.bytes_written == 4 * (2 * n + 2 * c)
+
+
+@needs_torch
+def test_layer_norm_torch_variant_agrees():
+    with backends.preserved_choice():
+        taifuse.set_backend("numba")
+        case = transformer.layer_norm_case(True, shape=(3, 5, 7))
+        assert case.variant("torch").isolated
         out = _outputs(case, ["taifuse", "torch"], case.setup(0))
     check = check_outputs(out["taifuse"], out["torch"], case.rtol, case.atol)
     assert check["ok"], check

@@ -340,6 +340,80 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
         np.testing.assert_allclose(gr, wr, rtol=1e-6)
 
 
+# (rows, cols): one row; fewer rows than chunks; rows that leave the last chunks short or empty
+# (33 rows in chunks of 2); the GPT example's width past the parallel threshold.
+_LN_BACKWARD_SHAPES = [(1, 7), (5, 3), (33, 37), (300, 256)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), _LN_BACKWARD_SHAPES)
+def test_layer_norm_backward_one_pass(dtype, rows, cols, force_path, monkeypatch):
+    """The one-pass backward (NOTE [ Numba layer norm backward ]) against the reference for every
+    subset of gradients, with and without a weight, and the same bits on the serial and parallel
+    paths; with the partial sums' budget cut to two chunks' worth as well."""
+    from taifuse.backends.numba import backward as nb_backward
+
+    x, g = _inputs((rows, cols), dtype, 0), _inputs((rows, cols), dtype, 1)
+    w = _inputs(cols, dtype, 2, scale=1.0)
+    stats = np.float64 if dtype == np.float64 else np.float32
+    mean, rstd = np.empty(rows, stats), np.empty(rows, stats)
+    ref.layer_norm(x, None, None, 1e-5, np.empty_like(x), mean, rstd)
+    for budget in (nb_backward._LN_PARTIAL_BYTES, 2 * 16 * cols):
+        monkeypatch.setattr(nb_backward, "_LN_PARTIAL_BYTES", budget)
+        for weight in (None, w):
+            for asked in (
+                (True, True, True),
+                (True, False, False),
+                (False, True, False),
+                (False, True, True),
+            ):
+                want = [np.empty_like(x), np.empty(cols, dtype), np.empty(cols, dtype)]
+                ref.layer_norm_backward(x, weight, mean, rstd, g, *want)
+                runs = []
+                for parallel in (False, True):
+                    force_path(parallel)
+                    got = [np.full_like(a, np.nan) if on else None for a, on in zip(want, asked)]
+                    nb.layer_norm_backward(x, weight, mean, rstd, g, *got)
+                    runs.append(got)
+                for serial, par, expect, on in zip(*runs, want, asked):
+                    if not on:
+                        continue
+                    np.testing.assert_array_equal(serial, par)
+                    # The column sums add `rows` terms of |g * xhat| up to ~10.
+                    assert_close(serial, expect, dtype, scale=20.0 * max(1.0, math.sqrt(rows)))
+
+
+def test_layer_norm_backward_float64_finite_differences():
+    """The float64 kernels' gradients against central differences of sum(g * layer_norm(x))."""
+    rng = np.random.default_rng(3)
+    rows, cols = 4, 6
+    x, w, b, g = (
+        rng.standard_normal((rows, cols)),
+        rng.standard_normal(cols),
+        rng.standard_normal(cols),
+        rng.standard_normal((rows, cols)),
+    )
+
+    def loss(x, w, b):
+        out, mean, rstd = np.empty_like(x), np.empty(rows), np.empty(rows)
+        nb.layer_norm(x, w, b, 1e-5, out, mean, rstd)
+        return float((out * g).sum()), mean, rstd
+
+    _, mean, rstd = loss(x, w, b)
+    gx, gw, gb = np.empty_like(x), np.empty(cols), np.empty(cols)
+    nb.layer_norm_backward(x, w, mean, rstd, g, gx, gw, gb)
+    h = 1e-6
+    for got, arg in ((gx, 0), (gw, 1), (gb, 2)):
+        args = [x, w, b]
+        fd = np.empty_like(args[arg])
+        for i in np.ndindex(fd.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[arg][i] += h
+            minus[arg][i] -= h
+            fd[i] = (loss(*plus)[0] - loss(*minus)[0]) / (2 * h)
+        np.testing.assert_allclose(got, fd, rtol=1e-6, atol=1e-7)
+
+
 # float16's budget in rows of the (29, 37) weight: all of it in one block, or blocks of 10 rows.
 _DTYPE_WEIGHT_ROWS = [(dtype, 29) for dtype in DTYPES] + [(np.float16, 10)]
 

@@ -489,57 +489,65 @@ def _softmax_strided_parallel(x, out, log):
 # ----------------------------------------------------------------------------- layer norm
 
 
+# NOTE [ Numba layer norm ]
+# A row is read from memory once: its first pass brings it into L1, where the second (the
+# centred sum of squares) and the write pass find it. The sums accumulate in float64 (no
+# cancellation as in E[x^2] - E[x]^2), the write pass runs in compute precision, and the row
+# function indexes the 2-D arrays itself (no per-row views) and asks for 512-bit vectors (NOTE
+# [ 512-bit vectors ]). Rows are independent, so the parallel kernel is a prange over rows, one
+# contiguous share of them per thread. F.layer_norm at the GPT example's (16, 128, 256) float32
+# with weight and bias, one thread: 404 -> 270 us against the per-row-view form it replaced; two
+# threads 210 -> 169 us (PyTorch: 123 us). Fastest of 3 x 100 calls, each side in its own
+# processes taken in turn, on a quiet 16-core Xeon VM held to 2 cores (taskset).
+
+
 @njit(**_FMA_REDUCE)
-def _layer_norm_row(x, weight, bias, eps, out):
-    # Two passes over the row in cache, accumulated in float64 (mean, then the centred sum of
-    # squares: no cancellation as in E[x^2] - E[x]^2), then one write pass in compute precision.
-    # Returns (mean, rstd).
-    n = x.size
+def _layer_norm_row(x, weight, bias, eps, out, mean, rstd, r):
+    _prefer_wide_vectors()
+    n = x.shape[1]
     s = 0.0
     for c in range(n):
-        s += _widen(x[c])
+        s += _widen(x[r, c])
     mu = s / n
     ss = 0.0
     for c in range(n):
-        d = _widen(x[c]) - mu
+        d = _widen(x[r, c]) - mu
         ss += d * d
     rs = 1.0 / math.sqrt(ss / n + eps)
-    v0 = _widen(x[0])
+    mean[r] = mu
+    rstd[r] = rs
+    v0 = _widen(x[r, 0])
     mu_c = _like(mu, v0)
     rs_c = _like(rs, v0)
     # NOTE: plain `is None` tests (not `and`-ed) so that Numba prunes the branches per signature.
     if weight is None:
         if bias is None:
             for c in range(n):
-                out[c] = _narrow((_widen(x[c]) - mu_c) * rs_c, out)
+                out[r, c] = _narrow((_widen(x[r, c]) - mu_c) * rs_c, out)
         else:
             for c in range(n):
-                out[c] = _narrow((_widen(x[c]) - mu_c) * rs_c + _widen(bias[c]), out)
+                out[r, c] = _narrow((_widen(x[r, c]) - mu_c) * rs_c + _widen(bias[c]), out)
     else:
         if bias is None:
             for c in range(n):
-                out[c] = _narrow((_widen(x[c]) - mu_c) * rs_c * _widen(weight[c]), out)
+                out[r, c] = _narrow((_widen(x[r, c]) - mu_c) * rs_c * _widen(weight[c]), out)
         else:
             for c in range(n):
-                out[c] = _narrow((_widen(x[c]) - mu_c) * rs_c * _widen(weight[c]) + _widen(bias[c]), out)
-    return mu, rs
-
-
-@njit(**_FMA)
-def _layer_norm_rows(x, weight, bias, eps, out, mean, rstd, r0, r1):
-    for r in range(r0, r1):
-        mean[r], rstd[r] = _layer_norm_row(x[r], weight, bias, eps, out[r])
+                out[r, c] = _narrow(
+                    (_widen(x[r, c]) - mu_c) * rs_c * _widen(weight[c]) + _widen(bias[c]), out
+                )
 
 
 @njit(**_FMA)
 def _layer_norm_serial(x, weight, bias, eps, out, mean, rstd):
-    _layer_norm_rows(x, weight, bias, eps, out, mean, rstd, 0, x.shape[0])
+    for r in range(x.shape[0]):
+        _layer_norm_row(x, weight, bias, eps, out, mean, rstd, r)
 
 
 @njit(**_FMA_PARALLEL)
 def _layer_norm_parallel(x, weight, bias, eps, out, mean, rstd):
     for r in prange(x.shape[0]):
-        _layer_norm_rows(x, weight, bias, eps, out, mean, rstd, r, r + 1)
+        _layer_norm_row(x, weight, bias, eps, out, mean, rstd, r)
 
 
 # ----------------------------------------------------------------------------- rms norm

@@ -12,6 +12,12 @@ Three kinds of case:
   L=S=4096, E=64, no mask): the peak memory of a forward, and of a forward and backward, above
   what the process held before (the inputs), fused against naive, each variant in fresh processes
   measured as ``suites/memory.py`` measures (NOTE [ Measuring peak memory ] there).
+* ``attention forward+backward`` at the GPT example's small heads (``SMALL_HEADS``: B=16, H=4,
+  L=S=128, E=64 and B=16, H=8, L=S=64, E=32, causal; full runs only): where the per-block work
+  is a handful of small products and the softmax rows are short.
+* ``layer norm forward+backward`` (float32, the GPT example's (16, 128, 256) activations, with
+  weight and bias; full runs only): ``F.layer_norm`` on Tensors then backward of a fixed gradient,
+  against PyTorch's and a NumPy transcription; judged against the copy bandwidth of its cache level.
 * ``gpt step``: one training step (forward, cross entropy, backward, gradient clipping, AdamW) of
   ``examples/gpt.py``'s GPT against the same model in PyTorch with the same weights and batch
   (NOTE [ The GPT example from the checkout ]).
@@ -234,6 +240,114 @@ def attention_case(
         # Measured against torch 2.13 with seed 0 at B=H=2: at most 5e-7 apart (outputs up to ~5).
         rtol=1e-4,
         atol=1e-5,
+    )
+
+
+# The GPT example's attention (examples/train_gpt.py at 4 heads of width 256) and smaller heads.
+SMALL_HEADS = ((16, 4, 128, 64), (16, 8, 64, 32))
+
+
+# ----------------------------------------------------------------------------- layer norm
+
+LAYER_NORM_SHAPE = (16, 128, 256)  # the GPT example's activations at batch 16, context 128, width 256
+
+
+def _layer_norm_inputs(seed: int, shape: tuple[int, ...]) -> dict:
+    rng = np.random.default_rng(seed)
+    x, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    w, b = (rng.standard_normal(shape[-1:], dtype=np.float32) for _ in range(2))
+    return {"x": x, "w": w, "b": b, "g": g}
+
+
+_LN_OUTPUTS = "[out, xt.grad, wt.grad, bt.grad]"
+
+_TAIFUSE_LN_PREPARE = f"""
+xt, wt, bt = (taifuse.tensor(a, requires_grad=True) for a in (x, w, b))
+gt = taifuse.tensor(g)
+out = None
+step = suite.StepOutput(lambda: [t.numpy() for t in {_LN_OUTPUTS}])
+"""
+
+_TORCH_LN_PREPARE = f"""
+xt, wt, bt = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+gt = torch.from_numpy(g)
+out = None
+step = suite.StepOutput(lambda: [t.detach().numpy() for t in {_LN_OUTPUTS}])
+"""
+
+_LN_CODE = """
+xt.grad = wt.grad = bt.grad = None
+out = {module}.layer_norm(xt, (xt.shape[-1],), wt, bt)
+out.backward(gt)
+"""
+
+# The forward and backward in NumPy, float32 throughout, as few passes as NumPy allows.
+_NUMPY_LN = """
+mu = x.mean(-1, keepdims=True)
+xhat = x - mu
+rstd = 1 / np.sqrt((xhat * xhat).mean(-1, keepdims=True) + np.float32(1e-5))
+xhat *= rstd
+o = xhat * w + b
+gy = g * w
+gx = rstd * (gy - gy.mean(-1, keepdims=True) - xhat * (gy * xhat).mean(-1, keepdims=True))
+rows = tuple(range(x.ndim - 1))
+gw = (g * xhat).sum(axis=rows)
+gb = g.sum(axis=rows)
+"""
+
+
+def layer_norm_case(compare_torch: bool, *, shape: tuple[int, ...] = LAYER_NORM_SHAPE) -> Case:
+    """``F.layer_norm`` over the last dim of ``shape`` with weight and bias, then its backward of
+    a fixed gradient, float32. bytes_moved: x, the gradient, weight and bias read, the output and
+    the three gradients written, each once."""
+    n, c = math.prod(shape), shape[-1]
+    written = n + n + 2 * c  # out, grad x, grad weight and bias
+    baselines = [
+        Variant(
+            "numpy",
+            _NUMPY_LN,
+            result="suite.StepOutput(lambda: [o, gx, gw, gb])",
+            imports=_NUMPY,
+            note="the forward and backward in NumPy ufuncs and reductions, float32",
+        )
+    ]
+    if compare_torch:
+        baselines.append(
+            Variant(
+                "torch",
+                _LN_CODE.format(module="TF"),
+                result="step",
+                prepare=_TORCH_LN_PREPARE,
+                imports=_TORCH,
+                note="PyTorch CPU F.layer_norm, then out.backward(g)",
+                isolated=True,  # NOTE [ Isolated baselines ]
+            )
+        )
+    return Case(
+        suite=SUITE,
+        name=f"layer norm forward+backward{shape}",
+        setup=functools.partial(_layer_norm_inputs, shape=shape),
+        setup_code=(
+            f"rng = np.random.default_rng(seed); x, g = standard normal {shape}, w, b = standard normal "
+            f"({c},), float32"
+        ),
+        candidate=Variant(
+            "taifuse",
+            _LN_CODE.format(module="F"),
+            result="step",
+            prepare=_TAIFUSE_LN_PREPARE,
+            imports=_TAIFUSE,
+            note="taifuse Tensors: F.layer_norm, then out.backward(g)",
+        ),
+        baselines=tuple(baselines),
+        dtype="float32",
+        shape=f"x {shape}, weight and bias ({c},); outputs: out, then the gradients of x, weight, bias",
+        bytes_moved=4 * (2 * n + 2 * c + written),
+        bytes_written=4 * written,
+        # The weight and bias gradients sum 2048 rows of float32 products: float64 sums (taifuse,
+        # PyTorch) against NumPy's float32 pairwise sums differ by a few 1e-5 relative.
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 
@@ -740,12 +854,22 @@ def gpt_memory_case(
 
 def cases(quick: bool = False, compare_torch: bool = False) -> list:
     """Attention forward+backward and forward at issue 16's size (quick mode too), the attention
-    peak-memory case, the GPT step's peak memory under autocast against float32, and the GPT
+    peak-memory case, the GPT step's peak memory under autocast against float32, (full runs only)
+    attention at the GPT example's small heads and its layer norm forward+backward, and the GPT
     training step."""
     return [
         attention_case(compare_torch, backward=True),
         attention_case(compare_torch, backward=False),
         attention_memory_case(),
         gpt_memory_case(),
+        # The small heads and the layer norm of the GPT example: full runs only.
+        *(
+            []
+            if quick
+            else [
+                *(attention_case(compare_torch, backward=True, shape=s) for s in SMALL_HEADS),
+                layer_norm_case(compare_torch),
+            ]
+        ),
         gpt_case(compare_torch),
     ]
