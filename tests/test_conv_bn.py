@@ -408,3 +408,35 @@ def test_profiler_counts_fewer_activation_bytes_for_the_fused_block():
     with profile() as arrays_prof:
         F.conv2d_batch_norm(x, wt, None, rm.copy(), rv.copy(), bw, bb, 1, 1, 1, 1, True, activation="relu")
     assert cost(arrays_prof, "conv2d_batch_norm") == cost(fused, "conv2d_batch_norm")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=["f32", "f16", "f64"])
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+def test_conv2d_stats_kernel_matches_the_reference(backend, geometry, dtype):
+    """The kernel alone (the im2col epilogue's statistics, the direct path's extra pass, the
+    device's stats pass), with an offset channel mean (the shifted sums' case), in every dtype."""
+    from taifuse.backends import reference as R
+
+    dtype = np.dtype(dtype)
+    if dtype == np.float64 and not backend.supports_f64:
+        pytest.skip(f"{backend.param} has no float64")
+    module = backend.module()
+    rng = np.random.default_rng(4)
+    n, c, h, w, oc, k, s, p, d, g = geometry
+    x = (rng.standard_normal((n, c, h, w)) + 3.0).astype(dtype)
+    wt = (rng.standard_normal((oc, c // g, k, k)) / np.sqrt(c // g * k * k)).astype(dtype)
+    b = (rng.standard_normal(oc) + 10.0).astype(dtype)
+    oh, ow = (h + 2 * p - d * (k - 1) - 1) // s + 1, (w + 2 * p - d * (k - 1) - 1) // s + 1
+    stats = np.float64 if dtype == np.float64 else np.float32
+    y, mean, var = np.empty((n, oc, oh, ow), dtype), np.empty(oc, stats), np.empty(oc, stats)
+    R.conv2d_stats(x, wt, b, (s, s), (p, p), (d, d), g, y, mean, var)
+    ya, ma, va = module.empty(y.shape, dtype), module.empty((oc,), stats), module.empty((oc,), stats)
+    args = [module.from_numpy(a) for a in (x, wt, b)]
+    module.conv2d_stats(*args, (s, s), (p, p), (d, d), g, ya, ma, va)
+    tol = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}[dtype]
+    y_got = module.to_numpy(ya).astype(np.float64)
+    np.testing.assert_allclose(y_got, y.astype(np.float64), rtol=tol, atol=tol * 10)
+    # The statistics of the output as each backend stored it (the reference's of its own y).
+    spread = float(np.abs(y.astype(np.float64) - 10.0).max())
+    np.testing.assert_allclose(module.to_numpy(ma), mean, rtol=tol, atol=tol * spread)
+    np.testing.assert_allclose(module.to_numpy(va), var, rtol=10 * tol, atol=tol * spread**2)
