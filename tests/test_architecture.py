@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse._engine", "taifuse._grad_slots"),  # grad mode, Function, run_backward; optimizer slots
     ("taifuse._tensor_functions",),  # the Functions of the Tensor methods, dtype promotion, autocast casts
     ("taifuse.tensor",),
-    ("taifuse._autograd_ops", "taifuse._batch_norm_ops", "taifuse._conv_ops", "taifuse.functional", "taifuse.checkpoint"),
+    ("taifuse._autograd_ops", "taifuse._batch_norm_ops", "taifuse._conv_ops", "taifuse._conv_bn_ops", "taifuse.functional",
+     "taifuse.checkpoint"),
     ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler",
      "taifuse.serialization", "taifuse.data", "taifuse.utils",
      "taifuse.distributed", "taifuse.library"),

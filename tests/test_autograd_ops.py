@@ -546,6 +546,36 @@ def _kernel_calls(rng: np.random.Generator, dtype: np.dtype, rows: int, cols: in
             ),
         )
     )
+    # The fused Conv-BN-ReLU block: y and its statistics from the reference (tests/test_conv_bn.py
+    # runs the geometries).
+    yc = np.empty((2, 4, 5, 6), dtype)
+    cb_mean, cb_var, cb_inv = (np.empty(4, stats) for _ in range(3))
+    R.conv2d_stats(xc, wc, None, (1, 1), (1, 1), (1, 1), 1, yc, cb_mean, cb_var)
+    R.batch_norm_update(cb_mean, cb_var, 60, 1e-5, 0.1, None, None, cb_inv)
+    calls.append(
+        (
+            "conv2d_batch_norm_backward",
+            lambda: (
+                (
+                    xc,
+                    wc,
+                    yc,
+                    arr(2, 4, 5, 6),
+                    cb_mean,
+                    cb_inv,
+                    arr(4),
+                    arr(4),
+                    "relu",
+                    (1, 1),
+                    (1, 1),
+                    (1, 1),
+                    1,
+                ),
+                (out(2, 3, 5, 6), out(4, 3, 3, 3), out(4), out(4), out(4)),
+                (),
+            ),
+        )
+    )
     pooled, flat_max = np.empty((2, 3, 3, 3), dtype), np.empty((2, 3, 3, 3), np.int64)
     R.max_pool2d(xc, (3, 3), (2, 2), (1, 1), (1, 1), pooled, flat_max)
 

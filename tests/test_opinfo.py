@@ -547,6 +547,8 @@ NO_OPINFO = {
     "Tensor.register_post_accumulate_grad_hook": "not an op: a hook on the graph (tests/test_distributed.py)",
     "Tensor.__iter__": "iteration, covered through __getitem__",
     "Tensor.__len__": "not an op",
+    "F.conv2d_batch_norm": "a taifuse block with no PyTorch op (tests/test_conv_bn.py compares it with "
+    "torch's conv2d -> batch_norm -> relu)",
 }
 
 

@@ -543,3 +543,23 @@ def test_cli_schedule_counts_optimizer_steps(tmp_path, capsys):
     assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
     code = main(["profile", "--wait", "10", "--active", "2", str(script)])
     assert code == 0 and "nothing recorded" in capsys.readouterr().err
+
+
+def test_array_paths_of_conv_pool_and_batch_norm_are_recorded_with_their_costs():
+    # Regression: the ops of _conv_ops (above _array_ops, which cannot import them) were not
+    # wrapped, so a convolution or pooling on NumPy arrays left no event.
+    taifuse.set_backend("numpy")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    with profile(ceilings=CEILINGS) as prof:
+        y = F.conv2d(x, w, padding=1)
+        F.max_pool2d(y, 2)
+        F.avg_pool2d(y, 2)
+        F.adaptive_avg_pool2d(y, 1)
+        F.batch_norm(y, np.zeros(4, np.float32), np.ones(4, np.float32), training=True)
+    costs = {e.name: e.cost for e in prof.events() if e.kind == "op"}
+    assert set(costs) == {"conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm"}
+    assert costs["conv2d"] == _costs.conv2d(_costs.ConvShape(2, 3, 8, 8, 4, 27, 64), bias=False)
+    assert costs["avg_pool2d"] == _costs.pool2d(4 * 2 * 4 * 64, 4 * 2 * 4 * 16)
+    assert costs["batch_norm"] == _costs.batch_norm(2 * 4 * 64, 4)

@@ -883,10 +883,12 @@ def _reduction_of_nothing(be: ModuleType, reduction: str, dtype: np.dtype) -> An
 # ----------------------------------------------------------------------------- profiler hook
 
 # The public ops, as taifuse.functional calls them on arrays: the functions that launch a kernel
-# of backends/_spec.py's table (its ``array_op``). NOTE [ Profiler hooks ] in
-# taifuse/_profile_hook.py: an autograd forward that calls one of them is already being recorded,
-# and the recorder does not record the nested call twice.
-PROFILED_OPS = tuple(k.array_op for k in _spec.KERNELS if k.array_op is not None)
+# of backends/_spec.py's table (its ``array_op``), as (module, name) pairs. NOTE [ Profiler hooks ]
+# in taifuse/_profile_hook.py: an autograd forward that calls one of them is already being
+# recorded, and the recorder does not record the nested call twice.
+PROFILED_OPS = tuple(
+    dict.fromkeys((k.array_module, k.array_op) for k in _spec.KERNELS if k.array_op is not None)
+)
 
 
 def _profiled(name: str, fn: Any) -> Any:
@@ -898,8 +900,19 @@ def _profiled(name: str, fn: Any) -> Any:
     return op
 
 
-for _name in PROFILED_OPS:
-    if _name not in globals():
-        raise ImportError(f"backends/_spec.py names _array_ops.{_name} as a kernel's op, and there is none")
-    globals()[_name] = _profiled(_name, globals()[_name])
-del _name
+def profile_ops(namespace: dict[str, Any], module: str) -> None:
+    """Wrap, in ``namespace`` (a module's ``globals()``), the ops ``PROFILED_OPS`` says ``module``
+    (``"_conv_ops"``) defines, so that the profiler records their array-path calls.
+
+    Each op module calls this at its end for its own ops: this module cannot wrap them, because
+    they import it (a circle). A listed op the module lacks is an ImportError naming it.
+    """
+    for owner, name in PROFILED_OPS:
+        if owner != module:
+            continue
+        if name not in namespace:
+            raise ImportError(f"backends/_spec.py names {module}.{name} as a kernel's op, and there is none")
+        namespace[name] = _profiled(name, namespace[name])
+
+
+profile_ops(globals(), "_array_ops")

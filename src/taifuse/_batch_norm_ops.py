@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from taifuse import _array_ops, _profile_hook, backends, pool
+from taifuse import _array_ops, backends, pool
 from taifuse._internal import backend, common_backend, wrap
 from taifuse._tensor_math import astype, math_for
 from taifuse.tensor import Function, Tensor
@@ -54,9 +54,11 @@ def check_args(
     eps: Any,
     activation: Any,
     op: str = _OP,
+    names: tuple[str, str, str] = ("input", "weight", "bias"),
 ) -> tuple[float, float, np.dtype]:
     """Every check of a batch_norm call, before anything is written: ``(momentum, eps, parameter
-    dtype)``. The arrays may be NumPy, backend arrays or Tensors (anything with shape and dtype)."""
+    dtype)``. The arrays may be NumPy, backend arrays or Tensors (anything with shape and dtype);
+    ``names`` are the caller's names of the input, weight and bias (a fused block's differ)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation should be one of {ACTIVATIONS}, got {activation!r}")
     if momentum is None:
@@ -86,8 +88,8 @@ def check_args(
     for argname, value in (
         ("running_mean", running_mean),
         ("running_var", running_var),
-        ("weight", weight),
-        ("bias", bias),
+        (names[1], weight),
+        (names[2], bias),
     ):
         if value is None:
             continue
@@ -95,7 +97,7 @@ def check_args(
             raise TypeError(f"{op}: {argname} should be an array or a Tensor, got {type(value).__name__}")
         if tuple(value.shape) != (channels,):
             raise ValueError(
-                f"{op}: {argname} should have shape ({channels},) for input {shape} (C = {channels}), "
+                f"{op}: {argname} should have shape ({channels},) for {names[0]} {shape} (C = {channels}), "
                 f"got {tuple(value.shape)}"
             )
         if value.dtype.kind != "f":
@@ -105,7 +107,7 @@ def check_args(
             allowed = (input.dtype, _F32) if input.dtype == _F16 else (input.dtype,)
             if value.dtype not in allowed:
                 raise TypeError(
-                    f"{op}: {argname} has dtype {value.dtype} but input has dtype {input.dtype}; parameters "
+                    f"{op}: {argname} has dtype {value.dtype} but {names[0]} has dtype {input.dtype}; parameters "
                     "and running statistics should have the input's dtype (float32 also for float16 input)"
                 )
         elif value.dtype != param_dtype:
@@ -114,7 +116,7 @@ def check_args(
             )
     if training and math.prod(shape) and shape[0] * math.prod(shape[2:]) == 1:
         raise ValueError(
-            f"{op}: expected more than 1 value per channel when training, got input size {shape}"
+            f"{op}: expected more than 1 value per channel when training, got {names[0]} size {shape}"
         )
     return momentum, eps, input.dtype if param_dtype is None else param_dtype
 
@@ -206,7 +208,7 @@ def backward_arrays(
     return gx, gw, gb
 
 
-def _host_or_backend(be: ModuleType, value: Any, argname: str) -> Any:
+def host_or_backend(be: ModuleType, value: Any, argname: str) -> Any:
     """An array argument on ``be``: a NumPy array converted, a backend array as is."""
     if value is None:
         return None
@@ -219,12 +221,12 @@ def _host_or_backend(be: ModuleType, value: Any, argname: str) -> Any:
     raise TypeError(f"{_OP}: {argname} should be a numpy.ndarray, got {type(value).__name__}")
 
 
-def _writable(value: Any, argname: str) -> None:
+def check_writable(value: Any, argname: str) -> None:
     if isinstance(value, np.ndarray) and not value.flags.writeable:
         raise ValueError(f"{_OP}: {argname} is read-only; batch_norm updates it in place in training")
 
 
-def _write_back(be: ModuleType, caller: Any, used: Any) -> None:
+def write_back(be: ModuleType, caller: Any, used: Any) -> None:
     """Copy a running statistic the kernels updated into the caller's array, where they differ
     (a NumPy array on a device backend, or a non-contiguous one)."""
     if isinstance(caller, np.ndarray) and used is not caller:
@@ -238,10 +240,10 @@ def _batch_norm_arrays(input, running_mean, running_var, weight, bias, training,
         input, running_mean, running_var, weight, bias, training, momentum, eps, activation
     )
     if training:
-        _writable(running_mean, "running_mean")
-        _writable(running_var, "running_var")
+        check_writable(running_mean, "running_mean")
+        check_writable(running_var, "running_var")
     arrays = {
-        name: _host_or_backend(be, value, name)
+        name: host_or_backend(be, value, name)
         for name, value in (
             ("input", input),
             ("running_mean", running_mean),
@@ -255,12 +257,12 @@ def _batch_norm_arrays(input, running_mean, running_var, weight, bias, training,
     out = pool.empty(be, tuple(x.shape), x.dtype)
     normalize(be, x, mean, invstd, arrays["weight"], arrays["bias"], activation, out)
     if training and running_mean is not None:
-        _write_back(be, running_mean, arrays["running_mean"])
-        _write_back(be, running_var, arrays["running_var"])
+        write_back(be, running_mean, arrays["running_mean"])
+        write_back(be, running_var, arrays["running_var"])
     return be.to_numpy(out) if isinstance(input, np.ndarray) else out
 
 
-def batch_norm_arrays(
+def batch_norm(
     input: Any,
     running_mean: Any,
     running_var: Any,
@@ -272,11 +274,9 @@ def batch_norm_arrays(
     activation: str | None = None,
 ) -> Any:
     """The array path of ``F.batch_norm`` (NumPy in, NumPy out; backend arrays in, backend arrays out)."""
-    args = (input, running_mean, running_var, weight, bias, training, momentum, eps, activation)
-    rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
-    if rec is None:
-        return _batch_norm_arrays(*args)
-    return rec.array_op(_OP, _batch_norm_arrays, args, {})
+    return _batch_norm_arrays(
+        input, running_mean, running_var, weight, bias, training, momentum, eps, activation
+    )
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -335,7 +335,7 @@ class BatchNorm(Function):
         return (gx, gw, gb) + (None,) * 7
 
 
-def _as_tensor(value: Any, like: Tensor, argname: str) -> Any:
+def as_tensor(value: Any, like: Tensor, argname: str) -> Any:
     """A NumPy argument of a Tensor call as a constant Tensor on ``like``'s backend."""
     if value is None or isinstance(value, Tensor):
         return value
@@ -360,16 +360,16 @@ def batch_norm_tensors(
     training = bool(training)
     if not isinstance(input, Tensor):
         like = next(v for v in (running_mean, running_var, weight, bias) if isinstance(v, Tensor))
-        input = _as_tensor(input, like, "input")
+        input = as_tensor(input, like, "input")
     momentum, eps, param_dtype = check_args(
         input, running_mean, running_var, weight, bias, training, momentum, eps, activation
     )
     if training:
-        _writable(running_mean, "running_mean")
-        _writable(running_var, "running_var")
+        check_writable(running_mean, "running_mean")
+        check_writable(running_var, "running_var")
     backend(input).check_dtype(input.dtype, f"{_OP}: input")
     args = {
-        name: _as_tensor(value, input, name)
+        name: as_tensor(value, input, name)
         for name, value in (
             ("running_mean", running_mean),
             ("running_var", running_var),
@@ -394,3 +394,6 @@ def batch_norm_tensors(
             if isinstance(caller, np.ndarray):
                 np.copyto(caller, args[name].numpy())
     return out
+
+
+_array_ops.profile_ops(globals(), "_batch_norm_ops")  # NOTE [ Profiler hooks ]

@@ -213,7 +213,7 @@ def _batched(op: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check_conv_input(op: str, shape: tuple[int, ...]) -> None:
+def check_conv_input(op: str, shape: tuple[int, ...]) -> None:
     if len(shape) != 4:
         raise ValueError(
             f"{op}: input should be 4-D (N, C, H, W), got shape {tuple(shape)}"
@@ -228,7 +228,7 @@ def _check_conv_input(op: str, shape: tuple[int, ...]) -> None:
 # ----------------------------------------------------------------------------- the array path
 
 
-def _run_conv(be, xa, wa, ba, geom: ConvGeometry, activation: str | None, keep_pre: bool):
+def run_conv(be, xa, wa, ba, geom: ConvGeometry, activation: str | None, keep_pre: bool):
     o = pool.empty(be, geom.out_shape, xa.dtype)
     pre = pool.empty(be, geom.out_shape, xa.dtype) if keep_pre else None
     if o.size:
@@ -246,14 +246,14 @@ def conv2d(
     A.check_activation(activation)
     call = A.Call("conv2d")
     xa = call.array(input, "input")
-    _check_conv_input("conv2d", tuple(xa.shape))
+    check_conv_input("conv2d", tuple(xa.shape))
     wa = call.array(weight, "weight", dtype=xa.dtype, like_name="input")
     ba = None if bias is None else call.array(bias, "bias", dtype=xa.dtype, like_name="input")
     geom = conv_geometry(
         "conv2d", tuple(xa.shape), tuple(wa.shape), None if ba is None else tuple(ba.shape),
         stride, padding, dilation, groups,
     )  # fmt: skip
-    o, _ = _run_conv(call.be, xa, wa, ba, geom, activation, False)
+    o, _ = run_conv(call.be, xa, wa, ba, geom, activation, False)
     return call.result(o)
 
 
@@ -340,7 +340,7 @@ class _Conv2d(Op):
     def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry, activation: str | None) -> Any:
         self.x, self.w, self.geom, self.activation, self.has_bias = x, w, geom, activation, b is not None
         keep = activation in _SPLIT_ACTIVATION and self.needs_any()
-        out, pre = _run_conv(self.be, x, w, b, geom, activation, keep)
+        out, pre = run_conv(self.be, x, w, b, geom, activation, keep)
         self.pre = pre if keep else (out if activation == "relu" else None)
         return out
 
@@ -389,7 +389,7 @@ def conv2d_tensor(
             raise TypeError(f"conv2d: {name} should be a Tensor or numpy.ndarray, got {type(t).__name__}")
         if t is not None:
             A.check_float_array(t.dtype, backend(t), "conv2d", name, like=x.dtype, like_name="input")
-    _check_conv_input("conv2d", tuple(x.shape))
+    check_conv_input("conv2d", tuple(x.shape))
     geom = conv_geometry(
         "conv2d", tuple(x.shape), tuple(w.shape), None if b is None else tuple(b.shape),
         stride, padding, dilation, groups,
@@ -504,3 +504,6 @@ def adaptive_avg_pool2d_tensor(input: Any, output_size: Any) -> Tensor:
     out_shape = adaptive_shape(shape, output_size)
     y = _AdaptiveAvgPool2d.apply(_as_4d(x, shape), out_shape)
     return y if x.ndim == 4 else y.reshape(out_shape[1:])
+
+
+A.profile_ops(globals(), "_conv_ops")  # NOTE [ Profiler hooks ]

@@ -14,14 +14,19 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = [
+    "ConvShape",
     "Cost",
     "attention",
     "attention_flops",
     "attention_pairs",
+    "batch_norm",
+    "conv2d",
+    "conv2d_batch_norm",
     "elementwise",
     "linear",
     "matmul",
     "optimizer_step",
+    "pool2d",
     "traffic_bytes",
 ]
 
@@ -162,3 +167,144 @@ def optimizer_step(param_bytes: int, grad_bytes: int, state_bytes: int) -> Cost:
         Cost(bytes_moved=28000, bytes_written=12000, flops=0)
     """
     return Cost(2 * param_bytes + grad_bytes + 2 * state_bytes, param_bytes + state_bytes, 0)
+
+
+# ----------------------------------------------------------------------------- convolutional networks
+
+
+class ConvShape(NamedTuple):
+    """A convolution's sizes: input ``(n, c, h, w)``, ``oc`` output channels of ``pixels`` each
+    (OH * OW), and ``k`` multiply-adds per output element (``C / groups * KH * KW``)."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    oc: int
+    k: int
+    pixels: int
+
+    def flops(self) -> int:
+        """``2 * N * OC * OH * OW * (C / groups) * KH * KW``: one product's."""
+        return 2 * self.n * self.oc * self.pixels * self.k
+
+
+def conv2d(
+    shape: ConvShape,
+    *,
+    bias: bool = True,
+    itemsize: int = 4,
+    backward: bool = False,
+    activation: bool = False,
+    input_grad: bool = True,
+) -> Cost:
+    """``y = act(conv2d(x, w) + b)``, or its backward, as :func:`linear` counts a linear layer.
+
+    Forward: reads x, w (and b), writes y; ``shape.flops()``. Backward: reads x, w and the
+    output's gradient (and, with an ``activation``, the pre-activation), writes the gradients of w
+    (and b, and x when ``input_grad``); one product for the weight's gradient and one for the
+    input's. The columns of an im2col are the kernel's own scratch, not counted.
+
+    Example (the CIFAR-like first layer: 64 images of 3 x 32 x 32, 32 channels of 3 x 3)::
+
+        >>> s = ConvShape(64, 3, 32, 32, 32, 27, 1024)
+        >>> conv2d(s, bias=False).flops, conv2d(s, bias=False).bytes_moved
+        (113246208, 9178496)
+    """
+    x = shape.n * shape.c * shape.h * shape.w
+    wt = shape.oc * shape.k  # OC * (C / groups) * KH * KW
+    y = shape.n * shape.oc * shape.pixels
+    b = shape.oc if bias else 0
+    if not backward:
+        return Cost(itemsize * (x + wt + b + y), itemsize * y, shape.flops())
+    gx = x if input_grad else 0
+    per_output = 2 if activation else 1  # the output's gradient (and the pre-activation)
+    written = gx + wt + b
+    moved = x + wt + per_output * y + written
+    return Cost(itemsize * moved, itemsize * written, shape.flops() * (2 if input_grad else 1))
+
+
+def pool2d(input_bytes: int, output_bytes: int, *, index_bytes: int = 0, backward: bool = False) -> Cost:
+    """A pooling: forward reads the input and writes the output (and max pooling's indices, in
+    ``output_bytes``); backward reads the output's gradient (and the indices) and writes the
+    input's gradient. Its arithmetic is not counted (memory-bound)."""
+    if not backward:
+        return elementwise(input_bytes, output_bytes)
+    return elementwise(output_bytes + index_bytes, input_bytes)
+
+
+def batch_norm(
+    elements: int,
+    channels: int,
+    *,
+    itemsize: int = 4,
+    param_itemsize: int = 4,
+    training: bool = True,
+    backward: bool = False,
+    running: bool = True,
+) -> Cost:
+    """Batch norm over ``elements`` values of ``channels`` channels: the passes over the
+    activation its math needs.
+
+    Forward in training: the statistics must be complete before any value is normalized, so x
+    is read twice (the statistics' pass and the normalize pass) and the output written once; in
+    evaluation x is read once. Backward: per-channel sums of (x, grad_out) must be complete before
+    any input gradient, so both are read twice and the input's gradient written once. The
+    per-channel arrays (weight, bias, the running statistics, read and written in training when
+    ``running``; the parameters' gradients) are counted once each.
+
+    Example::
+
+        >>> batch_norm(1000, 10).bytes_moved  # x read twice, out written: 3 * 4000; weight, bias, running stats
+        12240
+    """
+    act = elements * itemsize
+    per_channel = channels * param_itemsize
+    if backward:
+        return Cost(4 * act + act + 4 * per_channel, act + 2 * per_channel)
+    reads = 2 if training else 1
+    stats = 2 * per_channel if running else 0
+    written = act + (stats if training else 0)
+    return Cost(reads * act + written + 2 * per_channel + stats, written)
+
+
+def conv2d_batch_norm(
+    shape: ConvShape,
+    *,
+    bias: bool = False,
+    itemsize: int = 4,
+    param_itemsize: int = 4,
+    backward: bool = False,
+    input_grad: bool = True,
+    running: bool = True,
+) -> Cost:
+    """The training-mode Conv2d -> BatchNorm -> ReLU block as taifuse fuses it (NOTE [ The fused
+    Conv-BN-ReLU block in training ] in backends/reference/conv.py), against which the three ops'
+    costs add up to more activation traffic:
+
+    forward: the convolution writes y (its statistics accumulated as it stores), then one pass
+    reads y and writes the output: y is written once and read once, the output written once (the
+    ops: y written, read twice by batch norm, its output written, read and written by the ReLU).
+    Backward: y and the output's gradient are read twice (the per-channel sums, then the pass that
+    forms the convolution's gradient), then the convolution's two products (the ops also write
+    and read the ReLU's gradient and batch norm's input gradient). The ReLU's mask is recomputed.
+
+    Example (the CIFAR-like second layer: 32 -> 64 channels over 64 images of 32 x 32)::
+
+        >>> s = ConvShape(64, 32, 32, 32, 64, 288, 1024)
+        >>> fused = conv2d_batch_norm(s).bytes_moved
+        >>> ops = conv2d(s, bias=False).bytes_moved + batch_norm(64 * 64 * 1024, 64).bytes_moved
+        >>> ops += elementwise(4 * 64 * 64 * 1024, 4 * 64 * 64 * 1024).bytes_moved  # the ReLU
+        >>> round(ops / fused, 2)
+        1.86
+    """
+    y = shape.n * shape.oc * shape.pixels * itemsize
+    per_channel = shape.oc * param_itemsize
+    conv = conv2d(shape, bias=bias, itemsize=itemsize, backward=backward, input_grad=input_grad)
+    if not backward:
+        stats = 2 * per_channel if running else 0
+        return Cost(
+            conv.bytes_moved + 2 * y + 2 * per_channel + 2 * stats, conv.bytes_written + y + stats, conv.flops
+        )
+    # conv's backward read the output's gradient once; the block reads y and it twice each.
+    return Cost(conv.bytes_moved + 3 * y + 4 * per_channel, conv.bytes_written + 2 * per_channel, conv.flops)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from taifuse import _array_ops, _autograd_ops, _batch_norm_ops, _conv_ops
+from taifuse import _array_ops, _autograd_ops, _batch_norm_ops, _conv_bn_ops, _conv_ops
 from taifuse.backends import _spec
 from taifuse.tensor import Tensor, tensors_in
 
@@ -36,6 +36,7 @@ __all__ = [
     "batch_norm",
     "conv1d",
     "conv2d",
+    "conv2d_batch_norm",
     "cross_entropy",
     "dropout",
     "embedding",
@@ -214,6 +215,55 @@ def conv2d(
     if tensors_in((input, weight, bias)):
         return _conv_ops.conv2d_tensor(input, weight, bias, stride, padding, dilation, groups, activation)
     return _conv_ops.conv2d(input, weight, bias, stride, padding, dilation, groups, activation)
+
+
+def conv2d_batch_norm(
+    input: Any,
+    weight: Any,
+    bias: Any = None,
+    running_mean: Any = None,
+    running_var: Any = None,
+    bn_weight: Any = None,
+    bn_bias: Any = None,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] | str = 0,
+    dilation: int | tuple[int, int] = 1,
+    groups: int = 1,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    activation: str | None = None,
+) -> Any:
+    """The Conv2d -> BatchNorm -> ReLU block as one op (a taifuse extension; PyTorch composes it):
+    ``batch_norm(conv2d(input, weight, bias, stride, padding, dilation, groups), running_mean,
+    running_var, bn_weight, bn_bias, training, momentum, eps, activation=activation)``.
+
+    The arguments are :func:`conv2d`'s and :func:`batch_norm`'s (batch norm's ``weight`` and
+    ``bias`` are ``bn_weight`` and ``bn_bias``); ``activation`` None or ``'relu'``. In training the
+    block reads and writes the activation fewer times than the three ops (the convolution
+    accumulates its output's statistics as it stores it; one pass normalizes, applies the affine
+    map and the ReLU; the backward forms the convolution's gradient in the pass that computes
+    batch norm's: docs/cnn.md), and the running statistics are updated in place. The gradient of
+    the convolution's ``bias`` is exactly 0 in training (batch norm subtracts the batch mean), so
+    a block usually has none (``nn.Conv2d(..., bias=False)``). In evaluation it runs the
+    convolution, then one normalize-ReLU pass; ``nn.utils.fuse_conv_bn_eval`` folds it into one
+    convolution. ``nn.ConvBnReLU2d`` is the module.
+
+    Example::
+
+        >>> import numpy as np, taifuse.functional as F
+        >>> x = np.arange(18, dtype=np.float32).reshape(2, 1, 3, 3)
+        >>> rm, rv = np.zeros(1, np.float32), np.ones(1, np.float32)
+        >>> y = F.conv2d_batch_norm(x, np.ones((1, 1, 2, 2), np.float32), None, rm, rv, training=True,
+        ...                         activation="relu")
+        >>> y.shape, float(y.min()), rm  # the running mean moved by 0.1 of the batch mean, 34
+        ((2, 1, 2, 2), 0.0, array([3.4], dtype=float32))
+    """
+    args = (input, weight, bias, running_mean, running_var, bn_weight, bn_bias, stride, padding, dilation,
+            groups, training, momentum, eps, activation)  # fmt: skip
+    if tensors_in((input, weight, bias, running_mean, running_var, bn_weight, bn_bias)):
+        return _conv_bn_ops.conv2d_batch_norm_tensor(*args)
+    return _conv_bn_ops.conv2d_batch_norm(*args)
 
 
 def conv1d(
@@ -397,7 +447,7 @@ def batch_norm(
         return _batch_norm_ops.batch_norm_tensors(
             input, running_mean, running_var, weight, bias, training, momentum, eps, activation
         )
-    return _batch_norm_ops.batch_norm_arrays(
+    return _batch_norm_ops.batch_norm(
         input, running_mean, running_var, weight, bias, training, momentum, eps, activation
     )
 

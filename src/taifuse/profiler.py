@@ -308,9 +308,93 @@ def _matmul_cost(sig: tuple, phase: str) -> Cost | None:
     )
 
 
-def _op_cost(name: str, sig: tuple, phase: str, out_bytes: int, needs_grad: tuple = ()) -> Cost:
+def _conv_shape(x: tuple, w: tuple, out_bytes: int, itemsize: int) -> _costs.ConvShape:
+    n, oc = x[0], w[0]
+    pixels = out_bytes // itemsize // max(n * oc, 1)  # OH * OW, from the output (or its gradient)
+    return _costs.ConvShape(n, x[1], x[2], x[3], oc, math.prod(w[1:]), pixels)
+
+
+def _conv_cost(
+    name: str, sig: tuple, phase: str, out_bytes: int, needs_grad: tuple, grad_bytes: int
+) -> Cost | None:
+    """conv2d (the array path's or the Function's signature) and the fused conv2d_batch_norm."""
+    shapes, dtypes, scalars = sig
+    if len(shapes) < 2 or shapes[0] is None or shapes[1] is None or len(shapes[0]) != 4:
+        return None
+    itemsize = np.dtype(dtypes[0]).itemsize
+    backward = phase == "backward"
+    shape = _conv_shape(shapes[0], shapes[1], grad_bytes if backward else out_bytes, itemsize)
+    bias = len(shapes) > 2 and shapes[2] is not None
+    input_grad = bool(needs_grad[0]) if needs_grad else True
+    if name == "conv2d":
+        # activation: the Function's 5th argument, the array path's 8th.
+        activation = scalars[4] if len(scalars) == 5 else (scalars[7] if len(scalars) > 7 else None)
+        return _costs.conv2d(
+            shape, bias=bias, itemsize=itemsize, backward=backward, activation=activation is not None,
+            input_grad=input_grad,
+        )  # fmt: skip
+    # conv2d_batch_norm: the Function (x, w, b, bn_w, bn_b, running_mean, running_var, ...) is the
+    # training block; the array path (x, w, b, running_mean, running_var, bn_w, bn_b, ...) says
+    # whether it trains (argument 11), and in evaluation costs as its two kernels.
+    array_path = len(scalars) > 11 and isinstance(scalars[11], (bool, int))
+    training = bool(scalars[11]) if array_path else True
+    running_at = 3 if array_path else 5
+    running = len(shapes) > running_at and shapes[running_at] is not None
+    param = next((d for d in dtypes[3:7] if d is not None), dtypes[0])
+    if not training:
+        conv = _costs.conv2d(shape, bias=bias, itemsize=itemsize)
+        bn = _costs.batch_norm(
+            shape.n * shape.oc * shape.pixels, shape.oc, itemsize=itemsize,
+            param_itemsize=np.dtype(param).itemsize, training=False,
+        )  # fmt: skip
+        return Cost(conv.bytes_moved + bn.bytes_moved, conv.bytes_written + bn.bytes_written, conv.flops)
+    return _costs.conv2d_batch_norm(
+        shape, bias=bias, itemsize=itemsize, param_itemsize=np.dtype(param).itemsize, backward=backward,
+        input_grad=input_grad, running=running,
+    )  # fmt: skip
+
+
+def _batch_norm_cost(sig: tuple, phase: str) -> Cost | None:
+    # batch_norm's Function (x, weight, bias, running_mean, running_var, training, ...) and array
+    # path (input, running_mean, running_var, weight, bias, training, ...) agree on x and training.
+    shapes, dtypes, scalars = sig
+    if not shapes or shapes[0] is None or len(shapes[0]) < 2:
+        return None
+    param = next((d for d in dtypes[1:5] if d is not None), dtypes[0])
+    return _costs.batch_norm(
+        math.prod(shapes[0]), shapes[0][1], itemsize=np.dtype(dtypes[0]).itemsize,
+        param_itemsize=np.dtype(param).itemsize, training=bool(scalars[5]) if len(scalars) > 5 else True,
+        backward=phase == "backward", running=any(s is not None for s in shapes[1:5]),
+    )  # fmt: skip
+
+
+def _pool_cost(name: str, sig: tuple, phase: str, out_bytes: int, grad_bytes: int) -> Cost | None:
+    shapes, dtypes, _ = sig
+    if not shapes or shapes[0] is None:
+        return None
+    x_bytes = _nbytes(shapes[0], dtypes[0])
+    if phase == "forward":
+        return _costs.pool2d(x_bytes, out_bytes)
+    # max pooling's Function keeps its indices (its 4th argument) and routes the gradient by them.
+    index_bytes = (
+        _nbytes(shapes[3], dtypes[3]) if name == "max_pool2d" and len(shapes) > 3 and shapes[3] else 0
+    )
+    return _costs.pool2d(out_bytes, grad_bytes, index_bytes=index_bytes, backward=True)
+
+
+_POOLS = frozenset(("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"))
+# Ops whose cost function counts their backward too (the others: NOTE in _cost_of).
+_OWN_BACKWARD = (
+    frozenset(("linear", "attention", "matmul", "conv2d", "conv2d_batch_norm", "batch_norm")) | _POOLS
+)
+
+
+def _op_cost(
+    name: str, sig: tuple, phase: str, out_bytes: int, needs_grad: tuple = (), grad_bytes: int = 0
+) -> Cost:
     """What the op must move and compute; ops without a formula of their own count their array
-    arguments read and their results written (the elementwise model), their arithmetic not counted."""
+    arguments read and their results written (the elementwise model), their arithmetic not counted.
+    In a backward, ``out_bytes`` are the gradients written and ``grad_bytes`` the output's gradient."""
     cost = None
     if name == "linear":
         cost = _linear_cost(sig, phase, needs_grad)
@@ -318,6 +402,12 @@ def _op_cost(name: str, sig: tuple, phase: str, out_bytes: int, needs_grad: tupl
         cost = _attention_cost(sig, phase, causal_at=5)
     elif name == "matmul":
         cost = _matmul_cost(sig, phase)
+    elif name in ("conv2d", "conv2d_batch_norm"):
+        cost = _conv_cost(name, sig, phase, out_bytes, needs_grad, grad_bytes)
+    elif name == "batch_norm":
+        cost = _batch_norm_cost(sig, phase)
+    elif name in _POOLS:
+        cost = _pool_cost(name, sig, phase, out_bytes, grad_bytes)
     if cost is not None:
         return cost
     shapes, dtypes, _ = sig
@@ -331,11 +421,11 @@ def _cost_of(name: str, phase: str, sig: tuple, out_bytes: int, needs_grad: tupl
     if phase == "forward":
         return _op_cost(name, sig, "forward", out_bytes)
     op = name.removesuffix("_backward")
-    base = _op_cost(op, sig, "backward", 0, needs_grad)
-    if op in ("linear", "attention", "matmul"):
-        return base
     if not out_bytes:  # every gradient passed through: no kernel ran
         return Cost(0, 0, 0)
+    if op in _OWN_BACKWARD:
+        return _op_cost(op, sig, "backward", out_bytes, needs_grad, grad_bytes)
+    base = _op_cost(op, sig, "backward", 0, needs_grad)
     return _costs.elementwise(base.bytes_moved + grad_bytes, out_bytes)
 
 
@@ -1214,7 +1304,8 @@ class EventList(list):
         """The rows as a text table, sorted by ``sort_by`` (descending), at most ``row_limit`` rows.
 
         Columns: name, calls, self time (total ms and % of the profiled wall time: the share of the
-        step), total time (ms, ranges included), mean per call (µs), achieved GB/s and GFLOP/s,
+        step), total time (ms, ranges included), mean per call (µs), the bytes its calls moved
+        (MB, ``taifuse._costs``: reads and writes, each counted once), achieved GB/s and GFLOP/s,
         % of the ceiling and the bound. ``sort_by``: one of ``self_time_total``, ``total_time``,
         ``count``, ``mean``, ``gbps``, ``gflops`` (``self_cpu_time_total`` and
         ``cpu_time_total`` as torch.profiler's aliases).
@@ -1232,6 +1323,7 @@ class EventList(list):
             "Self %",
             "Total ms",
             "Mean us",
+            "MB moved",
             "GB/s",
             "GFLOP/s",
             "% ceil",
@@ -1249,6 +1341,7 @@ class EventList(list):
                     f"{100 * r.self_ns / self.wall_ns:.1f}" if self.wall_ns else "-",
                     f"{r.total_ns / 1e6:.3f}",
                     f"{r.mean_ns / 1e3:.1f}",
+                    f"{r.bytes_moved / 1e6:.3f}" if r.is_op and r.bytes_moved else "-",
                     f"{r.gbps:.1f}" if r.gbps is not None else "-",
                     f"{r.gflops:.1f}" if r.gflops is not None else "-",
                     f"{100 * fraction:.0f}" if fraction is not None else "-",

@@ -30,12 +30,16 @@ class Kernel(NamedTuple):
     table: str
     # The module of each backend package that defines it: backends/<backend>/<module>.py.
     module: str
-    # The _array_ops function (taifuse.functional's op of that name) that launches it, which the
+    # The array-path function (taifuse.functional's op of that name) that launches it, which the
     # profiler records (NOTE [ Profiler hooks ] in taifuse/_profile_hook.py); None for the kernels
-    # only an autograd backward or an optimizer calls.
+    # only an autograd backward or an optimizer calls, or another kernel's op launches.
     array_op: str | None
     # The backends whose table has it.
     backends: tuple[str, ...] = BACKENDS
+    # The module of taifuse that defines ``array_op``: ``_array_ops``, or an op family's module
+    # above it (``_conv_ops``), which wraps its own ops with ``_array_ops.profile_ops`` (it cannot
+    # be wrapped from ``_array_ops``, which it imports).
+    array_module: str = "_array_ops"
 
 
 def _forward(name: str, module: str = "forward", array_op: str | None = None) -> Kernel:
@@ -69,16 +73,18 @@ KERNELS: tuple[Kernel, ...] = (
     _forward("attention", "attention", array_op="scaled_dot_product_attention"),
     _forward("rms_norm"),
     _forward("embedding"),
-    # Batch norm's kernels: _batch_norm_ops launches them and reads the profiler hook itself
-    # (importing it from _array_ops would be a circle), so no array_op.
-    Kernel("batch_norm_stats", "forward", "batch_norm", None),
+    # Batch norm's kernels, launched by _batch_norm_ops.batch_norm (the op is named on one row).
+    Kernel("batch_norm_stats", "forward", "batch_norm", "batch_norm", array_module="_batch_norm_ops"),
     Kernel("batch_norm_update", "forward", "batch_norm", None),
     Kernel("batch_norm_elemt", "forward", "batch_norm", None),
-    # Convolution and pooling: _conv_ops launches them (its own array path, like batch norm's).
-    Kernel("conv2d", "forward", "conv", None),
-    Kernel("max_pool2d", "forward", "conv", None),
-    Kernel("avg_pool2d", "forward", "conv", None),
-    Kernel("adaptive_avg_pool2d", "forward", "conv", None),
+    # Convolution and pooling, launched by _conv_ops' array path.
+    Kernel("conv2d", "forward", "conv", "conv2d", array_module="_conv_ops"),
+    Kernel("max_pool2d", "forward", "conv", "max_pool2d", array_module="_conv_ops"),
+    Kernel("avg_pool2d", "forward", "conv", "avg_pool2d", array_module="_conv_ops"),
+    Kernel("adaptive_avg_pool2d", "forward", "conv", "adaptive_avg_pool2d", array_module="_conv_ops"),
+    # The training-mode Conv2d -> BatchNorm -> ReLU block (_conv_bn_ops): the convolution with the
+    # batch statistics of its output, then batch_norm_update and batch_norm_elemt.
+    Kernel("conv2d_stats", "forward", "conv", "conv2d_batch_norm", array_module="_conv_bn_ops"),
     # The autograd layer's kernels: a backward per differentiable op, and the losses with theirs.
     _backward("gelu_backward"),
     _backward("relu_backward"),
@@ -106,6 +112,7 @@ KERNELS: tuple[Kernel, ...] = (
     _backward("max_pool2d_backward", "conv"),
     _backward("avg_pool2d_backward", "conv"),
     _backward("adaptive_avg_pool2d_backward", "conv"),
+    _backward("conv2d_batch_norm_backward", "conv"),
     # Fused optimizer update kernels (taifuse.optim).
     _optim("sgd_step"),
     _optim("adam_step"),

@@ -16,6 +16,7 @@ from taifuse.nn import utils as utils  # torch.nn.utils: fuse_conv_bn_eval
 from taifuse.nn.batchnorm import BatchNorm1d, BatchNorm2d
 from taifuse.nn.checkpoint import Checkpoint
 from taifuse.nn.conv import AdaptiveAvgPool2d, AvgPool2d, Conv2d, Flatten, MaxPool2d
+from taifuse.nn.fused import ConvBn2d, ConvBnReLU2d
 from taifuse.nn.layers import (
     GELU,
     CausalSelfAttention,
@@ -45,6 +46,8 @@ __all__ = [
     "CausalSelfAttention",
     "Checkpoint",
     "Conv2d",
+    "ConvBn2d",
+    "ConvBnReLU2d",
     "CrossEntropyLoss",
     "Dropout",
     "Embedding",

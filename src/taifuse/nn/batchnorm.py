@@ -134,11 +134,14 @@ class _BatchNorm(Module):
                 f"{type(self).__name__}: expected {self._expected} input, got {len(x.shape)}D input"
             )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def functional_args(self, x: Any) -> tuple[Any, Any, bool, float]:
+        """``(running_mean, running_var, training, momentum)`` for ``F.batch_norm`` on ``x`` (or on
+        anything with x's shape and dtype), counting the batch in training: the one place the mode
+        rules live, for :meth:`forward` and for the fused ``nn.ConvBnReLU2d``. ``x`` is checked
+        first, so that a bad input does not count a batch."""
         self._check_input_dim(x)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
-            # Validated first, so that a bad input does not count a batch (F.batch_norm checks the rest).
             _batch_norm_ops.check_args(
                 x, self.running_mean, self.running_var, self.weight, self.bias, True, factor, self.eps,
                 self.activation, type(self).__name__,
@@ -149,17 +152,19 @@ class _BatchNorm(Module):
         # Batch statistics in training, and in evaluation without running statistics (PyTorch's rule).
         use_batch = self.training or self.running_mean is None
         track = not self.training or self.track_running_stats
-        return F.batch_norm(
-            x,
-            self.running_mean if track else None,
-            self.running_var if track else None,
-            self.weight,
-            self.bias,
+        return (
+            (self.running_mean if track else None),
+            (self.running_var if track else None),
             use_batch,
             factor,
-            self.eps,
-            activation=self.activation,
         )
+
+    def forward(self, x: Tensor) -> Tensor:
+        running_mean, running_var, use_batch, factor = self.functional_args(x)
+        return F.batch_norm(
+            x, running_mean, running_var, self.weight, self.bias, use_batch, factor, self.eps,
+            activation=self.activation,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         text = (

@@ -40,12 +40,22 @@ from taifuse.backends.numba._jit import (
     _bits,
     _gelu,
     _gelu_tanh,
+    _like,
     _narrow,
     _relu,
     _silu,
     _widen,
 )
 from taifuse.backends.numba.backward import _grad_pre_span
+from taifuse.backends.numba.batch_norm import (
+    _backward_planes,
+    _backward_planes_parallel,
+    _channel_factors,
+    _finish_stats,
+    _finish_sums,
+    _per,
+    batch_norm_stats,
+)
 
 # Scratch for one block of columns (NOTE [ Convolution on the host: im2col in blocks ]).
 COLS_BLOCK_BYTES = 16 * 1024 * 1024
@@ -183,6 +193,56 @@ def _grad_pre(pre, g, op, gp, gb):
             gb[o] = _narrow(acc, gb)
 
 
+@njit(**_FMA_PARALLEL)
+def _epilogue_stats(y, b, n0, out, shift, s1, s2):
+    # out[n, o] = y[o, (n - n0) * P + p] + b[o] as stored, and that plane's shifted sums
+    # sum(out - K[o]) and sum((out - K[o])^2) into s1[n, o], s2[n, o] (NOTE [ Batch norm statistics
+    # in one pass ] in batch_norm.py), while the block of y is still in cache.
+    nb = y.shape[1] // out.shape[2]
+    oc, p = out.shape[1], out.shape[2]
+    for item in prange(nb * oc):
+        n = item // oc
+        o = item % oc
+        src = y[o, n * p : (n + 1) * p]
+        dst = out[n0 + n, o]
+        bias = _widen(b[o]) if b is not None else _widen(src[0]) * 0
+        k = shift[o]
+        a = 0.0
+        q2 = 0.0
+        for q in range(p):
+            v = _narrow(src[q] + bias, out)
+            dst[q] = v
+            d = np.float64(_widen(v)) - k
+            a += d
+            q2 += d * d
+        s1[n0 + n, o] = a
+        s2[n0 + n, o] = q2
+
+
+@njit(**_FMA_PARALLEL)
+def _bn_grad_pre(y, g, mean, scale, shift, relu, k1, k2, k3, gp):
+    # Batch norm's input gradient in training, written channel-major for the convolution's
+    # products: gp[o, n * P + p] = k1 * (g' - k2 - (y - mean) * k3), g' = g masked by the forward's
+    # ReLU (NOTE [ The ReLU mask in the backward ] in batch_norm.py).
+    n_dim, oc, p = g.shape
+    for o in prange(oc):
+        m, a, b = mean[o], scale[o], shift[o]
+        f1, f2, f3 = k1[o], k2[o], k3[o]
+        for n in range(n_dim):
+            dst = gp[o, n * p : (n + 1) * p]
+            ys, gs = y[n, o], g[n, o]
+            if relu:
+                for q in range(p):
+                    yv = _widen(ys[q])
+                    pre = _widen(_narrow((yv - m) * a + b, g))
+                    gv = _like(0.0, yv) if pre <= 0 else _widen(gs[q])
+                    dst[q] = f1 * (gv - f2 - (yv - m) * f3)
+            else:
+                for q in range(p):
+                    yv = _widen(ys[q])
+                    dst[q] = f1 * (_widen(gs[q]) - f2 - (yv - m) * f3)
+
+
 # ----------------------------------------------------------------------------- direct kernels
 
 
@@ -279,24 +339,32 @@ def conv2d_backward(
 ) -> None:
     """See the reference's conv2d_backward; NOTE [ Convolution on the host: im2col in blocks ]."""
     op = int(activation_code(activation))
-    n, c, _, _ = x.shape
-    oc, cg, kh, kw = w.shape
-    oh, ow = grad_out.shape[2:]
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    n, oc, oh, ow = grad_out.shape
     scratch = pool.host_pool()
-    ct = _compute_dtype(x.dtype)
     p = oh * ow
-    k = cg * kh * kw
-    ocg = oc // groups
-    gp = scratch.acquire((oc, n * p), ct)
+    gp = scratch.acquire((oc, n * p), _compute_dtype(x.dtype))
     gb = None if grad_b is None else scratch.acquire((oc,), np.float64)
     g3 = _bits(grad_out).reshape(n, oc, p)
     # pre is read only with an activation; without one, grad_out stands in for the argument.
     _grad_pre(g3 if pre is None else _bits(pre).reshape(n, oc, p), g3, op, gp, gb)
     if grad_b is not None:
         np.copyto(grad_b, gb, casting="unsafe")
+    _products(x, w, gp, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
+
+
+def _products(x, w, gp, stride, padding, dilation, groups, oh, ow, grad_x, grad_w) -> None:
+    """grad_w and grad_x from grad_pre ``gp (OC, N * P)`` (channel-major, the compute dtype), per
+    block of images (NOTE [ Convolution on the host: im2col in blocks ])."""
     if grad_x is None and grad_w is None:
         return
+    n, c, _, _ = x.shape
+    oc, cg, kh, kw = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    scratch = pool.host_pool()
+    ct = gp.dtype
+    p = oh * ow
+    k = cg * kh * kw
+    ocg = oc // groups
     w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
     nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
     cols = scratch.acquire((c * kh * kw, nb * p), ct)
@@ -323,6 +391,92 @@ def conv2d_backward(
             _col2im(cv, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, planes, _bits(grad_x))
     if grad_w is not None and gw.dtype != grad_w.dtype:
         _jit._convert(grad_w, gw.reshape(grad_w.shape))
+
+
+# ----------------------------------------------------------------------------- Conv2d -> BatchNorm -> ReLU
+
+
+def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> None:
+    """See the reference's conv2d_stats (NOTE [ The fused Conv-BN-ReLU block in training ]): the
+    im2col path's epilogue adds each plane's shifted sums while it stores the block; the direct
+    path (depthwise) runs batch_norm_stats over its output after it, one more pass."""
+    n, c, _, _ = x.shape
+    oc, cg, kh, kw = w.shape
+    oh, ow = out.shape[2:]
+    if _direct_wins(groups, c, oc):
+        conv2d(x, w, b, stride, padding, dilation, groups, None, out)
+        batch_norm_stats(out.reshape(n, oc, oh * ow), mean, var)
+        return
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    scratch = pool.host_pool()
+    ct = _compute_dtype(x.dtype)
+    p = oh * ow
+    k = cg * kh * kw
+    ocg = oc // groups
+    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
+    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
+    cols = scratch.acquire((c * kh * kw, nb * p), ct)
+    y = scratch.acquire((oc, nb * p), ct)
+    shift = scratch.acquire((oc,), np.float64)
+    s1, s2 = scratch.acquire((n, oc), np.float64), scratch.acquire((n, oc), np.float64)
+    bb = None if b is None else _bits(b)
+    o3 = _bits(out).reshape(n, oc, p)
+    for n0 in range(0, n, nb):
+        n1 = min(n, n0 + nb)
+        width = (n1 - n0) * p
+        cv, yv = cols[:, :width], y[:, :width]
+        _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
+        for g in range(groups):
+            np.matmul(w2[g], cv[g * k : (g + 1) * k], out=yv[g * ocg : (g + 1) * ocg])
+        if n0 == 0:  # K[o]: the channel's first value as stored
+            first = yv[:, 0].copy()
+            if b is not None:
+                first += b.astype(ct)
+            np.copyto(shift, first.astype(out.dtype), casting="unsafe")
+        _epilogue_stats(yv, bb, n0, o3, shift, s1, s2)
+    _finish_stats(s1, s2, shift, n * p, mean, var)
+
+
+def conv2d_batch_norm_backward(
+    x, w, y, grad_out, mean, invstd, bn_weight, bn_bias, activation, stride, padding, dilation, groups,
+    grad_x, grad_w, grad_b, grad_bn_weight, grad_bn_bias,
+) -> None:  # fmt: skip
+    """See the reference's conv2d_batch_norm_backward (NOTE [ The fused Conv-BN-ReLU block in
+    training ]): one pass of per-channel sums over (y, grad_out), then one pass that writes batch
+    norm's input gradient as the convolution's channel-major grad_pre, then the products."""
+    n, oc, oh, ow = y.shape
+    p = oh * ow
+    count = n * p
+    scratch = pool.host_pool()
+    y3, g3 = _bits(y).reshape(n, oc, p), _bits(grad_out).reshape(n, oc, p)
+    m, a, bsh = _channel_factors(y.reshape(n, oc, p), mean, invstd, bn_weight, bn_bias)
+    relu = activation == "relu"
+    t1, t2 = scratch.acquire((n, oc), np.float64), scratch.acquire((n, oc), np.float64)
+    yp, gpl, f1, f2 = y3.reshape(n * oc, p), g3.reshape(n * oc, p), t1.reshape(-1), t2.reshape(-1)
+    if _jit._parallel(y.size):
+        _backward_planes_parallel(yp, gpl, m, a, bsh, relu, f1, f2, _per(p))
+    else:
+        _backward_planes(yp, gpl, m, a, bsh, relu, f1, f2, 0, n * oc)
+    sum_g, sum_gx = scratch.acquire((oc,), np.float64), scratch.acquire((oc,), np.float64)
+    _finish_sums(t1, t2, sum_g, sum_gx)
+    np.multiply(sum_gx, invstd, out=sum_gx, casting="unsafe")  # sum(g' * xhat)
+    if grad_bn_bias is not None:
+        np.copyto(grad_bn_bias, sum_g, casting="unsafe")
+    if grad_bn_weight is not None:
+        np.copyto(grad_bn_weight, sum_gx, casting="unsafe")
+    if grad_b is not None:  # exactly 0 (the reference's docstring)
+        grad_b.fill(0)
+    if grad_x is None and grad_w is None:
+        return
+    ct = m.dtype
+    k1, k2, k3 = (scratch.acquire((oc,), ct) for _ in range(3))
+    np.copyto(k1, a)  # invstd * bn_weight
+    np.divide(sum_g, count, out=k2, casting="unsafe")
+    np.multiply(sum_gx, invstd, out=k3, casting="unsafe")
+    np.divide(k3, count, out=k3)
+    gp = scratch.acquire((oc, count), ct)
+    _bn_grad_pre(y3, g3, m, a, bsh, relu, k1, k2, k3, gp)
+    _products(x, w, gp, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
 
 
 # ----------------------------------------------------------------------------- pooling

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from taifuse.backends.reference.backward import _activation_grad, _relu_mask, _store_opt
+from taifuse.backends.reference.batch_norm import batch_norm_backward, batch_norm_stats
 from taifuse.backends.reference.forward import _activation, _f64, _store
 
 
@@ -135,6 +136,85 @@ def conv2d_backward(
         wg = _f64(w).reshape(groups, oc // groups, -1)
         cols = np.einsum("gok,ngop->ngkp", wg, gg).reshape(n, x.shape[1], kh, kw, oh, ow)
         _store(grad_x, _col2im(cols, x.shape, stride, padding, dilation))
+
+
+# ----------------------------------------------------------------------------- Conv2d -> BatchNorm -> ReLU
+
+# NOTE [ The fused Conv-BN-ReLU block in training ]
+# The block y = conv2d(x, w) + b, out = act((y - mean) * invstd * bn_weight + bn_bias) with the batch
+# statistics of y runs as three kernels over the activation instead of five: ``conv2d_stats``
+# writes y and its per-channel statistics (the host's convolution accumulates them in its epilogue,
+# while each block of y is still in cache; the device's in one pass over y), ``batch_norm_update``
+# turns them into invstd and moves the running statistics, and ``batch_norm_elemt`` normalizes,
+# applies the affine map and the ReLU in one pass. The backward, ``conv2d_batch_norm_backward``,
+# reads y and grad_out once for the per-channel sums and once more to form the convolution's
+# grad_pre (batch norm's input gradient) straight into the layout the convolution's products read,
+# so batch norm's input gradient is never stored and read back. Only x, y and the (mean, invstd)
+# are kept for it, as batch norm's own backward.
+
+
+def conv2d_stats(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    groups: int,
+    out: np.ndarray,
+    mean: np.ndarray,
+    var: np.ndarray,
+) -> None:
+    """``out = conv2d(x, w, b)`` (no activation) and the per-channel mean and biased variance of
+    ``out`` as stored, over (N, OH, OW), as ``batch_norm_stats`` computes them (``N * OH * OW > 0``).
+
+    The arguments are :func:`conv2d`'s and ``batch_norm_stats``'; NOTE [ The fused Conv-BN-ReLU
+    block in training ].
+    """
+    conv2d(x, w, b, stride, padding, dilation, groups, None, out)
+    n, oc = out.shape[:2]
+    batch_norm_stats(out.reshape(n, oc, -1), mean, var)
+
+
+def conv2d_batch_norm_backward(
+    x: np.ndarray,
+    w: np.ndarray,
+    y: np.ndarray,
+    grad_out: np.ndarray,
+    mean: np.ndarray,
+    invstd: np.ndarray,
+    bn_weight: np.ndarray | None,
+    bn_bias: np.ndarray | None,
+    activation: str | None,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    groups: int,
+    grad_x: np.ndarray | None,
+    grad_w: np.ndarray | None,
+    grad_b: np.ndarray | None,
+    grad_bn_weight: np.ndarray | None,
+    grad_bn_bias: np.ndarray | None,
+) -> None:
+    """Backward of the training-mode block: ``y = conv2d(x, w) + b`` (saved), then
+    ``batch_norm_elemt(y, mean, invstd, bn_weight, bn_bias, activation)`` with y's batch statistics.
+
+    grad_y is ``batch_norm_backward``'s input gradient in training (kept in float64 here, never
+    rounded to y's dtype), then grad_x and grad_w are ``conv2d_backward``'s of grad_y without an
+    activation. grad_b is exactly 0: batch norm subtracts the batch mean of y, which absorbs any
+    per-channel constant (the sum of grad_y over a channel is 0 in exact arithmetic; an unfused
+    composition returns its rounding error). Any gradient may be None (not computed).
+    """
+    n, oc = y.shape[:2]
+    _store_opt(grad_b, np.zeros(oc))
+    needs_y = grad_x is not None or grad_w is not None
+    gy = np.empty(y.shape) if needs_y else None
+    batch_norm_backward(
+        y.reshape(n, oc, -1), grad_out.reshape(n, oc, -1), mean, invstd, bn_weight, bn_bias, activation,
+        True, None if gy is None else gy.reshape(n, oc, -1), grad_bn_weight, grad_bn_bias,
+    )  # fmt: skip
+    if needs_y:
+        conv2d_backward(x, w, None, gy, stride, padding, dilation, groups, None, grad_x, grad_w, None)
 
 
 # ----------------------------------------------------------------------------- pooling

@@ -182,93 +182,104 @@ def kernels_for(dtype: np.dtype, param_dtype: np.dtype) -> SimpleNamespace:
                 v = M.relu(v)
             out[i] = ti.cast(v, T)
 
-    @ti.kernel
-    def backward(
-        x: X,
-        g: X,
-        mean: F32,
-        invstd: F32,
-        w: P,
-        b: P,
-        t1: F32,
-        t2: F32,
-        sums: F32,
-        gx: X,
-        gw: P,
-        gb: P,
-        n: ti.i32,
-        channels: ti.i32,
-        spatial: ti.i32,
-        count: ti.i32,
-        parts: ti.i32,
-        rowwise: ti.i32,
-        has_w: ti.i32,
-        has_b: ti.i32,
-        relu: ti.i32,
-        training: ti.i32,
-        need_sums: ti.i32,
-        need_gx: ti.i32,
-        need_gw: ti.i32,
-        need_gb: ti.i32,
-    ):
-        # Level 1: per (channel, part) sum(g') and sum(g' * (x - mean)).
-        for t in range(channels * parts):
-            if need_sums != 0:
-                ch = channel_of(t, channels, parts, rowwise)
-                p = part_of(t, channels, parts, rowwise)
-                m = mean[ch]
-                a = scale_of(invstd[ch], w, ch, has_w)
-                c0 = shift_of(b, ch, has_b)
-                mine = (count - p + parts - 1) // parts
-                u = 0.0
-                v = 0.0
-                for blk in range((mine + SUM_BLOCK - 1) // SUM_BLOCK):
-                    iu = 0.0
-                    iv = 0.0
-                    for j in range(blk * SUM_BLOCK, ti.min(blk * SUM_BLOCK + SUM_BLOCK, mine)):
-                        i = index(ch, p + j * parts, channels, spatial)
-                        d = ti.cast(x[i], ti.f32) - m
-                        gv = relu_grad(ti.cast(g[i], ti.f32), d * a + c0, relu)
-                        iu += gv
-                        iv += gv * d
-                    u += iu
-                    v += iv
-                t1[ch * parts + p] = u
-                t2[ch * parts + p] = v
-        # Level 2: sums[ch] = sum(g'), sums[channels + ch] = sum(g' * xhat).
-        for ch in range(channels):
-            if need_sums != 0:
-                u = 0.0
-                v = 0.0
-                for blk in range((parts + SUM_BLOCK - 1) // SUM_BLOCK):
-                    iu = 0.0
-                    iv = 0.0
-                    for p in range(blk * SUM_BLOCK, ti.min(blk * SUM_BLOCK + SUM_BLOCK, parts)):
-                        iu += t1[ch * parts + p]
-                        iv += t2[ch * parts + p]
-                    u += iu
-                    v += iv
-                v *= invstd[ch]
-                sums[ch] = u
-                sums[channels + ch] = v
-                if need_gb != 0:
-                    gb[ch] = ti.cast(u, PT)
-                if need_gw != 0:
-                    gw[ch] = ti.cast(v, PT)
-        # The gradient pass: gx = w * invstd * (g' - sum(g') / M - xhat * sum(g' * xhat) / M).
-        for i in range(n):
-            if need_gx != 0:
-                ch = (i // spatial) % channels
-                m = mean[ch]
-                inv = invstd[ch]
-                a = scale_of(inv, w, ch, has_w)
-                d = ti.cast(x[i], ti.f32) - m
-                gv = relu_grad(ti.cast(g[i], ti.f32), d * a + shift_of(b, ch, has_b), relu)
-                if training != 0:
-                    gv = gv - sums[ch] / count - d * inv * (sums[channels + ch] / count)
-                gx[i] = ti.cast(a * gv, T)
+    def make_backward(GX, GT):
+        @ti.kernel
+        def backward(
+            x: X,
+            g: X,
+            mean: F32,
+            invstd: F32,
+            w: P,
+            b: P,
+            t1: F32,
+            t2: F32,
+            sums: F32,
+            gx: GX,
+            gw: P,
+            gb: P,
+            n: ti.i32,
+            channels: ti.i32,
+            spatial: ti.i32,
+            count: ti.i32,
+            parts: ti.i32,
+            rowwise: ti.i32,
+            has_w: ti.i32,
+            has_b: ti.i32,
+            relu: ti.i32,
+            training: ti.i32,
+            need_sums: ti.i32,
+            need_gx: ti.i32,
+            need_gw: ti.i32,
+            need_gb: ti.i32,
+        ):
+            # Level 1: per (channel, part) sum(g') and sum(g' * (x - mean)).
+            for t in range(channels * parts):
+                if need_sums != 0:
+                    ch = channel_of(t, channels, parts, rowwise)
+                    p = part_of(t, channels, parts, rowwise)
+                    m = mean[ch]
+                    a = scale_of(invstd[ch], w, ch, has_w)
+                    c0 = shift_of(b, ch, has_b)
+                    mine = (count - p + parts - 1) // parts
+                    u = 0.0
+                    v = 0.0
+                    for blk in range((mine + SUM_BLOCK - 1) // SUM_BLOCK):
+                        iu = 0.0
+                        iv = 0.0
+                        for j in range(blk * SUM_BLOCK, ti.min(blk * SUM_BLOCK + SUM_BLOCK, mine)):
+                            i = index(ch, p + j * parts, channels, spatial)
+                            d = ti.cast(x[i], ti.f32) - m
+                            gv = relu_grad(ti.cast(g[i], ti.f32), d * a + c0, relu)
+                            iu += gv
+                            iv += gv * d
+                        u += iu
+                        v += iv
+                    t1[ch * parts + p] = u
+                    t2[ch * parts + p] = v
+            # Level 2: sums[ch] = sum(g'), sums[channels + ch] = sum(g' * xhat).
+            for ch in range(channels):
+                if need_sums != 0:
+                    u = 0.0
+                    v = 0.0
+                    for blk in range((parts + SUM_BLOCK - 1) // SUM_BLOCK):
+                        iu = 0.0
+                        iv = 0.0
+                        for p in range(blk * SUM_BLOCK, ti.min(blk * SUM_BLOCK + SUM_BLOCK, parts)):
+                            iu += t1[ch * parts + p]
+                            iv += t2[ch * parts + p]
+                        u += iu
+                        v += iv
+                    v *= invstd[ch]
+                    sums[ch] = u
+                    sums[channels + ch] = v
+                    if need_gb != 0:
+                        gb[ch] = ti.cast(u, PT)
+                    if need_gw != 0:
+                        gw[ch] = ti.cast(v, PT)
+            # The gradient pass: gx = w * invstd * (g' - sum(g') / M - xhat * sum(g' * xhat) / M).
+            for i in range(n):
+                if need_gx != 0:
+                    ch = (i // spatial) % channels
+                    m = mean[ch]
+                    inv = invstd[ch]
+                    a = scale_of(inv, w, ch, has_w)
+                    d = ti.cast(x[i], ti.f32) - m
+                    gv = relu_grad(ti.cast(g[i], ti.f32), d * a + shift_of(b, ch, has_b), relu)
+                    if training != 0:
+                        gv = gv - sums[ch] / count - d * inv * (sums[channels + ch] / count)
+                    gx[i] = ti.cast(a * gv, GT)
 
-    return SimpleNamespace(stats=stats, update=update, elemt=elemt, backward=backward)
+        return backward
+
+    backward = make_backward(X, T)
+    # The same kernel writing the input gradient in float32: the fused Conv-BN-ReLU backward's
+    # grad_pre, which the convolution's products read (NOTE [ The fused Conv-BN-ReLU block in
+    # training ] in backends/reference/conv.py).
+    backward_f32 = backward if T == ti.f32 else make_backward(F32, ti.f32)
+
+    return SimpleNamespace(
+        stats=stats, update=update, elemt=elemt, backward=backward, backward_f32=backward_f32
+    )
 
 
 def all_kernels() -> list:
@@ -378,7 +389,10 @@ def batch_norm_backward(
     parts = parts_for(count) if need_sums else 1
     t1, t2 = _new((c * parts,), np.float32), _new((c * parts,), np.float32)
     sums = _new((2 * c,), np.float32)
-    kernels_for(x.dtype, pdt).backward(
+    k = kernels_for(x.dtype, pdt)
+    # A float32 grad_x for float16 x: the fused block's grad_pre (the reference allows any dtype).
+    gx_dtype = x.dtype if grad_x is None else grad_x.dtype
+    (k.backward_f32 if gx_dtype == np.float32 else k.backward)(
         _nd(x),
         _nd(grad_out),
         _nd(mean),
@@ -388,7 +402,7 @@ def batch_norm_backward(
         _nd(t1),
         _nd(t2),
         _nd(sums),
-        _optional(grad_x, x.dtype),
+        _optional(grad_x, gx_dtype),
         _optional(grad_weight, pdt),
         _optional(grad_bias, pdt),
         x.size,

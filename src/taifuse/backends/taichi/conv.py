@@ -47,8 +47,9 @@ from taifuse.backends.taichi._runtime import (
     _optional,
     _ti_dtype,
 )
+from taifuse.backends.taichi.batch_norm import batch_norm_backward, batch_norm_stats
 from taifuse.backends.taichi.forward import BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_THREADS, TILE_M, TILE_N
-from taifuse.backends.taichi.tensor_math import _new
+from taifuse.backends.taichi.tensor_math import TaichiMath, _new
 
 FWD, DGRAD, WGRAD = 0, 1, 2
 # The geometry vector every convolution kernel takes (one argument instead of sixteen).
@@ -442,6 +443,38 @@ def conv2d_backward(
     k.conv_grad_pre(_optional(pre, x.dtype), _nd(grad_out), _nd(gp), _nd(partial), n * oc, oh * ow, act)
     if grad_b is not None:
         k.conv_channel_sums(_nd(partial), _nd(grad_b), n, oc)
+    if grad_x is not None:
+        _gemm(DGRAD, None, w, gp, None, grad_x, geo)
+    if grad_w is not None:
+        _gemm(WGRAD, x, None, gp, None, grad_w, geo)
+
+
+def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> None:
+    """See the reference's conv2d_stats: the product (its epilogue adds the bias), then batch norm's
+    one statistics pass over the output (a tile of the product holds a few channels' pixels of one
+    image; summing them in its epilogue would need float atomics, which Metal lacks)."""
+    conv2d(x, w, b, stride, padding, dilation, groups, None, out)
+    n, oc, oh, ow = out.shape
+    batch_norm_stats(out.reshape((n, oc, oh * ow)), mean, var)
+
+
+def conv2d_batch_norm_backward(
+    x, w, y, grad_out, mean, invstd, bn_weight, bn_bias, activation, stride, padding, dilation, groups,
+    grad_x, grad_w, grad_b, grad_bn_weight, grad_bn_bias,
+) -> None:  # fmt: skip
+    """See the reference's conv2d_batch_norm_backward: batch norm's one backward call writes its
+    input gradient in float32 as the products' grad_pre (never stored in y's dtype and read back),
+    then the two products."""
+    n, oc, oh, ow = y.shape
+    geo = _geo(x.shape, w.shape, (oh, ow), stride, padding, dilation, groups)
+    needs_y = grad_x is not None or grad_w is not None
+    gp = _new(y.shape, np.float32) if needs_y else None
+    batch_norm_backward(
+        y.reshape((n, oc, oh * ow)), grad_out.reshape((n, oc, oh * ow)), mean, invstd, bn_weight, bn_bias,
+        activation, True, None if gp is None else gp.reshape((n, oc, oh * ow)), grad_bn_weight, grad_bn_bias,
+    )  # fmt: skip
+    if grad_b is not None:
+        TaichiMath.fill_(grad_b, 0.0)
     if grad_x is not None:
         _gemm(DGRAD, None, w, gp, None, grad_x, geo)
     if grad_w is not None:

@@ -79,9 +79,10 @@ class HookSwitch:
             is_classmethod = isinstance(raw, classmethod)
             stripped = strip_hooks(raw.__func__ if is_classmethod else raw)
             self._slots.append((owner, name, raw, classmethod(stripped) if is_classmethod else stripped))
-        for name in _array_ops.PROFILED_OPS:
-            wrapper = getattr(_array_ops, name)
-            self._slots.append((_array_ops, name, wrapper, wrapper.__wrapped__))
+        for module_name, name in _array_ops.PROFILED_OPS:
+            module = importlib.import_module(f"taifuse.{module_name}")
+            wrapper = getattr(module, name)
+            self._slots.append((module, name, wrapper, wrapper.__wrapped__))
 
     def use(self, hooks: bool) -> None:
         for owner, name, hooked, bypassed in self._slots:
