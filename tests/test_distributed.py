@@ -106,7 +106,9 @@ def test_train_gpt_ddp_gives_the_one_process_model(tmp_path):
         cwd=ROOT / "examples",
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _mpiexec(*tiny, "--ddp", "--out", str(tmp_path / "two.safetensors"), script=script, cwd=ROOT / "examples")
+    two = _mpiexec(
+        *tiny, "--ddp", "--out", str(tmp_path / "two.safetensors"), script=script, cwd=ROOT / "examples"
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     import taifuse
 

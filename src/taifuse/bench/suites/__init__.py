@@ -23,6 +23,7 @@ SUITES = {
     "pool": "taifuse.bench.suites.pool",
     "transformer": "taifuse.bench.suites.transformer",
     "profiler": "taifuse.bench.suites.profiler",
+    "distributed": "taifuse.bench.suites.distributed",
 }
 
 
