@@ -167,6 +167,7 @@ def test_a_tiny_run_of_both_jobs(monkeypatch):
     runs = [case.run_job({**job, "kind": "custom"}) for job in case.jobs(1)]
     single, ddp = runs
     assert single["rank_count"] == 1 and len(single["whole_ns"]) == len(single["half_ns"]) == 4
+    assert single["threads"] == single["ranks"][0]["threads"]  # the environment block reads these
     assert ddp["rank_count"] == 2 and ddp["world"] == 2 and len(ddp["ranks"]) == 2
     assert len(ddp["ddp_ns"]) == len(ddp["nosync_ns"]) == len(ddp["wait_ns"]) == 4
     assert len(ddp["reduce_ns"]) == len(ddp["copy_ns"]) == 2
@@ -177,3 +178,41 @@ def test_a_tiny_run_of_both_jobs(monkeypatch):
         assert rank["threads"]["blas"] == 1 and rank["threads"]["numba"] == 1
     rows = case.rows(runs)
     assert all(r["value"] is not None and np.isfinite(r["value"]) and r["value"] > 0 for r in rows)
+
+
+def _goal_script():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_distributed.py"
+    spec = importlib.util.spec_from_file_location("bench_distributed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "status"), [(1.81, 1.9, "met"), (1.5, 1.79, "not met"), (1.7, 1.85, "undecided")]
+)
+def test_goal_is_judged_on_the_scaling_rows_interval(low, high, status):
+    script = _goal_script()
+    rows = [
+        {
+            "suite": "distributed",
+            "id": f"distributed/gpt ddp(...)/{key}",
+            "value": 1.0,
+            "low": 0.9,
+            "high": 1.1,
+        }
+        for key in ("batch-efficiency", "contention")
+    ]
+    rows.append(
+        {
+            "suite": "distributed",
+            "id": "distributed/gpt ddp(...)/scaling",
+            "value": (low + high) / 2,
+            "low": low,
+            "high": high,
+        }
+    )
+    goal = script.goal({"rows": rows})
+    assert goal["status"] == status and goal["low"] == low
+    assert "batch-efficiency 1 [0.9, 1.1]" in goal["detail"]
+    assert script.goal({"rows": []})["status"] == "not met"
