@@ -119,6 +119,33 @@ def test_train_gpt_ddp_gives_the_one_process_model(tmp_path):
         np.testing.assert_allclose(two_value, one_value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_train_mlp_ddp_reaches_the_one_process_result():
+    """examples/train_mlp.py --ddp under mpiexec -n 2 trains the one-process model (its held-out loss
+    and accuracy, printed to 4 and 3 digits, the same), and only rank 0 reports them."""
+    import re
+
+    script = ROOT / "examples" / "train_mlp.py"
+    args = ["--epochs", "2", "--backend", "numpy"]
+    one = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    two = _mpiexec(*args, "--ddp", script=script)
+    held_out = re.compile(r"held-out loss ([0-9.]+), accuracy ([0-9.]+)")
+    results = []
+    for proc in (one, two):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = held_out.findall(proc.stdout + proc.stderr)
+        assert len(found) == 1, proc.stdout[-2000:]  # one report: rank 0's
+        results.append(found[0])
+    assert results[0] == results[1]
+    assert "data-parallel over 2 processes" in two.stdout + two.stderr
+
+
 @pytest.mark.parametrize("chosen", [False, True])
 def test_ranks_share_the_cores_unless_the_user_chose(chosen):
     """NOTE [ Threads per rank ]: with no thread variable set, init_process_group gives each of the
