@@ -79,10 +79,10 @@ def _synthetic(process: int) -> list[dict]:
         "ddp_cpu_ns": [52e6] * 4,
         "nosync_cpu_ns": [50e6] * 4,
         "wait_ns": [2e6] * 4,
+        "nosync_wait_ns": [0.01e6] * 4,
         "reduce_ns": [1e6] * 2,
         "copy_ns": [0.25e6] * 2,
         "flat_sizes": [1000, 250],
-        "buckets": 2,
         "mpi": {"mpi4py": "4", "library": "MPICH Version: 5", "standard": "5.0"},
         "ranks": ranks * 2,
         "backend": "numba",
@@ -170,6 +170,7 @@ def test_a_tiny_run_of_both_jobs(monkeypatch):
     assert single["threads"] == single["ranks"][0]["threads"]  # the environment block reads these
     assert ddp["rank_count"] == 2 and ddp["world"] == 2 and len(ddp["ranks"]) == 2
     assert len(ddp["ddp_ns"]) == len(ddp["nosync_ns"]) == len(ddp["wait_ns"]) == 4
+    assert all(0 <= w < t for w, t in zip(ddp["wait_ns"], ddp["ddp_ns"]))
     assert len(ddp["reduce_ns"]) == len(ddp["copy_ns"]) == 2
     n_params = case.n_params
     assert sum(ddp["flat_sizes"]) == n_params  # the optimizer's two groups hold every parameter

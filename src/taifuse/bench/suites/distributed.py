@@ -84,9 +84,8 @@ from taifuse.bench.suites.transformer import (
     GPT_PATH,
     GPTSettings,
     SkippedCase,
-    _gpt_inputs,
-    _gpt_setup_code,
     example_settings,
+    gpt_case,
     gpt_module,
     gpt_parameter_shapes,
 )
@@ -195,7 +194,7 @@ class _GPTStep:
         from taifuse import optim
 
         g = GPTSettings(**{**settings, "betas": tuple(settings["betas"])})
-        inputs = _gpt_inputs(seed, g.config, g.batch)
+        inputs = gpt_case(False, g).setup(seed)  # the transformer suite's weights and batch
         gpt = gpt_module()
         self.model = gpt.GPT(gpt.GPTConfig(**g.config))
         self.model.load_state_dict(inputs["weights"])
@@ -204,6 +203,15 @@ class _GPTStep:
         self.clip = optim.clip_grad_norm_
         self.grad_clip = g.grad_clip
         self.runner: Any = self.model
+        # When each step's backward returned, and when its last gradient was complete (every
+        # parameter's post-accumulate gradient hook stamps it): between the two, a DDP backward
+        # waits for its all-reduces (the wrapper's end-of-backward callback).
+        self.backward_end_ns = self.last_grad_ns = 0
+        for p in self.model.parameters():
+            p.register_post_accumulate_grad_hook(self._stamp)
+
+    def _stamp(self, _param: Any) -> None:
+        self.last_grad_ns = time.perf_counter_ns()
 
     def __call__(self, x: np.ndarray, y: np.ndarray) -> tuple[int, int]:
         """One step; its wall-clock and CPU time (of this process: NOTE [ CPU time on a loaded
@@ -212,6 +220,7 @@ class _GPTStep:
         self.opt.zero_grad()
         _, loss = self.runner(x, y)
         loss.backward()
+        self.backward_end_ns = time.perf_counter_ns()
         self.clip(self.model.parameters(), self.grad_clip)
         self.opt.step()
         return time.perf_counter_ns() - t0, time.process_time_ns() - c0
@@ -263,22 +272,12 @@ def run_ddp(job: dict) -> dict | None:
     ddp = DistributedDataParallel(step.model)
     step.runner = ddp
     shares = [(step.x[rank::world], step.y[rank::world])] * 2 + [(step.x, step.y)]
-    waits: list[int] = []
-    finish = ddp._finish  # the wrapper's end-of-backward callback: starts what is left, waits for all
-
-    def timed_finish() -> None:
-        t0 = time.perf_counter_ns()
-        finish()
-        waits.append(time.perf_counter_ns() - t0)
-
-    object.__setattr__(ddp, "_finish", timed_finish)  # the instance's, read when a backward queues it
 
     def one(kind: int) -> tuple[int, int, int]:
         dist.barrier()
-        waits.clear()
         with ddp.no_sync() if kind == NO_SYNC else contextlib.nullcontext():
             ns, cpu = step(*shares[kind])
-        return ns, cpu, sum(waits)
+        return ns, cpu, step.backward_end_ns - step.last_grad_ns
 
     warmup, steps = job["steps"]
     for k in _rounds(warmup, 3):
@@ -303,7 +302,6 @@ def run_ddp(job: dict) -> dict | None:
     }
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
-    buckets = len(ddp._buckets)
     dist.destroy_process_group()
     if rank != 0:
         return None
@@ -321,11 +319,11 @@ def run_ddp(job: dict) -> dict | None:
         "nosync_cpu_ns": across([r["cpu"][NO_SYNC] for r in everyone], min),
         # The last rank to end its backward waits for the all-reduces alone; the others also for it.
         "wait_ns": across([r["wait"][DDP] for r in everyone], min),
+        "nosync_wait_ns": across([r["wait"][NO_SYNC] for r in everyone], min),
         "reduce_ns": across([r["reduce_ns"] for r in everyone]),
         "copy_ns": across([r["copy_ns"] for r in everyone]),
         "loops": loops,
         "flat_sizes": [int(a.size) for a in flat],
-        "buckets": buckets,
         "world": world,
         "mpi": _mpi_version(),
         "ranks": [{k: r[k] for k in ("threads", "cpus", "pid")} for r in everyone],
@@ -438,7 +436,7 @@ class DistributedCase:
 
     @property
     def setup_code(self) -> str:
-        return _gpt_setup_code(self.settings.batch)
+        return gpt_case(False, self.settings).setup_code
 
     def jobs(self, processes: int) -> list[dict]:
         """Per process index the one-process job and the two-rank job, their order reversed on odd
@@ -613,9 +611,15 @@ class DistributedCase:
             "communication left after the backward (DDP wait)",
             "ms",
             [[t / 1e6 for t in r["wait_ns"]] for r in ddp],
-            "per DDP step, the time the wrapper's end-of-backward callback took (starting the buckets "
-            "not yet started, waiting for every all-reduce) on the rank that waited least (the last to "
-            f"end its backward); {ddp[0]['buckets'] if ddp else '?'} bucket(s) of at most 25 MiB",
+            "per DDP step, from the moment its last gradient was complete (a post-accumulate gradient "
+            "hook on every parameter) to the return of backward(): the wrapper starts the buckets not yet "
+            "started and waits for every all-reduce; on the rank that waited least (the last to end its "
+            "backward); the same interval in the no_sync() steps, with nothing to wait for: "
+            + (
+                f"{np.median([t for r in ddp for t in r['nosync_wait_ns']]) / 1e6:.3f} ms (median)"
+                if ddp
+                else "—"
+            ),
         )
         ratio_row(
             "exposed",
