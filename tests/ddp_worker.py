@@ -5,12 +5,13 @@
 trains the same model on the whole batch (both ranks' shares together), plain, under autocast with
 a GradScaler and gradient clipping, and with ``no_sync()`` accumulation; on the numpy backend also
 the order of events that shows the overlap. ``raise``: rank 1 raises after init. ``mismatch``: the
-ranks wrap different models. Rank 0 prints one JSON line of results; any failure exits non-zero.
+ranks wrap different models. ``threads``: every rank's Numba and BLAS thread counts after init. Rank 0 prints one JSON line of results; any failure exits non-zero.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -231,6 +232,19 @@ def main() -> None:
             results = {"error": str(error)}
         else:
             raise AssertionError("mismatched models wrapped without an error")
+    elif case == "threads":
+        import numba
+        from threadpoolctl import threadpool_info
+
+        mine = {
+            "numba": numba.get_num_threads(),
+            "blas": [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"],
+            "cpus": len(os.sched_getaffinity(0)),
+            "env": {k: os.environ.get(k) for k in dist.THREAD_VARIABLES},
+        }
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        results = {"ranks": everyone}
     else:
         raise ValueError(case)
     if rank == 0:

@@ -29,7 +29,9 @@ TIMEOUT = 240
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
 
 
-def _mpiexec(*argv: str, timeout: float = TIMEOUT, script: Path = WORKER, cwd: Path | None = None):
+def _mpiexec(
+    *argv: str, timeout: float = TIMEOUT, script: Path = WORKER, cwd: Path | None = None, env: dict = ENV
+):
     pytest.importorskip("mpi4py")
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable} (pip install 'taifuse[distributed]')")
@@ -37,7 +39,7 @@ def _mpiexec(*argv: str, timeout: float = TIMEOUT, script: Path = WORKER, cwd: P
         [str(MPIEXEC), "-n", "2", sys.executable, str(script), *argv],
         capture_output=True,
         text=True,
-        env=ENV,
+        env=env,
         timeout=timeout,
         check=False,
         cwd=cwd,
@@ -104,7 +106,9 @@ def test_train_gpt_ddp_gives_the_one_process_model(tmp_path):
         cwd=ROOT / "examples",
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _mpiexec(*tiny, "--ddp", "--out", str(tmp_path / "two.safetensors"), script=script, cwd=ROOT / "examples")
+    two = _mpiexec(
+        *tiny, "--ddp", "--out", str(tmp_path / "two.safetensors"), script=script, cwd=ROOT / "examples"
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     import taifuse
 
@@ -113,6 +117,56 @@ def test_train_gpt_ddp_gives_the_one_process_model(tmp_path):
     for name in states[0]:
         one_value, two_value = (np.asarray(getattr(s[name], "numpy", lambda v=s[name]: v)()) for s in states)
         np.testing.assert_allclose(two_value, one_value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_train_mlp_ddp_reaches_the_one_process_result():
+    """examples/train_mlp.py --ddp under mpiexec -n 2 trains the one-process model (its held-out loss
+    and accuracy, printed to 4 and 3 digits, the same), and only rank 0 reports them."""
+    import re
+
+    script = ROOT / "examples" / "train_mlp.py"
+    args = ["--epochs", "2", "--backend", "numpy"]
+    one = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    two = _mpiexec(*args, "--ddp", script=script)
+    held_out = re.compile(r"held-out loss ([0-9.]+), accuracy ([0-9.]+)")
+    results = []
+    for proc in (one, two):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = held_out.findall(proc.stdout + proc.stderr)
+        assert len(found) == 1, proc.stdout[-2000:]  # one report: rank 0's
+        results.append(found[0])
+    assert results[0] == results[1]
+    assert "data-parallel over 2 processes" in two.stdout + two.stderr
+
+
+@pytest.mark.parametrize("chosen", [False, True])
+def test_ranks_share_the_cores_unless_the_user_chose(chosen):
+    """NOTE [ Threads per rank ]: with no thread variable set, init_process_group gives each of the
+    2 ranks on this host max(1, CPUs // 2) Numba and BLAS threads (their pools default to every CPU:
+    2 ranks on 2 cores ran ~6x slower), and sets the thread variables for the libraries loaded later;
+    with NUMBA_NUM_THREADS set, nothing is changed."""
+    from taifuse.distributed import THREAD_VARIABLES
+
+    env = {k: v for k, v in ENV.items() if k not in THREAD_VARIABLES}
+    cpus = len(os.sched_getaffinity(0))
+    if chosen:
+        env["NUMBA_NUM_THREADS"] = str(cpus)
+    ranks = _results(_mpiexec("threads", env=env))["ranks"]
+    assert len(ranks) == 2
+    for r in ranks:
+        share = max(1, r["cpus"] // 2)
+        if chosen:
+            assert r["numba"] == r["cpus"] and r["env"]["OMP_NUM_THREADS"] is None, ranks
+        else:
+            assert r["numba"] == share and r["blas"] and all(n == share for n in r["blas"]), ranks
+            assert r["env"] == dict.fromkeys(THREAD_VARIABLES, str(share)), ranks
 
 
 # ----------------------------------------------------------------------------- one process

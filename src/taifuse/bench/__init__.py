@@ -195,7 +195,7 @@ def run(
         },
         "suites": list(dict.fromkeys(c.suite for c in cases)),
         "environment": {
-            **env_mod.collect(backend, backend_info, threads),
+            **env_mod.collect(backend, backend_info, threads, _mpi_library(raw)),
             "torch_device": _torch_device_info(),
             "load_average": {"before": load_before, "after": env_mod.load_average()},
         },
@@ -232,6 +232,15 @@ def _torch_device_info() -> dict | None:
     from taifuse.bench import device
 
     return device.describe(device.torch_device())
+
+
+def _mpi_library(raw: dict) -> str | None:
+    """The MPI library's version string a case's ranks reported (the distributed suite), if any."""
+    for runs in raw["cases"].values():
+        for r in runs:
+            if isinstance(r.get("mpi"), dict) and r["mpi"].get("library"):
+                return r["mpi"]["library"]
+    return None
 
 
 def _python_call(suites, quick, out, baseline, compare_torch) -> str:

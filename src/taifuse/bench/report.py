@@ -391,6 +391,7 @@ def _env_rows(env: dict) -> list[tuple[str, str]]:
         ("numba", env.get("numba")),
         ("taichi", env.get("taichi")),
         ("torch", env.get("torch")),
+        *_mpi_rows(env),
         ("taifuse backend", f"{env.get('backend')} {json.dumps(env.get('backend_info'))}"),
         ("Taichi arch", env.get("taichi_arch")),
         *_device_rows(env),
@@ -415,6 +416,16 @@ def _env_rows(env: dict) -> list[tuple[str, str]]:
         ("fingerprint", env.get("fingerprint")),
     ]
     return [(k, _cell(str(v))) for k, v in rows]
+
+
+def _mpi_rows(env: dict) -> list[tuple[str, str]]:
+    """The MPI line: mpi4py, the MPI wheel, the library's own version (when a rank reported it)."""
+    mpi = env.get("mpi")
+    if not mpi:
+        return []
+    wheels = ", ".join(f"{k} {v}" for k, v in mpi.get("wheels", {}).items()) or "no MPI wheel"
+    library = mpi.get("library") or "library not started in this run"
+    return [("MPI", f"mpi4py {mpi.get('mpi4py')}, {wheels}; {library}; mpiexec {mpi.get('mpiexec')}")]
 
 
 BENCHMARKS = "BENCHMARKS.md"

@@ -137,7 +137,9 @@ def run_job(job: dict) -> dict:
         from taifuse.bench.suites import find_case
 
         case = find_case(job["case"], quick=job["quick"], compare_torch=job["compare_torch"])
-        return {**case.run_job(job), "threads": thread_settings(), **_backend()}
+        # A case whose work runs in processes of its own (the distributed suite's ranks) reports
+        # their threads and backend: those win over this launcher's.
+        return {"threads": thread_settings(), **_backend(), **case.run_job(job)}
     raise ValueError(f"unknown job kind {job['kind']!r}")
 
 

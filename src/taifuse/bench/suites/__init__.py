@@ -24,6 +24,7 @@ SUITES = {
     "transformer": "taifuse.bench.suites.transformer",
     "profiler": "taifuse.bench.suites.profiler",
     "cnn": "taifuse.bench.suites.cnn",
+    "distributed": "taifuse.bench.suites.distributed",
 }
 
 
