@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from taifuse import pool as _pool
 from taifuse._internal import backend, data, wrap
 from taifuse._tensor_math import astype, math_for
 from taifuse.tensor import Tensor
@@ -100,7 +99,7 @@ def _total_norm(m: Any, dtype: np.dtype, grads: list[Any], norm_type: float) -> 
         if not g.size:
             continue  # adds 0 to a sum, nothing to a max
         if norm_type == 2 and isinstance(g, np.ndarray) and g.dtype != dtype:
-            term = _sum_of_squares_in_blocks(g, dtype)
+            term = m.sum_of_squares(g, dtype)  # widened in blocks, not whole
             total = term if total is None else m.add(total, term)
             continue
         a = g if g.dtype == dtype else astype(m, g, dtype)
@@ -115,23 +114,6 @@ def _total_norm(m: Any, dtype: np.dtype, grads: list[Any], norm_type: float) -> 
     if total is None:
         return m.full((), 0.0, dtype)
     return total if math.isinf(norm_type) else m.pow_scalar(total, 1.0 / norm_type)
-
-
-# Elements per block of a host gradient widened for its sum of squares: 256 KiB of float64,
-# in cache, where a whole-gradient float64 copy and its square took 4x the gradient's float32 bytes.
-_SQUARES_BLOCK = 1 << 15
-
-
-def _sum_of_squares_in_blocks(g: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """sum(g**2) accumulated in ``dtype`` (float64) over widened blocks of a host gradient, a 0-d array."""
-    flat = g.reshape(-1)
-    block = _pool.host_pool().acquire((min(flat.size, _SQUARES_BLOCK),), dtype)
-    total = 0.0
-    for lo in range(0, flat.size, _SQUARES_BLOCK):
-        b = block[: min(flat.size - lo, _SQUARES_BLOCK)]
-        np.copyto(b, flat[lo : lo + b.size])
-        total += float(np.dot(b, b))
-    return np.array(total, dtype)
 
 
 def _scalar(value: float) -> Tensor:
