@@ -13,8 +13,8 @@ kinds of work are not a list of kernel calls and are kept as host segments, re-r
 replay: ``Optimizer.step`` (its bias corrections and learning rate are host numbers that change
 every step), and ``GradScaler.unscale_``, ``step`` and ``update`` (whether to step depends on the
 gradients' values: the scaler's decision stays on the host, as ``torch.compile`` leaves it outside
-the graph). A value read inside the step (``.item()``, ``.numpy()``, ``bool(t)``, a kernel that
-returns a host number) is refused at trace time, as ``mx.compile`` refuses one: its value would be
+the graph). A value read inside the step (``.item()``, ``.numpy()``, a kernel that returns a host
+number outside a host segment) is refused at trace time, as ``mx.compile`` refuses one: its value would be
 frozen into the replay.
 
 Buffers: each buffer the trace saw is live from the call that made it to the last call that
@@ -43,6 +43,7 @@ from taifuse._internal import backend, data, is_tensor, wrap
 from taifuse._tensor_math import math_for
 from taifuse.amp.grad_scaler import GradScaler
 from taifuse.backends import _spec
+from taifuse.nn.batchnorm import BatchNorm1d, BatchNorm2d
 from taifuse.nn.module import Module
 from taifuse.optim.optimizer import Optimizer
 from taifuse.tensor import Tensor
@@ -59,6 +60,8 @@ _HOST_SEGMENTS: tuple[tuple[type, str], ...] = (
     (GradScaler, "unscale_"),
     (GradScaler, "step"),
     (GradScaler, "update"),
+    (BatchNorm1d, "count_batch"),
+    (BatchNorm2d, "count_batch"),
 )
 # Tensor-math methods and Tensor methods that read values back to the host.
 _VALUE_READS = ("item", "to_numpy")
@@ -90,7 +93,7 @@ def compile(fn: Callable | None = None, *, fallback: bool = False) -> Any:
 
     Args:
         fn: the step, a function of Tensors and other values. Usable as ``@taifuse.compile``.
-        fallback: when the step reads a value (``.item()``, ``.numpy()``, ``bool(t)``) inside,
+        fallback: when the step reads a value (``.item()``, ``.numpy()``) inside,
             run it eagerly from then on with a warning, instead of raising ``CompileError``.
 
     Example::
@@ -137,18 +140,25 @@ class CompiledFunction:
         if key in self._eager:
             return self.fn(*args, **kwargs)
         step = self._steps.get(key)
-        if step is not None and step.guards_hold():
+        held = step is not None and step.guards_hold()
+        if held and step.confirmed:
             self.replays += 1
             return step.run(args, kwargs)
-        step, result, refused = _trace(self.fn, args, kwargs, self.fallback)
+        new, result, refused = _trace(self.fn, args, kwargs, self.fallback)
         self.traces += 1
-        if refused is not None:
+        if new is not None and held and not step.confirmed:
+            refused = new.confirm(step)  # NOTE [ Constants made by host code ]
+            if refused is not None and not self.fallback:
+                raise CompileError(refused)
+        if new is None and refused is None:
+            self._steps.pop(key, None)
+        elif refused is not None:
             warnings.warn(
                 f"taifuse.compile: {_name(self.fn)} runs eagerly from now on: {refused}", stacklevel=2
             )
             self._eager.add(key)
         else:
-            self._steps[key] = step
+            self._steps[key] = new
         return result
 
     def plan(self, *args: Any, **kwargs: Any) -> PlanStats | None:
@@ -469,6 +479,17 @@ def _made_inside(externals: list[_External]) -> list[_External]:
     return [e for e in externals if id(_owner(e.array)) not in alive]
 
 
+# NOTE [ Constants made by host code ]
+# A recorded call may read an array that host code made during the step (``np.arange`` of the
+# positions in the GPT's forward, a cast of the targets on the host): the trace did not record how,
+# so the replay reads the values it had. That is right for a constant and wrong for anything
+# computed from the inputs' values. Which one it is cannot be seen in one trace, so a step that
+# has such arrays is traced a second time, on the next call's inputs, as TinyJit captures on its
+# second call: equal values make them constants and the step replays from then on; different
+# values are refused (``CompileError``, or eager with a warning under ``fallback``). The same
+# inputs twice cannot tell the two apart; the arrays are then what those inputs make.
+
+
 # ----------------------------------------------------------------------------- the trace
 
 
@@ -479,7 +500,7 @@ def _trace(fn: Callable, args: tuple, kwargs: dict, fallback: bool) -> tuple[_Re
         inputs = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
         for t in inputs:
             tracer._add(data(t), 0, False, fresh=True)
-        guards = _guards(fn, args, kwargs)
+        before = _storage_guard(_step_objects(fn, args, kwargs))
         undo = _install(tracer)
         _trace_hook.ACTIVE = tracer
         try:
@@ -489,6 +510,11 @@ def _trace(fn: Callable, args: tuple, kwargs: dict, fallback: bool) -> tuple[_Re
             undo()
         if tracer.refused is not None:
             return None, result, tracer.refused
+        if not before():
+            # The step moved a parameter's storage (an optimizer took back one assigned from
+            # outside): the calls before the move read the old array. Trace the next call again.
+            return None, _detach(result), None
+        guards = [before]
         outputs = _describe_outputs(tracer, result)
         detached = _detach(result)
         del result
@@ -517,8 +543,7 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if not tracer.depth:
                 tracer.refuse(
-                    f"the step reads a value back to the host ({name}: .item(), .numpy(), bool(t), "
-                    "float(t)); a compiled step is a fixed list of kernel calls, so its control flow "
+                    f"the step reads a value back to the host ({name}); a compiled step is a fixed list of kernel calls, so its control flow "
                     "cannot depend on values. Return the tensor and read it after the call"
                 )
             return fn(*args, **kwargs)
@@ -541,7 +566,7 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
         else:
             patch(m, name, recording(f"tensor math {name}", getattr(m, name)))
     for cls, name in _HOST_SEGMENTS:
-        method = vars(cls)[name]
+        method = getattr(cls, name)  # a function (count_batch: the base class's)
 
         def segment(
             self: Any, *args: Any, _method: Callable = method, _name: str = name, **kwargs: Any
@@ -620,10 +645,10 @@ def _step_objects(fn: Callable, args: tuple, kwargs: dict) -> list[Any]:
     return found
 
 
-def _guards(fn: Callable, args: tuple, kwargs: dict) -> list[Callable[[], bool]]:
+def _storage_guard(objects: list[Any]) -> Callable[[], bool]:
     """Checks that the recorded arrays are still the step's: each parameter's storage is the same."""
     tensors: dict[int, Any] = {}
-    for obj in _step_objects(fn, args, kwargs):
+    for obj in objects:
         if isinstance(obj, Module):
             for p in obj.parameters():
                 tensors[id(p)] = p
@@ -638,7 +663,7 @@ def _guards(fn: Callable, args: tuple, kwargs: dict) -> list[Callable[[], bool]]
     def same_storage() -> bool:
         return all(data(t) is arr for t, arr in held)
 
-    return [same_storage]
+    return same_storage
 
 
 def _scaler_guards(scalers: list[GradScaler]) -> list[Callable[[], bool]]:
@@ -691,13 +716,12 @@ class _Replay:
         held = {b.index: b.array for b in tracer.buffers if b.device and _held_elsewhere(b.array)}
         for buf in tracer.buffers:
             buf.array = None
-        for ext in _made_inside(_externals(calls, outputs)):
-            name = next(c.name for c in calls if _reads(c, ext))
-            raise CompileError(
-                f"{name} reads an array of shape {tuple(ext.array.shape)} that host code computed inside "
-                "the step, outside the kernel and tensor-math calls a trace records: the replay would "
-                "freeze its values"
-            )
+        # NOTE [ Constants made by host code ]
+        self.constants = [
+            (next(c.name for c in calls if _reads(c, ext)), _host_copy(ext.array))
+            for ext in _made_inside(_externals(calls, outputs))
+        ]
+        self.confirmed = not self.constants
         kept = {b.index for b in tracer.buffers if (b.index in held if b.device else b.ref() is not None)}
         kept -= {b.index for b in tracer.buffers if b.fresh}
         self.arrays: list[Any] = [None] * len(tracer.buffers)
@@ -746,6 +770,22 @@ class _Replay:
         if kind == "dict":
             return {k: self._bind(v, fresh) for k, v in template[1].items()}
         raise AssertionError(kind)
+
+    def confirm(self, first: _Replay) -> str | None:
+        """Compare this trace's constants with those of ``first``, an earlier trace of the same
+        signature on other inputs: None when they are the same values, else what differs."""
+        if [name for name, _ in self.constants] != [name for name, _ in first.constants]:
+            return "the step made different host arrays in two traces of one signature"
+        for (name, value), (_, before) in zip(self.constants, first.constants):
+            if value.shape != before.shape or value.dtype != before.dtype or value.tobytes() != before.tobytes():
+                return (
+                    f"{name} reads an array of shape {value.shape} that host code computed inside the "
+                    "step from its inputs' values (it differed between two calls), outside the kernel "
+                    "and tensor-math calls a trace records: the replay would freeze it. Compute it "
+                    "before the call and pass it in, or with Tensor operations"
+                )
+        self.confirmed = True
+        return None
 
     def guards_hold(self) -> bool:
         return all(g() for g in self.guards)
@@ -850,6 +890,10 @@ def _data_inputs(values: tuple) -> list[Any]:
         elif isinstance(v, (list, tuple)):
             out.extend(_data_inputs(tuple(v)))
     return out
+
+
+def _host_copy(arr: Any) -> np.ndarray:
+    return np.array(arr, copy=True) if isinstance(arr, np.ndarray) else arr.numpy()
 
 
 def _reads(call: _Call, ext: _External) -> bool:
