@@ -17,9 +17,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-import gpt as gpt_example  # noqa: E402
-import train_cnn  # noqa: E402
-import train_mlp  # noqa: E402
+import gpt as gpt_example
+import train_cnn
+import train_mlp
 
 
 def mlp_step(dropout: float = 0.0, amp: bool = False, clip: float | None = 1.0, seed: int = 0):
@@ -57,7 +57,9 @@ def mlp_batches(n: int, batch: int = 64, seed: int = 1):
 
 def gpt_step(dropout: float = 0.1, seed: int = 0, clip: float = 1.0):
     taifuse.manual_seed(seed)
-    config = gpt_example.GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=dropout)
+    config = gpt_example.GPTConfig(
+        vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=dropout
+    )
     model = gpt_example.GPT(config)
     opt = model.configure_optimizer(weight_decay=0.1, lr=1e-3)
 

@@ -182,7 +182,7 @@ def test_a_new_parameter_storage_traces_again():
 
 def test_the_plan_holds_no_more_than_the_eager_step(grad_backend):
     """The plan's buffers (the arena, and the device arrays it shares) never exceed the eager step's
-    pool peak, and the arena is the recorded live peak plus alignment."""
+    pool peak, and on the host the arena is the recorded live peak plus alignment."""
     grad_backend.activate()
     batches = cases.gpt_batches(3)
     _, step = cases.gpt_step(dropout=0.0)
@@ -198,7 +198,12 @@ def test_the_plan_holds_no_more_than_the_eager_step(grad_backend):
         compiled(taifuse.tensor(a), taifuse.tensor(b))
     plan = compiled.plan(x, y)
     assert plan.arena + plan.kept <= eager_peak, (plan, eager_peak)
-    assert plan.live_peak <= plan.arena <= plan.live_peak + 64 * plan.calls
+    assert plan.live_peak <= plan.arena
+    if grad_backend.name != "taichi":
+        # One host arena packed by lifetimes: the live peak plus alignment (64 bytes a buffer). On
+        # Taichi a buffer shares only a device array of its exact size (its length is visible to
+        # kernels), which packs less tightly.
+        assert plan.arena <= plan.live_peak + 64 * plan.calls
 
 
 def test_a_taichi_replay_makes_no_host_round_trip(grad_backend):

@@ -34,12 +34,12 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from taifuse import _autocast_state, _engine, _random, _trace_hook, backends, pool
-from taifuse._internal import backend, data, is_tensor, wrap
+from taifuse._internal import backend, data, is_tensor, set_grad, wrap
 from taifuse._tensor_math import math_for
 from taifuse.amp.grad_scaler import GradScaler
 from taifuse.backends import _spec
@@ -383,8 +383,8 @@ class _Tracer:
             buf, offset = found
             buf.last = max(buf.last, index)
             if buf.device:
-                return ("buf", buf.index, tuple(value.shape))
-            return ("buf", buf.index, (offset, value.shape, value.strides, value.dtype))
+                return ("buf", buf.index, tuple(value.shape))  # a device view: a reshape
+            return ("buf", buf.index, _HostView(offset, value.shape, value.strides, value.dtype))
         if isinstance(value, (list, tuple)):
             items = [self._describe(v, index) for v in value]
             return ("seq", type(value), items)
@@ -417,6 +417,15 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict) and any(isinstance(v, _Seed) for v in value.values()):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+class _HostView(NamedTuple):
+    """Where a host array argument lies in its buffer."""
+
+    offset: int  # bytes from the buffer's start
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
 
 
 class _External:
@@ -500,7 +509,8 @@ def _trace(fn: Callable, args: tuple, kwargs: dict, fallback: bool) -> tuple[_Re
         inputs = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
         for t in inputs:
             tracer._add(data(t), 0, False, fresh=True)
-        before = _storage_guard(_step_objects(fn, args, kwargs))
+        objects = _step_objects(fn, args, kwargs)
+        before = _storage_guard(objects)
         undo = _install(tracer)
         _trace_hook.ACTIVE = tracer
         try:
@@ -515,12 +525,15 @@ def _trace(fn: Callable, args: tuple, kwargs: dict, fallback: bool) -> tuple[_Re
             # outside): the calls before the move read the old array. Trace the next call again.
             return None, _detach(result), None
         guards = [before]
+        grads = _grad_bindings(objects)
         outputs = _describe_outputs(tracer, result)
         detached = _detach(result)
         del result
         gc.collect()  # buffers held only by dead graph nodes in cycles are not kept
         guards.extend(_scaler_guards(tracer.scalers))
-        return _Replay(tracer, len(inputs), outputs, guards), detached, None
+        replay = _Replay(tracer, len(inputs), outputs, guards)
+        replay.grads = grads
+        return replay, detached, None
 
 
 def _install(tracer: _Tracer) -> Callable[[], None]:
@@ -645,8 +658,8 @@ def _step_objects(fn: Callable, args: tuple, kwargs: dict) -> list[Any]:
     return found
 
 
-def _storage_guard(objects: list[Any]) -> Callable[[], bool]:
-    """Checks that the recorded arrays are still the step's: each parameter's storage is the same."""
+def _parameters(objects: list[Any]) -> list[Any]:
+    """The parameters of the modules and optimizers among ``objects``, and Tensors that require grad."""
     tensors: dict[int, Any] = {}
     for obj in objects:
         if isinstance(obj, Module):
@@ -658,12 +671,29 @@ def _storage_guard(objects: list[Any]) -> Callable[[], bool]:
                     tensors[id(p)] = p
         elif is_tensor(obj) and obj.requires_grad:
             tensors[id(obj)] = obj
-    held = [(t, data(t)) for t in tensors.values()]
+    return list(tensors.values())
+
+
+def _storage_guard(objects: list[Any]) -> Callable[[], bool]:
+    """Checks that the recorded arrays are still the step's: each parameter's storage is the same."""
+    held = [(t, data(t)) for t in _parameters(objects)]
 
     def same_storage() -> bool:
         return all(data(t) is arr for t, arr in held)
 
     return same_storage
+
+
+# NOTE [ Gradients a replay leaves ]
+# The host segments read ``p.grad`` (the optimizer's step, GradScaler's unscale), and autograd,
+# which set it, does not run at replay. So each replay first gives every parameter the ``.grad``
+# Tensor the trace left it, whose array the replayed calls write: another signature's trace in
+# between (which lent the gradient slots anew, or made the optimizer a new flat buffer) then
+# changes nothing for this one's replays.
+
+
+def _grad_bindings(objects: list[Any]) -> list[tuple[Any, Any]]:
+    return [(p, p.grad) for p in _parameters(objects)]
 
 
 def _scaler_guards(scalers: list[GradScaler]) -> list[Callable[[], bool]]:
@@ -746,6 +776,7 @@ class _Replay:
         self.zero_fills = [(b.born, self.arrays[b.index]) for b in tracer.buffers if b.zero]
         self.outputs = outputs
         self.be = backends.active()
+        self.grads: list[tuple[Any, Any]] = []
 
     def _bind(self, template: Any, fresh: dict[int, Any]) -> Any:
         kind = template[0]
@@ -758,7 +789,7 @@ class _Replay:
         if kind == "buf":
             index, view = template[1], template[2]
             base = fresh.get(index, self.arrays[index])
-            if isinstance(view, tuple) and len(view) == 4:
+            if isinstance(view, _HostView):
                 offset, shape, strides, dtype = view
                 if offset == 0 and base.shape == shape and base.strides == strides and base.dtype == dtype:
                     return base
@@ -777,7 +808,11 @@ class _Replay:
         if [name for name, _ in self.constants] != [name for name, _ in first.constants]:
             return "the step made different host arrays in two traces of one signature"
         for (name, value), (_, before) in zip(self.constants, first.constants):
-            if value.shape != before.shape or value.dtype != before.dtype or value.tobytes() != before.tobytes():
+            if (
+                value.shape != before.shape
+                or value.dtype != before.dtype
+                or value.tobytes() != before.tobytes()
+            ):
                 return (
                     f"{name} reads an array of shape {value.shape} that host code computed inside the "
                     "step from its inputs' values (it differed between two calls), outside the kernel "
@@ -791,6 +826,8 @@ class _Replay:
         return all(g() for g in self.guards)
 
     def run(self, args: tuple, kwargs: dict) -> Any:
+        for p, g in self.grads:  # NOTE [ Gradients a replay leaves ]
+            set_grad(p, g)
         sources = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
         fresh: dict[Any, Any] = {i: data(t) for i, t in enumerate(sources)}  # NOTE [ Compiled inputs ]
         if self.seeds:
