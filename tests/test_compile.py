@@ -234,3 +234,35 @@ def test_the_docs_examples_run():
     with taifuse.backends.preserved_choice():
         result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_another_threads_work_during_a_trace_is_not_recorded():
+    """Only the tracing thread's calls are the step's: a thread that computes (and allocates from
+    the pool, and draws a seed) while the trace runs is left out, and the replay matches eager."""
+    import threading
+
+    def other() -> None:
+        t = taifuse.tensor(np.ones((8, 8), np.float32))
+        F.relu(F.dropout(t, 0.5) + 1.0)
+
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        batches = cases.mlp_batches(3)
+        results, plans = [], []
+        for with_thread in (False, True):
+            _, step = cases.mlp_step()
+
+            def stepping(x, y, step=step, with_thread=with_thread):
+                if with_thread:
+                    worker = threading.Thread(target=other)
+                    worker.start()
+                    worker.join()
+                return step(x, y)
+
+            compiled = taifuse.compile(stepping)
+            losses = [compiled(taifuse.tensor(x), taifuse.tensor(y)).numpy().copy() for x, y in batches]
+            results.append(losses)
+            plans.append(compiled.plan(taifuse.tensor(batches[0][0]), taifuse.tensor(batches[0][1])).calls)
+        assert plans[0] == plans[1]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(b, a)

@@ -7,7 +7,8 @@ else. The one place it needs inside the package is ``BufferPool.acquire``, which
 :data:`ACTIVE` once per call: while a trace runs, the trace is told of every buffer (its shape,
 dtype and when it was made, for the lifetimes the replay's plan is built from); while a replay
 runs, the replay hands out the buffers it planned ahead, in the recorded order, instead of the
-pool. When it is None (no compiled step running) the pool runs as it would without a compiler:
+pool. Its ``acquire`` returns None for a request that is not the step's (another thread's, a
+host segment's, or the trace's own call to the pool): the pool then serves it. When it is None (no compiled step running) the pool runs as it would without a compiler:
 one global read and comparison. This module imports nothing, so that the pool may read it.
 """
 

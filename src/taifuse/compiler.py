@@ -187,7 +187,7 @@ def _arg_key(value: Any) -> Any:
     if is_tensor(value):
         if value.requires_grad:  # state, not data: bound by identity (NOTE [ Compiled inputs ])
             return ("state", id(value))
-        return ("T", tuple(value.shape), str(value.dtype), backend(value).NAME)
+        return ("T", value.shape, value.dtype, backend(value))
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_arg_key(v) for v in value))
     try:
@@ -269,15 +269,25 @@ class _Tracer:
         self._starts: list[int] = []  # live host buffers by address (sorted), for _find
         self._live: list[_Buffer] = []
         self._device: dict[int, _Buffer] = {}  # id(storage) -> live device buffer
+        # Only the tracing thread's work is the step's, and not what a host segment or the trace's
+        # own call to the pool does (NOTE [ Step compiler hooks ]).
+        self.thread = threading.get_ident()
+        self.paused = False
+
+    def owns(self) -> bool:
+        """Whether the work being done now is the step's, to record."""
+        return not self.paused and threading.get_ident() == self.thread
 
     # -- the pool's hook
 
     def acquire(self, owner: pool.BufferPool, shape: Any, dtype: Any, zero: bool) -> Any:
-        _trace_hook.ACTIVE = None
+        if not self.owns():
+            return None
+        self.paused = True  # the pool's own path, through its hook once more
         try:
             out = owner.acquire(shape, dtype, zero=zero)
         finally:
-            _trace_hook.ACTIVE = self
+            self.paused = False
         if self.refused is not None:
             return out
         born = len(self.calls) - 1 if self.depth else len(self.calls)
@@ -317,7 +327,7 @@ class _Tracer:
             self.refused = why
 
     def record(self, name: str, fn: Callable, args: tuple, kwargs: dict, segment: bool = False) -> Any:
-        if self.depth or self.refused is not None:
+        if self.depth or self.refused is not None or not self.owns():
             return fn(*_plain(args), **_plain(kwargs))
         call = _Call(name, fn, None, None, segment)
         index = len(self.calls)
@@ -327,11 +337,11 @@ class _Tracer:
         self.depth += 1
         try:
             if segment:
-                _trace_hook.ACTIVE = None
+                self.paused = True
                 try:
                     result = fn(*args, **kwargs)
                 finally:
-                    _trace_hook.ACTIVE = self
+                    self.paused = False
                 return result
             result = fn(*_plain(args), **_plain(kwargs))
         finally:
@@ -393,6 +403,8 @@ class _Tracer:
         return ("const", value)
 
     def draw_seed(self) -> int:
+        if not self.owns():
+            return _ORIGINAL_NEXT_SEED[0]()
         seed = _Seed(_ORIGINAL_NEXT_SEED[0]())
         seed.index = self.seeds
         self.seeds += 1
@@ -554,7 +566,7 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
 
     def refusing(name: str, fn: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not tracer.depth:
+            if not tracer.depth and tracer.owns():
                 tracer.refuse(
                     f"the step reads a value back to the host ({name}); a compiled step is a fixed list of kernel calls, so its control flow "
                     "cannot depend on values. Return the tensor and read it after the call"
@@ -592,7 +604,8 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
     scale = vars(GradScaler)["scale"]
 
     def scaled(self: GradScaler, outputs: Any) -> Any:
-        tracer.scalers.append(self)
+        if tracer.owns():
+            tracer.scalers.append(self)
         return scale(self, outputs)
 
     patch(GradScaler, "scale", scaled)
@@ -768,10 +781,19 @@ class _Replay:
         self.inner: list[Any] = []
         for i, call in enumerate(calls):
             self.inner.extend(self.arrays[b] for b in tracer.inner.get(i, ()))
-            dynamic = _is_dynamic(call.args, fresh) or _is_dynamic(call.kwargs, fresh)
-            templates = (call.args, call.kwargs) if dynamic else None
-            args = None if dynamic else self._bind(call.args, {})
-            kwargs = None if dynamic else self._bind(call.kwargs, {})
+            templates = args = kwargs = None
+            if _is_dynamic(call.args, fresh) or _is_dynamic(call.kwargs, fresh):
+                templates = (call.args, call.kwargs)
+                patches = None if _is_dynamic(call.kwargs, fresh) else _positions(call.args, tracer.buffers)
+                if patches is not None:  # the usual case: bind the rest once, patch those positions
+                    templates = patches
+                    patched = {pos for pos, _ in patches}
+                    args = [
+                        None if pos in patched else self._bind(t, {}) for pos, t in enumerate(call.args[2])
+                    ]
+                    kwargs = self._bind(call.kwargs, {})
+            else:
+                args, kwargs = self._bind(call.args, {}), self._bind(call.kwargs, {})
             self.steps.append((call.fn, args, kwargs, call.segment, templates, call.result))
         self.zero_fills = [(b.born, self.arrays[b.index]) for b in tracer.buffers if b.zero]
         self.outputs = outputs
@@ -785,7 +807,7 @@ class _Replay:
         if kind == "ext":
             return template[1].array
         if kind == "seed":
-            return fresh["seeds"][template[1]]
+            return fresh[("seed", template[1])]
         if kind == "buf":
             index, view = template[1], template[2]
             base = fresh.get(index, self.arrays[index])
@@ -829,9 +851,11 @@ class _Replay:
         for p, g in self.grads:  # NOTE [ Gradients a replay leaves ]
             set_grad(p, g)
         sources = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
-        fresh: dict[Any, Any] = {i: data(t) for i, t in enumerate(sources)}  # NOTE [ Compiled inputs ]
-        if self.seeds:
-            fresh["seeds"] = [_random.next_seed() for _ in range(self.seeds)]
+        fresh: dict[Any, Any] = {
+            i: _contiguous(data(t)) for i, t in enumerate(sources)
+        }  # NOTE [ Compiled inputs ]
+        for i in range(self.seeds):
+            fresh[("seed", i)] = _random.next_seed()
         zero = iter(self.zero_fills)
         fill = next(zero, None)
         server = _Server(self.inner)
@@ -842,11 +866,16 @@ class _Replay:
                     _zero(fill[1])
                     fill = next(zero, None)
                 if templates is not None:
-                    args_, kwargs_ = self._bind(templates[0], fresh), self._bind(templates[1], fresh)
+                    if isinstance(templates, list):  # arguments at positions: seeds, inputs as they are
+                        args_ = list(args_)
+                        for pos, key in templates:
+                            args_[pos] = fresh[key]
+                    else:
+                        args_, kwargs_ = self._bind(templates[0], fresh), self._bind(templates[1], fresh)
                 if segment:
-                    _trace_hook.ACTIVE = None
+                    server.paused = True
                     fn(*args_, **kwargs_)
-                    _trace_hook.ACTIVE = server
+                    server.paused = False
                     continue
                 result = fn(*args_, **kwargs_)
                 if returns is not None:
@@ -886,12 +915,15 @@ def _keep(returns: Any, result: Any, fresh: dict) -> None:
 class _Server:
     """The pool's stand-in during a replay: the buffers recorded calls asked for, in order."""
 
-    __slots__ = ("buffers", "i")
+    __slots__ = ("buffers", "i", "paused", "thread")
 
     def __init__(self, buffers: list[Any]) -> None:
         self.buffers, self.i = buffers, 0
+        self.thread, self.paused = threading.get_ident(), False
 
     def acquire(self, owner: Any, shape: Any, dtype: Any, zero: bool) -> Any:
+        if self.paused or threading.get_ident() != self.thread:
+            return None  # a host segment's, or another thread's: the pool serves it
         arr = self.buffers[self.i]
         self.i += 1
         if zero:
@@ -904,6 +936,47 @@ def _zero(arr: Any) -> None:
         arr.fill(0)
     else:
         math_for(backends.active()).fill_(arr, 0.0)
+
+
+def _contiguous(arr: Any) -> Any:
+    """A data input as the trace's calls read it: C-contiguous (a device array always is)."""
+    if isinstance(arr, np.ndarray) and not arr.flags.c_contiguous:
+        return np.ascontiguousarray(arr)
+    return arr
+
+
+def _positions(args: Any, buffers: list[_Buffer]) -> list[tuple[int, Any]] | None:
+    """For a call whose dynamic arguments are all top-level seeds or whole fresh arrays (a data
+    input, a fresh result, as they are): ``[(position, key in the replay's fresh values)]``; None
+    when some argument needs a view built at each replay."""
+    patches = []
+    for pos, t in enumerate(args[2]):
+        if t[0] == "seed":
+            patches.append((pos, ("seed", t[1])))
+        elif t[0] == "buf" and buffers[t[1]].fresh:
+            b, view = buffers[t[1]], t[2]
+            whole = (
+                view == b.shape
+                if b.device
+                else view.offset == 0
+                and view.shape == b.shape
+                and view.dtype == b.dtype
+                and view.strides == _c_strides(b.shape, b.dtype)
+            )
+            if not whole:
+                return None
+            patches.append((pos, t[1]))
+        elif t[0] in ("seq", "dict") and _is_dynamic(t, {b.index for b in buffers if b.fresh}):
+            return None
+    return patches
+
+
+def _c_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:
+    strides, step = [], dtype.itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _is_dynamic(template: Any, fresh: set[int]) -> bool:

@@ -422,7 +422,9 @@ class BufferPool:
         """
         tr = _trace_hook.ACTIVE  # NOTE [ Step compiler hooks ]
         if tr is not None:
-            return tr.acquire(self, shape, dtype, zero)
+            planned = tr.acquire(self, shape, dtype, zero)
+            if planned is not None:
+                return planned
         dtype = np.dtype(dtype)
         shape = tuple(map(int, shape))
         size = math.prod(shape)
