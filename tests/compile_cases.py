@@ -23,7 +23,8 @@ import train_mlp
 
 
 def mlp_step(dropout: float = 0.0, amp: bool = False, clip: float | None = 1.0, seed: int = 0):
-    """(parameters, step(x, y) -> loss) of examples/train_mlp.py's model and AdamW, seeded."""
+    """(parameters, step(x, y) -> loss) of examples/train_mlp.py's model and AdamW under a cosine
+    schedule stepped in the step, seeded."""
     taifuse.manual_seed(seed)
     model = train_mlp.build_model()
     if dropout:
@@ -31,6 +32,7 @@ def mlp_step(dropout: float = 0.0, amp: bool = False, clip: float | None = 1.0, 
         model = nn.Sequential(layers[0], nn.Dropout(dropout), *layers[1:])
     opt = optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-4)
     scaler = GradScaler(enabled=amp, init_scale=2.0**10, growth_interval=3)
+    sched = optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
 
     def step(x, y):
         opt.zero_grad()
@@ -42,6 +44,7 @@ def mlp_step(dropout: float = 0.0, amp: bool = False, clip: float | None = 1.0, 
             clip_grad_norm_(model.parameters(), clip)
         scaler.step(opt)
         scaler.update()
+        sched.step()
         return loss
 
     return list(model.parameters()), step

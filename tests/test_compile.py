@@ -266,3 +266,36 @@ def test_another_threads_work_during_a_trace_is_not_recorded():
         assert plans[0] == plans[1]
         for a, b in zip(*results):
             np.testing.assert_array_equal(b, a)
+
+
+def test_a_step_whose_backward_runs_gradient_hooks_is_refused():
+    """Hooks (DistributedDataParallel's all-reduce) are Python on the gradients mid-backward,
+    which a list of kernel calls would skip."""
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        taifuse.manual_seed(0)
+        model = nn.Linear(3, 2)
+        seen = []
+        model.weight.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+
+        def step(x):
+            loss = model(x).sum()
+            loss.backward()
+            return loss
+
+        with pytest.raises(CompileError, match="gradient hooks"):
+            taifuse.compile(step)(taifuse.tensor(np.ones((4, 3), np.float32)))
+        assert seen == [1]  # the trace's eager run ran it
+
+
+def test_the_scalers_decision_skips_an_overflowing_step_under_replay(grad_backend):
+    """GradScaler's inf check is a host segment: a replayed step whose float16 gradients overflow
+    is skipped and the scale backs off (then the step traces again), as in eager."""
+    grad_backend.activate()
+    batches = cases.mlp_batches(6)
+    x, y = batches[3]
+    batches[3] = (x * np.float32(1e6), y)  # float16 activations overflow: inf gradients
+    eager = cases.run(cases.mlp_step, batches, False, amp=True, clip=None)
+    compiled = cases.run(cases.mlp_step, batches, True, amp=True, clip=None)
+    _assert_same(eager, compiled)
+    assert compiled[2].replays >= 2

@@ -11,7 +11,7 @@ draws. Everything else the step does in Python (argument checks, dtype promotion
 graph, the pool's free lists) ran once and is not repeated: the replay is the list of calls. Three
 kinds of work are not a list of kernel calls and are kept as host segments, re-run whole at
 replay: ``Optimizer.step`` (its bias corrections and learning rate are host numbers that change
-every step), and ``GradScaler.unscale_``, ``step`` and ``update`` (whether to step depends on the
+every step) and ``LRScheduler.step``, ``BatchNorm*.count_batch`` (host counts), and ``GradScaler.unscale_``, ``step`` and ``update`` (whether to step depends on the
 gradients' values: the scaler's decision stays on the host, as ``torch.compile`` leaves it outside
 the graph). A value read inside the step (``.item()``, ``.numpy()``, a kernel that returns a host
 number outside a host segment) is refused at trace time, as ``mx.compile`` refuses one: its value would be
@@ -45,6 +45,7 @@ from taifuse.amp.grad_scaler import GradScaler
 from taifuse.backends import _spec
 from taifuse.nn.batchnorm import BatchNorm1d, BatchNorm2d
 from taifuse.nn.module import Module
+from taifuse.optim.lr_scheduler import LRScheduler
 from taifuse.optim.optimizer import Optimizer
 from taifuse.tensor import Tensor
 
@@ -53,10 +54,12 @@ __all__ = ["CompiledFunction", "compile"]
 # One trace at a time: a trace swaps the backends' kernels for recording wrappers.
 _TRACE_LOCK = threading.RLock()
 _ALIGN = 64  # bytes: every planned host buffer starts on a cache line
+_TRACES_KEPT = 4  # traces kept per signature (differing in their guards)
 
 # Methods run whole at replay (NOTE [ What a compiled step records ]).
 _HOST_SEGMENTS: tuple[tuple[type, str], ...] = (
     (Optimizer, "step"),
+    (LRScheduler, "step"),
     (GradScaler, "unscale_"),
     (GradScaler, "step"),
     (GradScaler, "update"),
@@ -129,7 +132,9 @@ class CompiledFunction:
     def __init__(self, fn: Callable, fallback: bool = False) -> None:
         self.fn = fn
         self.fallback = fallback
-        self._steps: dict[Any, _Replay] = {}
+        # Per signature, the traces whose guards held when they were made, newest first: a
+        # GradScaler's scale that backs off and grows back finds its trace again.
+        self._steps: dict[Any, list[_Replay]] = {}
         self._eager: set[Any] = set()
         self.traces = 0  # how many times fn was traced
         self.replays = 0
@@ -139,32 +144,34 @@ class CompiledFunction:
         key = _signature(args, kwargs)
         if key in self._eager:
             return self.fn(*args, **kwargs)
-        step = self._steps.get(key)
-        held = step is not None and step.guards_hold()
-        if held and step.confirmed:
+        steps = self._steps.setdefault(key, [])
+        step = next((s for s in steps if s.guards_hold()), None)
+        if step is not None and step.confirmed:
             self.replays += 1
             return step.run(args, kwargs)
         new, result, refused = _trace(self.fn, args, kwargs, self.fallback)
         self.traces += 1
-        if new is not None and held and not step.confirmed:
+        if new is not None and step is not None:  # `step` awaits confirming
             refused = new.confirm(step)  # NOTE [ Constants made by host code ]
             if refused is not None and not self.fallback:
                 raise CompileError(refused)
+            steps.remove(step)
         if new is None and refused is None:
-            self._steps.pop(key, None)
+            pass  # the trace moved a parameter's storage: the next call traces again
         elif refused is not None:
             warnings.warn(
                 f"taifuse.compile: {_name(self.fn)} runs eagerly from now on: {refused}", stacklevel=2
             )
             self._eager.add(key)
         else:
-            self._steps[key] = new
+            steps.insert(0, new)
+            del steps[_TRACES_KEPT:]
         return result
 
     def plan(self, *args: Any, **kwargs: Any) -> PlanStats | None:
         """The buffer plan of the compiled step for these arguments' signature (None before a trace)."""
-        step = self._steps.get(_signature(args, kwargs))
-        return None if step is None else step.stats
+        steps = self._steps.get(_signature(args, kwargs))
+        return steps[0].stats if steps else None
 
 
 def _name(fn: Any) -> str:
@@ -260,7 +267,7 @@ class _Tracer:
         self.refused: str | None = (
             None  # why the trace stopped recording (fallback: the step runs on eagerly)
         )
-        self.scalers: list[GradScaler] = []
+        self.scalers: list[tuple[GradScaler, Any]] = []  # (scaler, the scale its scale() used)
         self.calls: list[_Call] = []
         self.buffers: list[_Buffer] = []
         self.inner: dict[int, list[int]] = {}  # call index -> buffers the pool made inside it
@@ -524,12 +531,19 @@ def _trace(fn: Callable, args: tuple, kwargs: dict, fallback: bool) -> tuple[_Re
         objects = _step_objects(fn, args, kwargs)
         before = _storage_guard(objects)
         undo = _install(tracer)
+        hooked = _engine.backward_pass()
         _trace_hook.ACTIVE = tracer
         try:
             result = fn(*args, **kwargs)
         finally:
             _trace_hook.ACTIVE = None
             undo()
+        if _engine.backward_pass() != hooked and tracer.refused is None:
+            # NOTE [ Gradient hooks ] in _engine.py: Python on the gradients mid-backward.
+            tracer.refuse(
+                "a backward in the step ran gradient hooks (register_post_accumulate_grad_hook, "
+                "DistributedDataParallel's all-reduce), Python that a replay would not run"
+            )
         if tracer.refused is not None:
             return None, result, tracer.refused
         if not before():
@@ -604,8 +618,8 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
     scale = vars(GradScaler)["scale"]
 
     def scaled(self: GradScaler, outputs: Any) -> Any:
-        if tracer.owns():
-            tracer.scalers.append(self)
+        if tracer.owns():  # the scale the loss is multiplied by, not the one update() leaves
+            tracer.scalers.append((self, self.get_scale() if self.is_enabled() else None))
         return scale(self, outputs)
 
     patch(GradScaler, "scale", scaled)
@@ -709,11 +723,10 @@ def _grad_bindings(objects: list[Any]) -> list[tuple[Any, Any]]:
     return [(p, p.grad) for p in _parameters(objects)]
 
 
-def _scaler_guards(scalers: list[GradScaler]) -> list[Callable[[], bool]]:
+def _scaler_guards(scalers: list[tuple[GradScaler, Any]]) -> list[Callable[[], bool]]:
     """A GradScaler's scale is a host number the loss was multiplied by: a new scale, a new trace."""
     guards = []
-    for obj in dict.fromkeys(scalers):
-        scale = obj.get_scale() if obj.is_enabled() else None
+    for obj, scale in dict.fromkeys(scalers):
 
         def same(obj: GradScaler = obj, scale: Any = scale) -> bool:
             return (obj.get_scale() if obj.is_enabled() else None) == scale
