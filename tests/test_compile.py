@@ -173,9 +173,10 @@ def test_a_new_parameter_storage_traces_again():
                     set_data(params[0], params[0].numpy().copy())
                 fn(taifuse.tensor(x), taifuse.tensor(y))
             results.append([p.numpy().copy() for p in params])
-        # The third call's trace sees the optimizer move the parameter back into its flat buffer,
-        # so that trace is dropped and the fourth call traces again.
-        assert (fn.traces, fn.replays) == (3, 1)
+        # The third call's guard fails and it traces; that trace sees the optimizer move the
+        # parameter back into its flat buffer, so it is dropped, and the fourth call finds the
+        # first trace's storage again: it replays.
+        assert (fn.traces, fn.replays) == (2, 2)
         for a, b in zip(*results):
             np.testing.assert_array_equal(b, a)
 
@@ -299,3 +300,31 @@ def test_the_scalers_decision_skips_an_overflowing_step_under_replay(grad_backen
     compiled = cases.run(cases.mlp_step, batches, True, amp=True, clip=None)
     _assert_same(eager, compiled)
     assert compiled[2].replays >= 2
+
+
+def test_keyword_and_nested_inputs_are_bound_anew_each_call():
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        taifuse.manual_seed(0)
+        model = nn.Linear(3, 2)
+
+        @taifuse.compile
+        def forward(pair, *, scale):
+            a, b = pair
+            return (model(a) * scale + model(b)).sum()
+
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            a, b = (rng.standard_normal((4, 3)).astype(np.float32) for _ in range(2))
+            got = forward((taifuse.tensor(a), taifuse.tensor(b)), scale=2.0).numpy()
+            with taifuse.no_grad():
+                want = (model(taifuse.tensor(a)) * 2.0 + model(taifuse.tensor(b))).sum().numpy()
+            np.testing.assert_array_equal(got, want)
+        assert (forward.traces, forward.replays) == (1, 2)
+        forward((taifuse.tensor(a), taifuse.tensor(b)), scale=3.0)  # another value: another signature
+        assert forward.traces == 2
+
+
+def test_compile_refuses_what_is_not_callable():
+    with pytest.raises(TypeError, match="fn should be callable"):
+        taifuse.compile(3)
