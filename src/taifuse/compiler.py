@@ -280,6 +280,7 @@ class _Tracer:
         # own call to the pool does (NOTE [ Step compiler hooks ]).
         self.thread = threading.get_ident()
         self.paused = False
+        self.next_seed: Callable[[], int] = _random.next_seed
 
     def owns(self) -> bool:
         """Whether the work being done now is the step's, to record."""
@@ -411,14 +412,11 @@ class _Tracer:
 
     def draw_seed(self) -> int:
         if not self.owns():
-            return _ORIGINAL_NEXT_SEED[0]()
-        seed = _Seed(_ORIGINAL_NEXT_SEED[0]())
+            return self.next_seed()
+        seed = _Seed(self.next_seed())
         seed.index = self.seeds
         self.seeds += 1
         return seed
-
-
-_ORIGINAL_NEXT_SEED: list[Callable[[], int]] = []
 
 
 def _is_array(value: Any) -> bool:
@@ -557,7 +555,7 @@ def _trace(fn: Callable, args: tuple, kwargs: dict, fallback: bool) -> tuple[_Re
         del result
         gc.collect()  # buffers held only by dead graph nodes in cycles are not kept
         guards.extend(_scaler_guards(tracer.scalers))
-        replay = _Replay(tracer, len(inputs), outputs, guards)
+        replay = _Replay(tracer, outputs, guards)
         replay.grads = grads
         return replay, detached, None
 
@@ -623,7 +621,7 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
         return scale(self, outputs)
 
     patch(GradScaler, "scale", scaled)
-    _ORIGINAL_NEXT_SEED[:] = [_random.next_seed]
+    tracer.next_seed = _random.next_seed  # the generator's own draw
     patch(_random, "next_seed", tracer.draw_seed)
 
     def restore() -> None:
@@ -761,9 +759,8 @@ class PlanStats:
 class _Replay:
     """One compiled step: the calls with their arguments bound to planned buffers."""
 
-    def __init__(self, tracer: _Tracer, inputs: int, outputs: Any, guards: list[Callable[[], bool]]) -> None:
+    def __init__(self, tracer: _Tracer, outputs: Any, guards: list[Callable[[], bool]]) -> None:
         self.guards = guards
-        self.inputs = inputs
         self.seeds = tracer.seeds
         calls = tracer.calls
         # Kept: alive after the trace, so someone holds it. A device array by its storage (its
