@@ -328,3 +328,23 @@ def test_keyword_and_nested_inputs_are_bound_anew_each_call():
 def test_compile_refuses_what_is_not_callable():
     with pytest.raises(TypeError, match="fn should be callable"):
         taifuse.compile(3)
+
+
+def test_a_view_kept_past_the_step_sees_each_replays_values(grad_backend):
+    """A buffer whose only survivor is a view (the step keeps ``y.reshape(-1)``) is still the
+    step's output memory: a replay writes it, as the trace's objects hold the replay's values."""
+    grad_backend.activate()
+    kept = {}
+
+    @taifuse.compile
+    def step(x):
+        y = F.relu(x)
+        kept["v"] = y.reshape(-1)
+        return (y * 2.0).sum()
+
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.standard_normal((4, 8)).astype(np.float32)
+        step(taifuse.tensor(x))
+        np.testing.assert_array_equal(kept["v"].numpy(), np.maximum(x, 0).reshape(-1))
+    assert step.replays == 2

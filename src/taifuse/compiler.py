@@ -243,7 +243,12 @@ class _Buffer:
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         self.device = not isinstance(array, np.ndarray)
         self.address = 0 if self.device else array.__array_interface__["data"][0]
-        self.ref = None if self.device else weakref.ref(array)
+        # Whether it outlives the trace is asked of what keeps its memory: a pool lease's owner
+        # object, which every view of it holds (NOTE [ Buffer ownership ] in pool.py), or itself.
+        owner = array.base if isinstance(array, np.ndarray) and array.base is not None else array
+        if isinstance(owner, np.ndarray) or not hasattr(owner, "__weakref__"):
+            owner = array
+        self.ref = None if self.device else weakref.ref(owner)
         self.array: Any = array  # dropped at the trace's end (then only `ref`)
         self.born = born
         self.last = born
@@ -780,7 +785,7 @@ class _Replay:
         self.arrays: list[Any] = [None] * len(tracer.buffers)
         for i in kept:
             b = tracer.buffers[i]
-            self.arrays[i] = held[i] if b.device else b.ref()
+            self.arrays[i] = held[i] if b.device else _over(b.ref(), b)
         self.stats = _plan(tracer.buffers, kept, self.arrays, len(calls))
         self.stats.calls = sum(not c.segment for c in calls)
         self.stats.segments = sum(c.segment for c in calls)
@@ -946,6 +951,14 @@ def _zero(arr: Any) -> None:
         arr.fill(0)
     else:
         math_for(backends.active()).fill_(arr, 0.0)
+
+
+def _over(owner: Any, b: _Buffer) -> np.ndarray:
+    """The array of ``b``'s shape and dtype over the memory ``owner`` (its lease, or itself) keeps."""
+    arr = owner if isinstance(owner, np.ndarray) else np.asarray(owner)
+    if arr.shape == b.shape and arr.dtype == b.dtype:
+        return arr
+    return arr.reshape(-1).view(np.uint8)[: b.nbytes].view(b.dtype).reshape(b.shape)
 
 
 def _contiguous(arr: Any) -> Any:
