@@ -23,7 +23,7 @@ PACKAGE = "taifuse"
 # module's name gives its layer. A module may import its own layer (without a circle) or lower.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse.backends._spec", "taifuse._profile_hook", "taifuse._costs",
-     "taifuse._autocast_state"),  # import nothing of taifuse
+     "taifuse._autocast_state", "taifuse._trace_hook"),  # import nothing of taifuse
     ("taifuse.backends._host", "taifuse.backends.reference", "taifuse._ceilings"),
     ("taifuse.backends",),  # the dispatch: the package's __init__ only (see _EXACT)
     ("taifuse.pool",),
@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("taifuse.nn", "taifuse.optim", "taifuse.amp", "taifuse.monitor", "taifuse.profiler",
      "taifuse.serialization", "taifuse.data", "taifuse.utils",
      "taifuse.distributed", "taifuse.library"),
+    ("taifuse.compiler",),  # the step compiler: wraps the optimizers' and GradScaler's host segments
     ("taifuse.bench", "taifuse.cli", "taifuse.__main__", "taifuse"),
 )  # fmt: skip
 

@@ -32,6 +32,7 @@ __all__ = [
     "__version__",
     "available_backends",
     "cat",
+    "compile",
     "enable_grad",
     "get_backend",
     "is_grad_enabled",
@@ -57,7 +58,7 @@ _LAZY_SUBMODULES = (
 )  # fmt: skip
 # Functions reachable as ``taifuse.<name>``, imported from their module on first use (the module
 # imports its heavy dependency, safetensors, only when called).
-_LAZY_FUNCTIONS = {"save": "serialization", "load": "serialization"}
+_LAZY_FUNCTIONS = {"save": "serialization", "load": "serialization", "compile": "compiler"}
 
 
 def __getattr__(name: str) -> _Any:

@@ -681,7 +681,7 @@ def _class_indices(target: Any, rows: int | None, classes: int, be: ModuleType) 
             # step (NOTE [ Class indices on the device ] in backends/taichi/backward.py).
             A.check_class_indices(target.dtype, target.shape, rows)
             return data(target)
-        host = target.numpy()
+        host = data(target)  # the array itself, not Tensor.numpy(): no value leaves a compiled step
     else:
         host = np.asarray(target)
     return A.class_indices(host, rows, classes, be)

@@ -285,7 +285,7 @@ def _accumulate_leaf(leaf: TensorCore, grad: Any, m: Any, owned: bool = False) -
         slot = grad_slot(leaf)
         lent = slot.lend() if slot is not None and isinstance(grad, np.ndarray) else None
         if lent is not None:
-            np.copyto(lent, grad)
+            m.copy_(lent, grad)  # through the tensor math: a compiled step records it (taifuse/compiler.py)
             set_grad(leaf, wrap(lent, backend(leaf)))
         else:
             set_grad(leaf, wrap(grad if owned else m.copy(grad), backend(leaf)))

@@ -113,6 +113,12 @@ def _wide(x: np.ndarray, buf: np.ndarray) -> np.ndarray:
     return buf
 
 
+# NOTE [ Sums of squares in blocks ]
+# Elements per block of a host array widened for its sum of squares: 256 KiB of float64, in
+# cache, where a whole float64 copy and its square took 4x the array's float32 bytes.
+_SQUARES_BLOCK = 1 << 15
+
+
 def _reduced_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None, keepdims: bool) -> tuple[int, ...]:
     axes = range(len(shape)) if axis is None else [d % len(shape) for d in axis]
     if keepdims:
@@ -311,6 +317,45 @@ class HostMath:
         return out
 
     @staticmethod
+    def astype(a: np.ndarray, dtype: Any) -> np.ndarray:
+        """A copy of ``a`` in ``dtype`` (through :func:`astype`)."""
+        dtype = np.dtype(dtype)
+        out = _buffer(a.shape, dtype)
+        if {a.dtype, dtype} == {np.dtype(np.float16), np.dtype(np.float32)}:
+            _convert(out, a)  # autocast's casts: the hardware conversions where Numba is loaded
+        else:
+            np.copyto(out, a, casting="unsafe")
+        return out
+
+    @staticmethod
+    def sum_of_squares(a: np.ndarray | list[np.ndarray], dtype: Any) -> np.ndarray:
+        """sum(a**2) accumulated in ``dtype``, a 0-d array: ``a`` widened in cache-sized blocks
+        (NOTE [ Sums of squares in blocks ]), for gradient clipping's norm. ``a`` may be a list of
+        host arrays: the sum over all of them through one scratch block, each array's sum added in
+        turn (the GPT example's 29 gradients took ~3 ms per clip as one pool request and one 0-d
+        addition each)."""
+        dtype = np.dtype(dtype)
+        arrays = [a] if isinstance(a, np.ndarray) else list(a)
+        flats = [x.reshape(-1) for x in arrays if x.size]
+        block = _buffer((min(max((f.size for f in flats), default=0), _SQUARES_BLOCK),), dtype)
+        total = None
+        for flat in flats:
+            term = 0.0
+            for lo in range(0, flat.size, _SQUARES_BLOCK):
+                b = block[: min(flat.size - lo, _SQUARES_BLOCK)]
+                np.copyto(b, flat[lo : lo + b.size])
+                term += float(np.dot(b, b))
+            total = term if total is None else total + term
+        out = _buffer((), dtype)
+        out[()] = 0.0 if total is None else total
+        return out
+
+    @staticmethod
+    def copy_(acc: np.ndarray, a: np.ndarray) -> None:
+        """acc[...] = a, in place (a gradient into its slot of an optimizer's flat buffer)."""
+        np.copyto(acc, a)
+
+    @staticmethod
     def add_(acc: np.ndarray, a: Any) -> None:
         """acc += a, in place (gradient accumulation into a leaf's ``.grad``, optimizer steps)."""
         if not _half_binary(np.add, acc, a, acc):
@@ -466,14 +511,6 @@ def math_for(backend: ModuleType) -> Any:
 def astype(m: Any, a: Any, dtype: Any) -> Any:
     """A copy of array ``a`` in ``dtype``, through ``m`` (type promotion and its gradient: NOTE [ Mixed
     dtypes ] in _tensor_functions.py)."""
-    dtype = np.dtype(dtype)
-    if isinstance(a, np.ndarray):
-        out = _buffer(a.shape, dtype)
-        if {a.dtype, dtype} == {np.dtype(np.float16), np.dtype(np.float32)}:
-            _convert(out, a)  # autocast's casts: the hardware conversions where Numba is loaded
-        else:
-            np.copyto(out, a, casting="unsafe")
-        return out
     cast = getattr(m, "astype", None)
     if cast is not None:
         return cast(a, dtype)

@@ -110,7 +110,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from taifuse import _profile_hook
+from taifuse import _profile_hook, _trace_hook
 
 __all__ = [
     "DEFAULT_MAX_MB",
@@ -420,6 +420,11 @@ class BufferPool:
         Its contents are undefined (stale data from an earlier user) unless ``zero`` is True.
         Empty shapes and a disabled pool go straight to the allocator's ``empty``.
         """
+        tr = _trace_hook.ACTIVE  # NOTE [ Step compiler hooks ]
+        if tr is not None:
+            planned = tr.acquire(self, shape, dtype, zero)
+            if planned is not None:
+                return planned
         dtype = np.dtype(dtype)
         shape = tuple(map(int, shape))
         size = math.prod(shape)

@@ -106,7 +106,10 @@ class _BatchNorm(Module):
             count = int(buf.item())
         return count
 
-    def _count_batch(self) -> int:
+    def count_batch(self) -> int:
+        """Count one training batch in ``num_batches_tracked``; returns the new count. Host state:
+        a compiled step re-runs it at every replay (NOTE [ What a compiled step records ] in
+        taifuse/compiler.py)."""
         count = self._batches_tracked() + 1
         self.num_batches_tracked = Tensor(np.array(count, np.int64))
         self._counted = (self.num_batches_tracked, count)
@@ -146,7 +149,7 @@ class _BatchNorm(Module):
                 x, self.running_mean, self.running_var, self.weight, self.bias, True, factor, self.eps,
                 self.activation, type(self).__name__,
             )  # fmt: skip
-            count = self._count_batch()
+            count = self.count_batch()
             if self.momentum is None:
                 factor = 1.0 / count
         # Batch statistics in training, and in evaluation without running statistics (PyTorch's rule).

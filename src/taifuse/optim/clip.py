@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from taifuse import pool as _pool
 from taifuse._internal import backend, data, wrap
 from taifuse._tensor_math import astype, math_for
 from taifuse.tensor import Tensor
@@ -107,13 +106,13 @@ def _total_norm(m: Any, dtype: np.dtype, grads: list[Any], norm_type: float) -> 
         # Host gradients narrower than the accumulation dtype (float32 on the host backends: the
         # usual case): their float64 sums of squares, the same additions in the same order as the
         # loop below makes them, but on Python floats, not a backend 0-d array per gradient.
-        return m.pow_scalar(np.array(_host_sum_of_squares(grads, dtype), dtype), 0.5)
+        return m.pow_scalar(m.sum_of_squares(grads, dtype), 0.5)  # one scratch block for all
     total = None
     for g in grads:
         if not g.size:
             continue  # adds 0 to a sum, nothing to a max
         if norm_type == 2 and isinstance(g, np.ndarray) and g.dtype != dtype:
-            term = _sum_of_squares_in_blocks(g, dtype)
+            term = m.sum_of_squares(g, dtype)  # widened in blocks, not whole
             total = term if total is None else m.add(total, term)
             continue
         a = g if g.dtype == dtype else astype(m, g, dtype)
@@ -128,38 +127,6 @@ def _total_norm(m: Any, dtype: np.dtype, grads: list[Any], norm_type: float) -> 
     if total is None:
         return m.full((), 0.0, dtype)
     return total if math.isinf(norm_type) else m.pow_scalar(total, 1.0 / norm_type)
-
-
-# Elements per block of a host gradient widened for its sum of squares: 256 KiB of float64,
-# in cache, where a whole-gradient float64 copy and its square took 4x the gradient's float32 bytes.
-_SQUARES_BLOCK = 1 << 15
-
-
-def _sum_of_squares_in_blocks(g: np.ndarray, dtype: np.dtype, block: np.ndarray | None = None) -> np.ndarray:
-    """sum(g**2) accumulated in ``dtype`` (float64) over widened blocks of a host gradient, a 0-d
-    array; ``block``: a ``dtype`` scratch buffer of at least ``min(g.size, _SQUARES_BLOCK)`` elements."""
-    flat = g.reshape(-1)
-    if block is None:
-        block = _pool.host_pool().acquire((min(flat.size, _SQUARES_BLOCK),), dtype)
-    total = 0.0
-    for lo in range(0, flat.size, _SQUARES_BLOCK):
-        b = block[: min(flat.size - lo, _SQUARES_BLOCK)]
-        np.copyto(b, flat[lo : lo + b.size])
-        total += float(np.dot(b, b))
-    return np.array(total, dtype)
-
-
-def _host_sum_of_squares(grads: list[np.ndarray], dtype: np.dtype) -> float:
-    """The sum of every host gradient's :func:`_sum_of_squares_in_blocks`, in order, through one
-    scratch block (the GPT example's 29 gradients took ~3 ms of pool requests and 0-d backend
-    additions per clip, more than the arithmetic)."""
-    block = _pool.host_pool().acquire((min(max(g.size for g in grads), _SQUARES_BLOCK),), dtype)
-    total = None
-    for g in grads:
-        if g.size:
-            term = float(_sum_of_squares_in_blocks(g, dtype, block))
-            total = term if total is None else total + term
-    return total
 
 
 def _scalar(value: float) -> Tensor:

@@ -813,6 +813,20 @@ class TaichiMath:
         return out
 
     @staticmethod
+    def sum_of_squares(a: Any, dtype: Any) -> Any:
+        """sum(a**2) in ``dtype``, a 0-d array (gradient clipping's norm)."""
+        a = a if a.dtype == np.dtype(dtype) else TaichiMath.astype(a, dtype)
+        return TaichiMath.sum(TaichiMath.mul(a, a), None, False)
+
+    @staticmethod
+    def copy_(acc: Any, a: Any) -> None:
+        _require_float("copy_", ("tensor updated", acc), ("operand", a))
+        if tuple(a.shape) != tuple(acc.shape) or a.dtype != acc.dtype:
+            raise TypeError(f"copy_: operand {a.dtype}{tuple(a.shape)} into {acc.dtype}{tuple(acc.shape)}")
+        if acc.size:
+            elementwise_kernels_for(acc.dtype).binary_scalar(_nd(a), 1.0, _nd(acc), OP_MUL, acc.size, 0)
+
+    @staticmethod
     def _inplace(acc: Any, a: Any, op: int) -> None:
         _require_float(f"in-place {_OP_NAMES[op]}", ("tensor updated", acc), ("operand", a))
         if not acc.size:

@@ -1,0 +1,351 @@
+"""taifuse.compile: a compiled training step gives the eager step's results, bit for bit.
+
+The steps are the examples' (tests/compile_cases.py): the MLP's with AdamW and clipping, with
+dropout, and under autocast with a GradScaler; the GPT's with dropout and clipping; the CNN's with
+batch norm. Each runs several steps eagerly and compiled from the same seeds and batches; the
+replay calls the same kernels on the same values, so losses and parameters must be equal exactly
+(tolerance 0). Then the compiler's own behaviour: a new signature traces again, a value read
+inside the step is refused (or falls back with a warning), host arrays made from the inputs are
+refused, and the plan holds no more than the eager step.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import compile_cases as cases
+import numpy as np
+import pytest
+from helpers import SUBSET
+
+import taifuse
+import taifuse.functional as F
+from taifuse import nn, optim, pool
+from taifuse._internal import data, set_data
+from taifuse.compiler import CompileError
+
+STEPS = 5
+
+
+def _assert_same(eager, compiled) -> None:
+    (le, pe, _), (lc, pc, _) = eager, compiled
+    for i, (a, b) in enumerate(zip(le, lc)):
+        np.testing.assert_array_equal(b, a, err_msg=f"loss of step {i}")
+    for i, (a, b) in enumerate(zip(pe, pc)):
+        np.testing.assert_array_equal(b, a, err_msg=f"parameter or buffer {i} after {STEPS} steps")
+
+
+MLP_VARIANTS = {
+    "clip": {},
+    "dropout": {"dropout": 0.2},
+    "amp_scaler": {"amp": True},
+}
+
+
+@pytest.mark.parametrize("variant", list(MLP_VARIANTS))
+def test_compiled_mlp_step_equals_eager(backend, variant):
+    if backend.arch in ("vulkan", "metal") and variant != "clip":
+        pytest.skip(SUBSET + "lavapipe runs the small case only (the others run on taichi-cpu)")
+    backend.activate()
+    batches = cases.mlp_batches(STEPS)
+    kwargs = MLP_VARIANTS[variant]
+    eager = cases.run(cases.mlp_step, batches, False, **kwargs)
+    compiled = cases.run(cases.mlp_step, batches, True, **kwargs)
+    _assert_same(eager, compiled)
+    fn = compiled[2]
+    # The scaler's growth_interval of 3 grows the scale once in 5 steps: one more trace.
+    assert (fn.traces, fn.replays) == ((2, 3) if variant == "amp_scaler" else (1, 4))
+
+
+def test_compiled_gpt_step_equals_eager(backend):
+    if backend.arch in ("vulkan", "metal"):
+        pytest.skip(SUBSET + "lavapipe runs the MLP's small case only")
+    backend.activate()
+    batches = cases.gpt_batches(STEPS)
+    eager = cases.run(cases.gpt_step, batches, False)
+    compiled = cases.run(cases.gpt_step, batches, True)
+    _assert_same(eager, compiled)
+    # Two traces: the positions (np.arange in the forward) are a host array, confirmed constant
+    # by the second (NOTE [ Constants made by host code ]).
+    assert (compiled[2].traces, compiled[2].replays) == (2, STEPS - 2)
+
+
+def test_compiled_cnn_step_equals_eager(backend):
+    if backend.arch in ("vulkan", "metal"):
+        pytest.skip(SUBSET + "lavapipe runs the MLP's small case only")
+    backend.activate()
+    batches = cases.cnn_batches(STEPS)
+    eager = cases.run(cases.cnn_step, batches, False)
+    compiled = cases.run(cases.cnn_step, batches, True)
+    _assert_same(eager, compiled)  # the buffers too: running statistics and num_batches_tracked
+    assert (compiled[2].traces, compiled[2].replays) == (1, STEPS - 1)
+
+
+def test_a_new_shape_traces_again_and_each_signature_replays(grad_backend):
+    grad_backend.activate()
+    short, long = cases.mlp_batches(3, batch=32), cases.mlp_batches(3, batch=64, seed=2)
+    batches = [short[0], long[0], short[1], long[1], short[2], long[2]]
+    eager = cases.run(cases.mlp_step, batches, False)
+    compiled = cases.run(cases.mlp_step, batches, True)
+    _assert_same(eager, compiled)
+    assert (compiled[2].traces, compiled[2].replays) == (2, 4)
+
+
+def _model_and_step(read):
+    taifuse.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if read(loss) > 1e9:  # control flow on a value
+            return loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    return model, step
+
+
+READS = {"item": lambda t: t.item(), "numpy": lambda t: float(t.numpy())}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_a_value_read_inside_the_step_is_refused(read):
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        _, step = _model_and_step(READS[read])
+        x, y = taifuse.tensor(np.ones((4, 3), np.float32)), taifuse.tensor(np.zeros((4, 2), np.float32))
+        with pytest.raises(CompileError, match="reads a value back to the host"):
+            taifuse.compile(step)(x, y)
+
+
+def test_fallback_runs_the_step_eagerly_with_a_warning():
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        model, step = _model_and_step(READS["item"])
+        ref_model, ref_step = _model_and_step(READS["item"])
+        compiled = taifuse.compile(step, fallback=True)
+        x, y = taifuse.tensor(np.ones((4, 3), np.float32)), taifuse.tensor(np.zeros((4, 2), np.float32))
+        with pytest.warns(UserWarning, match="runs eagerly from now on"):
+            compiled(x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once per signature
+            for _ in range(2):
+                compiled(x, y)
+        for _ in range(3):
+            ref_step(x, y)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            np.testing.assert_array_equal(p.numpy(), q.numpy())
+        assert compiled.replays == 0
+
+
+def test_a_host_array_made_from_the_inputs_is_refused():
+    """A value host code derives from an input inside the step would be frozen by the replay: the
+    second trace sees it change (NOTE [ Constants made by host code ])."""
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        taifuse.manual_seed(0)
+        model = nn.Linear(3, 2)
+
+        def step(x):
+            host = np.asarray(data(x)) * 2.0  # host arithmetic on the input's array
+            return model(taifuse.tensor(host)).sum()
+
+        compiled = taifuse.compile(step)
+        compiled(taifuse.tensor(np.ones((4, 3), np.float32)))
+        with pytest.raises(CompileError, match="from its inputs' values"):
+            compiled(taifuse.tensor(np.full((4, 3), 2.0, np.float32)))
+
+
+def test_a_new_parameter_storage_traces_again():
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        batches = cases.mlp_batches(4)
+        results = []
+        for compile_it in (False, True):
+            params, step = cases.mlp_step(clip=None)
+            fn = taifuse.compile(step) if compile_it else step
+            for i, (x, y) in enumerate(batches):
+                if i == 2:
+                    # As load_state_dict may: a new array, so the recorded one is not its storage.
+                    set_data(params[0], params[0].numpy().copy())
+                fn(taifuse.tensor(x), taifuse.tensor(y))
+            results.append([p.numpy().copy() for p in params])
+        # The third call's guard fails and it traces; that trace sees the optimizer move the
+        # parameter back into its flat buffer, so it is dropped, and the fourth call finds the
+        # first trace's storage again: it replays.
+        assert (fn.traces, fn.replays) == (2, 2)
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(b, a)
+
+
+def test_the_plan_holds_no_more_than_the_eager_step(grad_backend):
+    """The plan's buffers (the arena, and the device arrays it shares) never exceed the eager step's
+    pool peak, and on the host the arena is the recorded live peak plus alignment."""
+    grad_backend.activate()
+    batches = cases.gpt_batches(3)
+    _, step = cases.gpt_step(dropout=0.0)
+    x, y = (taifuse.tensor(a) for a in batches[0])
+    step(x, y)  # optimizer state made: the next step is a steady one
+    p = pool.get_pool()
+    p.clear()
+    p.reset_stats()
+    step(x, y)
+    eager_peak = p.stats().peak_bytes
+    compiled = taifuse.compile(step)
+    for a, b in batches:
+        compiled(taifuse.tensor(a), taifuse.tensor(b))
+    plan = compiled.plan(x, y)
+    assert plan.arena + plan.kept <= eager_peak, (plan, eager_peak)
+    assert plan.live_peak <= plan.arena
+    if grad_backend.name != "taichi":
+        # One host arena packed by lifetimes: the live peak plus alignment (64 bytes a buffer). On
+        # Taichi a buffer shares only a device array of its exact size (its length is visible to
+        # kernels), which packs less tightly.
+        assert plan.arena <= plan.live_peak + 64 * plan.calls
+
+
+def test_a_taichi_replay_makes_no_host_round_trip(grad_backend):
+    """On Taichi the replayed kernels launch one after another on device data: no copy to or from
+    the host in a step (the optimizer's step, a host segment, reads no flag without check_finite)."""
+    if grad_backend.name != "taichi":
+        pytest.skip(SUBSET + "host transfers exist on the taichi backend only")
+    grad_backend.activate()
+    from taifuse.backends.taichi import _runtime
+
+    batches = cases.mlp_batches(3)
+    _, step = cases.mlp_step(clip=1.0)
+    compiled = taifuse.compile(step)
+    inputs = [(taifuse.tensor(x), taifuse.tensor(y)) for x, y in batches]
+    compiled(*inputs[0])
+    _runtime.reset_transfer_stats()
+    compiled(*inputs[1])
+    compiled(*inputs[2])
+    assert compiled.replays == 2
+    assert all(v == 0 for v in _runtime.transfer_stats().values()), _runtime.transfer_stats()
+
+
+def test_the_docs_examples_run():
+    import doctest
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "compile.md"
+    with taifuse.backends.preserved_choice():
+        result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_another_threads_work_during_a_trace_is_not_recorded():
+    """Only the tracing thread's calls are the step's: a thread that computes (and allocates from
+    the pool, and draws a seed) while the trace runs is left out, and the replay matches eager."""
+    import threading
+
+    def other() -> None:
+        t = taifuse.tensor(np.ones((8, 8), np.float32))
+        F.relu(F.dropout(t, 0.5) + 1.0)
+
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        batches = cases.mlp_batches(3)
+        results, plans = [], []
+        for with_thread in (False, True):
+            _, step = cases.mlp_step()
+
+            def stepping(x, y, step=step, with_thread=with_thread):
+                if with_thread:
+                    worker = threading.Thread(target=other)
+                    worker.start()
+                    worker.join()
+                return step(x, y)
+
+            compiled = taifuse.compile(stepping)
+            losses = [compiled(taifuse.tensor(x), taifuse.tensor(y)).numpy().copy() for x, y in batches]
+            results.append(losses)
+            plans.append(compiled.plan(taifuse.tensor(batches[0][0]), taifuse.tensor(batches[0][1])).calls)
+        assert plans[0] == plans[1]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(b, a)
+
+
+def test_a_step_whose_backward_runs_gradient_hooks_is_refused():
+    """Hooks (DistributedDataParallel's all-reduce) are Python on the gradients mid-backward,
+    which a list of kernel calls would skip."""
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        taifuse.manual_seed(0)
+        model = nn.Linear(3, 2)
+        seen = []
+        model.weight.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+
+        def step(x):
+            loss = model(x).sum()
+            loss.backward()
+            return loss
+
+        with pytest.raises(CompileError, match="gradient hooks"):
+            taifuse.compile(step)(taifuse.tensor(np.ones((4, 3), np.float32)))
+        assert seen == [1]  # the trace's eager run ran it
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the overflow itself, in eager and in the trace
+def test_the_scalers_decision_skips_an_overflowing_step_under_replay(grad_backend):
+    """GradScaler's inf check is a host segment: a replayed step whose float16 gradients overflow
+    is skipped and the scale backs off (then the step traces again), as in eager."""
+    grad_backend.activate()
+    batches = cases.mlp_batches(6)
+    x, y = batches[3]
+    batches[3] = (x * np.float32(1e6), y)  # float16 activations overflow: inf gradients
+    eager = cases.run(cases.mlp_step, batches, False, amp=True, clip=None)
+    compiled = cases.run(cases.mlp_step, batches, True, amp=True, clip=None)
+    _assert_same(eager, compiled)
+    assert compiled[2].replays >= 2
+
+
+def test_keyword_and_nested_inputs_are_bound_anew_each_call():
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        taifuse.manual_seed(0)
+        model = nn.Linear(3, 2)
+
+        @taifuse.compile
+        def forward(pair, *, scale):
+            a, b = pair
+            return (model(a) * scale + model(b)).sum()
+
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            a, b = (rng.standard_normal((4, 3)).astype(np.float32) for _ in range(2))
+            got = forward((taifuse.tensor(a), taifuse.tensor(b)), scale=2.0).numpy()
+            with taifuse.no_grad():
+                want = (model(taifuse.tensor(a)) * 2.0 + model(taifuse.tensor(b))).sum().numpy()
+            np.testing.assert_array_equal(got, want)
+        assert (forward.traces, forward.replays) == (1, 2)
+        forward((taifuse.tensor(a), taifuse.tensor(b)), scale=3.0)  # another value: another signature
+        assert forward.traces == 2
+
+
+def test_compile_refuses_what_is_not_callable():
+    with pytest.raises(TypeError, match="fn should be callable"):
+        taifuse.compile(3)
+
+
+def test_a_view_kept_past_the_step_sees_each_replays_values(grad_backend):
+    """A buffer whose only survivor is a view (the step keeps ``y.reshape(-1)``) is still the
+    step's output memory: a replay writes it, as the trace's objects hold the replay's values."""
+    grad_backend.activate()
+    kept = {}
+
+    @taifuse.compile
+    def step(x):
+        y = F.relu(x)
+        kept["v"] = y.reshape(-1)
+        return (y * 2.0).sum()
+
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.standard_normal((4, 8)).astype(np.float32)
+        step(taifuse.tensor(x))
+        np.testing.assert_array_equal(kept["v"].numpy(), np.maximum(x, 0).reshape(-1))
+    assert step.replays == 2
