@@ -27,6 +27,7 @@ from taifuse._internal import (
     TensorCore,
     attach,
     backend,
+    base,
     common_backend,
     data,
     grad_data,
@@ -36,9 +37,11 @@ from taifuse._internal import (
     requires_grad,
     set_grad,
     set_post_accumulate_hooks,
+    share_version,
+    version_counter,
     wrap,
 )
-from taifuse._tensor_math import math_for
+from taifuse._tensor_math import dense, math_for, shares_storage
 
 __all__ = [
     "Function",
@@ -137,6 +140,16 @@ class Function:
     # What the profiler records of the forward's arguments (shapes, dtypes), for the backward's
     # row: written by taifuse/profiler.py while a profile is active, kept on release.
     profile_signature: Any = ()
+    # True when forward and backward take host arrays of any strides (the Tensor methods' NumPy
+    # math); otherwise they get C-contiguous ones, copied from the pool where a view is not
+    # (NOTE [ Views ] in _tensor_functions.py). Kernels need them contiguous.
+    strided: bool = False
+    # True for a view op: when its result shares its first argument's memory, the output is a
+    # view of that Tensor (its version counter and ``_base``; NOTE [ Views ]).
+    view: bool = False
+    # Per Tensor argument and the output, recorded with the graph: (version counter, its value
+    # then, id of the array) (NOTE [ Version counters ]).
+    versions: tuple = ()
 
     def __init__(self) -> None:
         # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
@@ -154,12 +167,20 @@ class Function:
         record = is_grad_enabled() and any(t.requires_grad for t in tensors)
         ctx.needs_grad = tuple(isinstance(a, TensorCore) and a.requires_grad and record for a in args)
         arrays = tuple(data(a) if isinstance(a, TensorCore) else a for a in args)
+        if not cls.strided:
+            for t in tensors:
+                if base(t) is not None:  # only a view may be strided
+                    arrays = tuple(map(dense, arrays))
+                    break
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
         result = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, arrays, kwargs)
         out = wrap(result, be)
+        if cls.view and shares_storage(result, arrays[0]):
+            share_version(out, args[0], record)
         if record:
             ctx.parents = tuple(graph_node(a) for a in args)
             attach(out, ctx)
+            ctx.versions = _versions(args, out, result)
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,6 +210,53 @@ class Function:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"
+
+
+def _versions(args: tuple, out: TensorCore, result: Any) -> tuple:
+    """What :meth:`Function.apply` records of its Tensor arguments' and output's versions."""
+    seen = []
+    for a in args:
+        if isinstance(a, TensorCore):
+            counter = version_counter(a)
+            seen.append((counter, counter[0], id(data(a))))
+    counter = version_counter(out)
+    seen.append((counter, counter[0], id(result)))
+    return tuple(seen)
+
+
+# NOTE [ Version counters ]
+# As PyTorch's: every Tensor has a version counter, shared by the views of one memory (a view's
+# output takes its input's: NOTE [ Views ] in _tensor_functions.py) and by ``detach()``, which
+# every in-place change of that memory through a Tensor (``+=``, ``copy_``, ``zero_``, an
+# optimizer's step) bumps. A node recorded in the graph notes each Tensor argument's counter and
+# value (and its output's); before its backward runs, the engine compares them, and where one
+# moved and the node saved that argument's array (found by identity among what it keeps) it
+# raises PyTorch's RuntimeError: the backward would read values the forward did not see. A node
+# that saved nothing of the changed tensor (an addition, a view, a reshape) runs, as in PyTorch.
+# One difference: a functional op that got a strided view copies it to a contiguous array (NOTE
+# [ Views ]) and saves the copy, which no later in-place change reaches, so it does not raise.
+
+
+def _check_versions(ctx: Function) -> None:
+    for counter, version, ident in ctx.versions:
+        if counter[0] != version and _saves(ctx, ident):
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: an argument or output of {type(ctx).__name__} is at version "
+                f"{counter[0]}; expected version {version} instead. Hint: the in-place change "
+                "(+=, copy_, zero_, an optimizer step, or one on a view of the same memory) happened "
+                "after the forward saved it; clone() it first, or make the change after backward()"
+            )
+
+
+def _saves(ctx: Function, ident: int) -> bool:
+    """Whether ``ctx`` keeps the array of id ``ident`` (itself, or in a tuple or list it keeps)."""
+    for value in ctx.__dict__.values():
+        if id(value) == ident:
+            return True
+        if isinstance(value, (tuple, list)) and any(id(v) == ident for v in value):
+            return True
+    return False
 
 
 # NOTE [ Released nodes ]
@@ -288,7 +356,9 @@ def _accumulate_leaf(leaf: TensorCore, grad: Any, m: Any, owned: bool = False) -
             np.copyto(lent, grad)
             set_grad(leaf, wrap(lent, backend(leaf)))
         else:
-            set_grad(leaf, wrap(grad if owned else m.copy(grad), backend(leaf)))
+            # A leaf's .grad is contiguous (NOTE [ Views ]): a strided gradient is copied.
+            keep = owned and (not isinstance(grad, np.ndarray) or grad.flags.c_contiguous)
+            set_grad(leaf, wrap(grad if keep else m.copy(grad), backend(leaf)))
     else:
         m.add_(so_far, grad)
 
@@ -335,6 +405,10 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
                     if needed:
                         _edge_done(parent, counts)
             continue
+        if ctx.versions:
+            _check_versions(ctx)
+        if not ctx.strided:
+            g = dense(g)
         acc = _summed_so_far(ctx, g, pending, summable)
         ctx.accumulate_into = acc
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]

@@ -28,7 +28,7 @@ class TensorCore:
     """A Tensor's fields: its array, the backend it lives on, the node that made it and its
     gradient. Subclassed by :class:`taifuse.tensor.Tensor`, which is the public face."""
 
-    _data: Any  # an array of backend _be (C-contiguous: NOTE [ Tensor storage ])
+    _data: Any  # an array of backend _be (a strided view on the host: NOTE [ Views ])
     _be: ModuleType
     _ctx: Any  # the Function that made it (taifuse/_engine.py); None for a leaf
     _requires_grad: bool
@@ -38,6 +38,14 @@ class TensorCore:
     # Callables run once this leaf's gradient of a backward pass is complete (NOTE [ Gradient
     # hooks ] in _engine.py); None while it has none.
     _post_accumulate_hooks: Any = None
+    # Its version counter, a one-element list that in-place ops bump and that its views share
+    # (NOTE [ Version counters ] in _engine.py).
+    _version_counter: list[int]
+    # The tensor whose memory this one views (PyTorch's ``_base``; never itself a view), or None.
+    _base: TensorCore | None = None
+    # A view made under no_grad of a tensor that requires grad (or of such a view): in-place
+    # changes to it with grad mode on are refused, as PyTorch refuses them.
+    _no_grad_view: bool = False
 
 
 _tensor_class: type[TensorCore] = TensorCore
@@ -57,7 +65,22 @@ def wrap(array: Any, be: ModuleType) -> Any:
     """A new Tensor on ``array`` (no copy) of backend ``be``, outside the graph."""
     t = _tensor_class.__new__(_tensor_class)
     t._data, t._be, t._ctx, t._requires_grad, t._grad = array, be, None, False, None
+    t._version_counter = [0]
     return t
+
+
+def share_version(t: TensorCore, of: TensorCore, recorded: bool) -> None:
+    """Make ``t`` (a new Tensor on ``of``'s memory) a view of ``of`` (NOTE [ Views ]); ``recorded``:
+    the op that made it is in the graph."""
+    t._version_counter = of._version_counter
+    t._base = of if of._base is None else of._base
+    if of._no_grad_view or (not recorded and of._requires_grad):
+        t._no_grad_view = True
+
+
+def bump_version(t: TensorCore) -> None:
+    """Count an in-place change of ``t``'s memory (NOTE [ Version counters ] in _engine.py)."""
+    t._version_counter[0] += 1
 
 
 # The readers are attribute getters (C code, no Python frame: the engine calls them per op and
@@ -68,6 +91,8 @@ node: Callable[[TensorCore], Any] = operator.attrgetter("_ctx")  # its creator (
 requires_grad: Callable[[TensorCore], bool] = operator.attrgetter("_requires_grad")  # t.requires_grad
 grad_slot: Callable[[TensorCore], Any] = operator.attrgetter("_grad_slot")  # its GradSlot, or None
 post_accumulate_hooks: Callable[[TensorCore], Any] = operator.attrgetter("_post_accumulate_hooks")
+version_counter: Callable[[TensorCore], list[int]] = operator.attrgetter("_version_counter")
+base: Callable[[TensorCore], Any] = operator.attrgetter("_base")  # the tensor it views, or None
 
 
 def attach(t: TensorCore, node: Any) -> None:
