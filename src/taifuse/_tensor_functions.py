@@ -20,7 +20,7 @@ import numpy as np
 from taifuse import _autocast_state
 from taifuse._engine import Function, is_grad_enabled
 from taifuse._internal import TensorCore, backend, common_backend, data, is_tensor, wrap
-from taifuse._tensor_math import astype, expanded, sum_to_shape, transposed
+from taifuse._tensor_math import astype, expanded, math_for, sum_to_shape, transposed
 
 
 def is_scalar(value: Any) -> bool:
@@ -396,7 +396,10 @@ def _is_array_index(item: Any) -> bool:
     return False
 
 
-def getitem(t: TensorCore, index: Any) -> TensorCore:
+def _parse_index(t: TensorCore, index: Any) -> tuple:
+    """``t[index]`` worked out: (shape, strides and offset into ``t``'s C layout, NumPy's basic
+    index, the one array index with its dimension and position in the result, and the positions
+    of the advanced indices), with the index checked."""
     items = index if isinstance(index, tuple) else (index,)
     consumed = 0
     for item in items:
@@ -460,7 +463,12 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
             d += 1
     shape += t.shape[d:]
     strides += in_strides[d:]
-    out = _Strided.apply(t, tuple(shape), tuple(strides), offset, tuple(basic))
+    return tuple(shape), tuple(strides), offset, tuple(basic), array_item, array_dim, array_pos, advanced
+
+
+def getitem(t: TensorCore, index: Any) -> TensorCore:
+    shape, strides, offset, basic, array_item, array_dim, array_pos, advanced = _parse_index(t, index)
+    out = _Strided.apply(t, shape, strides, offset, basic)
     if array_item is None:
         return out
     index_arr = _index_array(array_item, t, array_dim)
@@ -475,6 +483,31 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
         )
         out = _Transpose.apply(out, dims)
     return out
+
+
+def setitem(t: TensorCore, index: Any, value: Any) -> None:
+    """``t[index] = value`` for a basic index (ints, slices, ``None``, ``...``), ``value`` (an
+    array of ``t``'s backend and dtype) broadcast to the indexed shape; writes ``t``'s memory."""
+    shape, strides, offset, basic, array_item, *_ = _parse_index(t, index)
+    if array_item is not None:
+        raise TypeError(
+            "index assignment: only basic indices (ints, slices, None, ...) are supported, not an "
+            "integer array or Tensor index"
+        )
+    try:
+        fits = np.broadcast_shapes(shape, shape_of(value)) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"index assignment: value of shape {shape_of(value)} does not broadcast to the indexed shape {shape}"
+        )
+    arr = data(t)
+    if isinstance(arr, np.ndarray):
+        np.copyto(arr[basic], value, casting="unsafe")
+    elif 0 not in shape:
+        m = math_for(backend(t))
+        m.scatter_strided_(arr, m.broadcast_to(value, shape), strides, offset)
 
 
 class _Strided(_Method):

@@ -71,6 +71,7 @@ from taifuse._tensor_functions import (
     narrow,
     operand,
     promoted,
+    setitem,
     shape_of,
     tensor_list,
 )
@@ -332,12 +333,12 @@ class Tensor(TensorCore):
             >>> x[1].data_ptr() - x.data_ptr()
             12
         """
-        if not isinstance(self._data, np.ndarray):
-            raise RuntimeError(
-                f"data_ptr: a tensor on the {self._be.NAME!r} backend lives in device memory without a "
-                "host address; compare views with is_contiguous()/stride() and _base instead"
-            )
-        return int(self._data.__array_interface__["data"][0])
+        if isinstance(self._data, np.ndarray):
+            return int(self._data.__array_interface__["data"][0])
+        raise RuntimeError(
+            f"data_ptr: a tensor on the {self._be.NAME!r} backend lives in device memory without a "
+            "host address; compare views with is_contiguous()/stride() and _base instead"
+        )
 
     def to(self, dtype: Any) -> Tensor:
         """This tensor in ``dtype``, as ``torch.Tensor.to(dtype)``: ``self`` when the dtype already
@@ -560,20 +561,7 @@ class Tensor(TensorCore):
         """
         self._check_writable("copy_")
         m = math_for(self._be)
-        if isinstance(src, Tensor):
-            if src._be is not self._be:
-                raise TypeError(
-                    f"copy_: src lives on backend {src._be.NAME!r}, the tensor on {self._be.NAME!r}"
-                )
-            value = src._data if src.dtype == self.dtype else astype(m, src._data, self.dtype)
-        elif isinstance(src, np.ndarray) or is_scalar(src):
-            value = np.asarray(src, dtype=self.dtype)
-            if not isinstance(self._data, np.ndarray):
-                value = self._be.from_numpy(np.asarray(value, order="C"))
-        else:
-            raise TypeError(
-                f"copy_: src should be a Tensor, numpy.ndarray or number, got {type(src).__name__}"
-            )
+        value = self._assigned(src, "copy_: src")
         if np.broadcast_shapes(self.shape, shape_of(value)) != self.shape:
             raise ValueError(f"copy_: src of shape {shape_of(value)} does not broadcast to {self.shape}")
         if isinstance(self._data, np.ndarray):
@@ -585,6 +573,53 @@ class Tensor(TensorCore):
             m.add_(self._data, value)
         bump_version(self)
         return self
+
+    def _assigned(self, src: Any, what: str) -> Any:
+        """``src`` (a Tensor on this backend, a NumPy array or a number) as an array of this
+        tensor's backend and dtype, to be written into it."""
+        if isinstance(src, Tensor):
+            if src._be is not self._be:
+                raise TypeError(f"{what} lives on backend {src._be.NAME!r}, the tensor on {self._be.NAME!r}")
+            return src._data if src.dtype == self.dtype else astype(math_for(self._be), src._data, self.dtype)
+        if isinstance(src, np.ndarray) or is_scalar(src):
+            value = np.asarray(src, dtype=self.dtype)
+            if not isinstance(self._data, np.ndarray):
+                value = self._be.from_numpy(np.asarray(value, order="C"))
+            return value
+        raise TypeError(f"{what} should be a Tensor, numpy.ndarray or number, got {type(src).__name__}")
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``t[index] = value`` in place, as PyTorch, for a basic index (ints, slices, ``None``,
+        ``...``; an integer array index raises ``TypeError``): ``value`` (a Tensor, NumPy array
+        or number) broadcast to the indexed shape and cast to this tensor's dtype. The in-place
+        rules of ``+=`` apply (NOTE [ In-place ops ]); so ``t[i] += 1`` works on every backend.
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> t = taifuse.tensor(np.zeros((2, 3), np.float32))
+            >>> t[:, 1] = 5.0
+            >>> t[0] += 1.0
+            >>> t.numpy()
+            array([[1., 6., 1.],
+                   [0., 5., 0.]], dtype=float32)
+        """
+        self._check_writable("index assignment")
+        setitem(self, index, self._assigned(value, "index assignment: value"))
+        bump_version(self)
+
+    def add_(self, other: Any) -> Self:
+        """``self += other`` in place, as ``torch.Tensor.add_`` (NOTE [ In-place ops ])."""
+        return self._inplace(other, "add_")
+
+    def sub_(self, other: Any) -> Self:
+        """``self -= other`` in place, as ``torch.Tensor.sub_`` (NOTE [ In-place ops ])."""
+        return self._inplace(other, "sub_")
+
+    def mul_(self, other: Any) -> Self:
+        """``self *= other`` in place, as ``torch.Tensor.mul_`` (NOTE [ In-place ops ])."""
+        return self._inplace(other, "mul_")
 
     def zero_(self) -> Self:
         """Fill with zeros in place (``optimizer.zero_grad(set_to_none=False)`` does this to ``.grad``)."""
@@ -682,7 +717,9 @@ class Tensor(TensorCore):
         """The last two dimensions swapped (a batch of matrices transposed), as ``torch.Tensor.mT``;
         a view as :meth:`transpose`."""
         if self.ndim < 2:
-            raise ValueError(f"mT: tensor.mT is only supported on matrices or batches of matrices, got {self.ndim}-D")
+            raise ValueError(
+                f"mT: tensor.mT is only supported on matrices or batches of matrices, got {self.ndim}-D"
+            )
         return self.transpose(-2, -1)
 
     # -- views (NOTE [ Views ])
