@@ -382,3 +382,26 @@ def test_a_pooled_buffer_is_not_reused_while_a_view_of_it_lives(backend):
     del v, others
     gc.collect()
     assert pool.get_pool().stats().bytes_in_use < in_use  # the view's block went back too
+
+
+def test_causal_self_attention_splits_and_transposes_without_copies(backend, monkeypatch):
+    """The GPT block's q, k, v split and head transposes are views on the host: no gather or
+    transpose copy in its forward or backward (before issue 32: 7 forward and 4 backward)."""
+    if not host(backend):
+        pytest.skip("views that are not reshapes copy on taichi (NOTE [ Views ])")
+    from taifuse import _tensor_math
+
+    calls = []
+    for name in ("as_strided", "transpose", "broadcast_to"):
+        method = getattr(_tensor_math.HostMath, name)
+        monkeypatch.setattr(
+            _tensor_math.HostMath,
+            name,
+            staticmethod(lambda *a, _m=method, _n=name: calls.append(_n) or _m(*a)),
+        )
+    taifuse.manual_seed(0)
+    attn = taifuse.nn.CausalSelfAttention(16, n_head=4)
+    x = taifuse.tensor(rand(2, 6, 16), requires_grad=True)
+    attn(x).sum().backward()
+    assert calls == []
+    assert x.grad is not None and np.isfinite(x.grad.numpy()).all()

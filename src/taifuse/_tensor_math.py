@@ -344,7 +344,7 @@ class HostMath:
     def item(a: np.ndarray) -> float | int:
         return a.reshape(()).item()
 
-    # -- views and gathers (NOTE [ Views copy ] in _tensor_functions.py)
+    # -- views and gathers (NOTE [ Views ] in _tensor_functions.py)
 
     @staticmethod
     def as_strided(
