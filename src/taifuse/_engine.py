@@ -24,21 +24,24 @@ import numpy as np
 
 from taifuse import _profile_hook
 from taifuse._internal import (
+    INPLACE_EPOCH,
     TensorCore,
     attach,
     backend,
     base,
+    changes_since,
     common_backend,
     data,
+    extents_overlap,
     grad_data,
     grad_slot,
+    memory_extent,
     node,
     post_accumulate_hooks,
     requires_grad,
     set_grad,
     set_post_accumulate_hooks,
     share_version,
-    version_counter,
     wrap,
 )
 from taifuse._tensor_math import dense, math_for, shares_storage
@@ -147,9 +150,9 @@ class Function:
     # True for a view op: when its result shares its first argument's memory, the output is a
     # view of that Tensor (its version counter and ``_base``; NOTE [ Views ]).
     view: bool = False
-    # Per Tensor argument and the output, recorded with the graph: (version counter, its value
-    # then, id of the array) (NOTE [ Version counters ]).
-    versions: tuple = ()
+    # The count of in-place changes (INPLACE_EPOCH) when the forward ran, recorded with the
+    # graph (NOTE [ Version counters ]); None outside it.
+    epoch: int | None = None
 
     def __init__(self) -> None:
         # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
@@ -180,7 +183,7 @@ class Function:
         if record:
             ctx.parents = tuple(graph_node(a) for a in args)
             attach(out, ctx)
-            ctx.versions = _versions(args, out, result)
+            ctx.epoch = INPLACE_EPOCH[0]
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -212,51 +215,50 @@ class Function:
         return f"<{type(self).__name__}>"
 
 
-def _versions(args: tuple, out: TensorCore, result: Any) -> tuple:
-    """What :meth:`Function.apply` records of its Tensor arguments' and output's versions."""
-    seen = []
-    for a in args:
-        if isinstance(a, TensorCore):
-            counter = version_counter(a)
-            seen.append((counter, counter[0], id(data(a))))
-    counter = version_counter(out)
-    seen.append((counter, counter[0], id(result)))
-    return tuple(seen)
-
-
 # NOTE [ Version counters ]
-# As PyTorch's: every Tensor has a version counter, shared by the views of one memory (a view's
-# output takes its input's: NOTE [ Views ] in _tensor_functions.py) and by ``detach()``, which
-# every in-place change of that memory through a Tensor (``+=``, ``copy_``, ``zero_``, an
-# optimizer's step) bumps. A node recorded in the graph notes each Tensor argument's counter and
-# value (and its output's); before its backward runs, the engine compares them, and where one
-# moved and the node saved that argument's array (found by identity among what it keeps) it
-# raises PyTorch's RuntimeError: the backward would read values the forward did not see. A node
-# that saved nothing of the changed tensor (an addition, a view, a reshape) runs, as in PyTorch.
-# One difference: a functional op that got a strided view copies it to a contiguous array (NOTE
-# [ Views ]) and saves the copy, which no later in-place change reaches, so it does not raise.
+# As PyTorch's, every Tensor has a version (``Tensor._version``), shared by the views of one
+# memory (a view's output takes its input's counter: NOTE [ Views ] in _tensor_functions.py) and
+# by ``detach()``, which every in-place change through a Tensor (``+=``, ``add_``, ``copy_``,
+# ``zero_``, index assignment, an optimizer's step) bumps. A backward that would read values the
+# forward did not see raises PyTorch's RuntimeError ("one of the variables needed for gradient
+# computation has been modified by an inplace operation"). How that is found costs the forward
+# one integer: a node in the graph notes ``INPLACE_EPOCH`` (the count of in-place changes so far,
+# _internal.py); before its backward runs, the engine compares it with the count now, and only
+# when changes happened since looks at them (the log of changed memory extents, the last few
+# thousand) and raises where one overlaps an array the node kept for its backward (its forward's
+# input or output, or a view of one). A node that kept nothing (an addition, a view, a reshape)
+# never raises, as in PyTorch.
+# Differences from PyTorch, both where the gradient is right: a change to another part of the same
+# memory than the node kept (``y = w * x[0]``, then ``x[1] += 1``) does not raise, and neither does
+# a change to a strided view that a functional op got as a contiguous copy (NOTE [ Views ]).
 
 
 def _check_versions(ctx: Function) -> None:
-    for counter, version, ident in ctx.versions:
-        if counter[0] != version and _saves(ctx, ident):
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: an argument or output of {type(ctx).__name__} is at version "
-                f"{counter[0]}; expected version {version} instead. Hint: the in-place change "
-                "(+=, copy_, zero_, an optimizer step, or one on a view of the same memory) happened "
-                "after the forward saved it; clone() it first, or make the change after backward()"
-            )
+    changed = changes_since(ctx.epoch)
+    if not changed:
+        return
+    for kept in _kept_arrays(ctx):
+        extent = memory_extent(kept)
+        for where in changed:
+            if extents_overlap(extent, where):
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: an array of shape {tuple(kept.shape)} and dtype {kept.dtype} "
+                    f"that {type(ctx).__name__} saved for its backward was changed in place after its "
+                    "forward. Hint: the change (+=, add_, copy_, zero_, an index assignment, an "
+                    "optimizer step, or one on a view of the same memory) must come after backward(), "
+                    "or clone() the tensor before it"
+                )
 
 
-def _saves(ctx: Function, ident: int) -> bool:
-    """Whether ``ctx`` keeps the array of id ``ident`` (itself, or in a tuple or list it keeps)."""
+def _kept_arrays(ctx: Function) -> list:
+    """The arrays ``ctx`` keeps (itself, or in a tuple or list it keeps)."""
+    out = []
     for value in ctx.__dict__.values():
-        if id(value) == ident:
-            return True
-        if isinstance(value, (tuple, list)) and any(id(v) == ident for v in value):
-            return True
-    return False
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, (np.dtype, type)):
+                out.append(v)
+    return out
 
 
 # NOTE [ Released nodes ]
@@ -405,7 +407,7 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
                     if needed:
                         _edge_done(parent, counts)
             continue
-        if ctx.versions:
+        if ctx.epoch is not None and ctx.epoch != INPLACE_EPOCH[0]:
             _check_versions(ctx)
         if not ctx.strided:
             g = dense(g)

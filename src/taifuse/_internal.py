@@ -16,10 +16,13 @@ without importing it).
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 from taifuse import backends
 
@@ -78,9 +81,51 @@ def share_version(t: TensorCore, of: TensorCore, recorded: bool) -> None:
         t._no_grad_view = True
 
 
+# In-place changes, in order (NOTE [ Version counters ] in _engine.py): INPLACE_EPOCH[0] counts
+# them, and _changes holds the last ones as (epoch, memory extent) for the engine's check.
+INPLACE_EPOCH = [0]
+_changes: list[tuple[int, tuple]] = []
+_MAX_CHANGES = 4096
+
+
 def bump_version(t: TensorCore) -> None:
-    """Count an in-place change of ``t``'s memory (NOTE [ Version counters ] in _engine.py)."""
+    """Count an in-place change of ``t``'s memory: its version (shared with its views) and the
+    log of changed memory the engine checks a node's saved arrays against (NOTE [ Version
+    counters ] in _engine.py)."""
     t._version_counter[0] += 1
+    INPLACE_EPOCH[0] += 1
+    if len(_changes) >= _MAX_CHANGES:
+        del _changes[: _MAX_CHANGES // 2]
+    _changes.append((INPLACE_EPOCH[0], memory_extent(t._data)))
+
+
+def changes_since(epoch: int) -> list[tuple]:
+    """The memory extents changed in place after ``epoch`` (of those the log still holds: the
+    last few thousand changes)."""
+    first = bisect.bisect_right(_changes, epoch, key=operator.itemgetter(0))
+    return [extent for _, extent in _changes[first:]]
+
+
+def memory_extent(array: Any) -> tuple:
+    """Where ``array``'s elements lie: (address of the first byte, past the last byte) of a host
+    array, ("device", id of the storage) of a device array (a device view shares its storage)."""
+    if isinstance(array, np.ndarray):
+        lo = hi = array.__array_interface__["data"][0]
+        if array.size == 0:
+            return (lo, lo)
+        for n, step in zip(array.shape, array.strides):
+            if step < 0:
+                lo += step * (n - 1)
+            else:
+                hi += step * (n - 1)
+        return (lo, hi + array.itemsize)
+    return ("device", id(getattr(array, "storage", array)))
+
+
+def extents_overlap(a: tuple, b: tuple) -> bool:
+    if a[0] == "device" or b[0] == "device":
+        return a == b
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
 # The readers are attribute getters (C code, no Python frame: the engine calls them per op and
