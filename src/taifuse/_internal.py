@@ -88,15 +88,15 @@ _changes: list[tuple[int, tuple]] = []
 _MAX_CHANGES = 4096
 
 
-def bump_version(t: TensorCore) -> None:
-    """Count an in-place change of ``t``'s memory: its version (shared with its views) and the
-    log of changed memory the engine checks a node's saved arrays against (NOTE [ Version
-    counters ] in _engine.py)."""
+def bump_version(t: TensorCore, changed: Any = None) -> None:
+    """Count an in-place change of ``t``'s memory (of ``changed``, a view of it, when only that
+    part changed): its version (shared with its views) and the log of changed memory the engine
+    checks a node's saved arrays against (NOTE [ Version counters ] in _engine.py)."""
     t._version_counter[0] += 1
     INPLACE_EPOCH[0] += 1
     if len(_changes) >= _MAX_CHANGES:
         del _changes[: _MAX_CHANGES // 2]
-    _changes.append((INPLACE_EPOCH[0], memory_extent(t._data)))
+    _changes.append((INPLACE_EPOCH[0], memory_extent(t._data if changed is None else changed)))
 
 
 def changes_since(epoch: int) -> list[tuple]:

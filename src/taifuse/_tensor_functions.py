@@ -485,9 +485,10 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
     return out
 
 
-def setitem(t: TensorCore, index: Any, value: Any) -> None:
+def setitem(t: TensorCore, index: Any, value: Any) -> Any:
     """``t[index] = value`` for a basic index (ints, slices, ``None``, ``...``), ``value`` (an
-    array of ``t``'s backend and dtype) broadcast to the indexed shape; writes ``t``'s memory."""
+    array of ``t``'s backend and dtype) broadcast to the indexed shape; writes ``t``'s memory.
+    Returns the part written, a view (on the host), or None (all of it, on a device)."""
     shape, strides, offset, basic, array_item, *_ = _parse_index(t, index)
     if array_item is not None:
         raise TypeError(
@@ -504,10 +505,13 @@ def setitem(t: TensorCore, index: Any, value: Any) -> None:
         )
     arr = data(t)
     if isinstance(arr, np.ndarray):
-        np.copyto(arr[basic], value, casting="unsafe")
-    elif 0 not in shape:
+        part = arr[basic]
+        np.copyto(part, value, casting="unsafe")
+        return part
+    if 0 not in shape:
         m = math_for(backend(t))
         m.scatter_strided_(arr, m.broadcast_to(value, shape), strides, offset)
+    return None
 
 
 class _Strided(_Method):

@@ -606,8 +606,7 @@ class Tensor(TensorCore):
                    [0., 5., 0.]], dtype=float32)
         """
         self._check_writable("index assignment")
-        setitem(self, index, self._assigned(value, "index assignment: value"))
-        bump_version(self)
+        bump_version(self, setitem(self, index, self._assigned(value, "index assignment: value")))
 
     def add_(self, other: Any) -> Self:
         """``self += other`` in place, as ``torch.Tensor.add_`` (NOTE [ In-place ops ])."""
