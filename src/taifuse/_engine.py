@@ -24,21 +24,27 @@ import numpy as np
 
 from taifuse import _profile_hook
 from taifuse._internal import (
+    INPLACE_EPOCH,
     TensorCore,
     attach,
     backend,
+    base,
+    changes_since,
     common_backend,
     data,
+    extents_overlap,
     grad_data,
     grad_slot,
+    memory_extent,
     node,
     post_accumulate_hooks,
     requires_grad,
     set_grad,
     set_post_accumulate_hooks,
+    share_version,
     wrap,
 )
-from taifuse._tensor_math import math_for
+from taifuse._tensor_math import dense, math_for, shares_storage
 
 __all__ = [
     "Function",
@@ -137,6 +143,16 @@ class Function:
     # What the profiler records of the forward's arguments (shapes, dtypes), for the backward's
     # row: written by taifuse/profiler.py while a profile is active, kept on release.
     profile_signature: Any = ()
+    # True when forward and backward take host arrays of any strides (the Tensor methods' NumPy
+    # math); otherwise they get C-contiguous ones, copied from the pool where a view is not
+    # (NOTE [ Views ] in _tensor_functions.py). Kernels need them contiguous.
+    strided: bool = False
+    # True for a view op: when its result shares its first argument's memory, the output is a
+    # view of that Tensor (its version counter and ``_base``; NOTE [ Views ]).
+    view: bool = False
+    # The count of in-place changes (INPLACE_EPOCH) when the forward ran, recorded with the
+    # graph (NOTE [ Version counters ]); None outside it.
+    epoch: int | None = None
 
     def __init__(self) -> None:
         # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
@@ -154,12 +170,20 @@ class Function:
         record = is_grad_enabled() and any(t.requires_grad for t in tensors)
         ctx.needs_grad = tuple(isinstance(a, TensorCore) and a.requires_grad and record for a in args)
         arrays = tuple(data(a) if isinstance(a, TensorCore) else a for a in args)
+        if not cls.strided:
+            for t in tensors:
+                if base(t) is not None:  # only a view may be strided
+                    arrays = tuple(map(dense, arrays))
+                    break
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
         result = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, arrays, kwargs)
         out = wrap(result, be)
+        if cls.view and shares_storage(result, arrays[0]):
+            share_version(out, args[0], record)
         if record:
             ctx.parents = tuple(graph_node(a) for a in args)
             attach(out, ctx)
+            ctx.epoch = INPLACE_EPOCH[0]
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,6 +213,52 @@ class Function:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}>"
+
+
+# NOTE [ Version counters ]
+# As PyTorch's, every Tensor has a version (``Tensor._version``), shared by the views of one
+# memory (a view's output takes its input's counter: NOTE [ Views ] in _tensor_functions.py) and
+# by ``detach()``, which every in-place change through a Tensor (``+=``, ``add_``, ``copy_``,
+# ``zero_``, index assignment, an optimizer's step) bumps. A backward that would read values the
+# forward did not see raises PyTorch's RuntimeError ("one of the variables needed for gradient
+# computation has been modified by an inplace operation"). How that is found costs the forward
+# one integer: a node in the graph notes ``INPLACE_EPOCH`` (the count of in-place changes so far,
+# _internal.py); before its backward runs, the engine compares it with the count now, and only
+# when changes happened since looks at them (the log of changed memory extents, the last few
+# thousand) and raises where one overlaps an array the node kept for its backward (its forward's
+# input or output, or a view of one). A node that kept nothing (an addition, a view, a reshape)
+# never raises, as in PyTorch.
+# Differences from PyTorch, both where the gradient is right: a change to another part of the same
+# memory than the node kept (``y = w * x[0]``, then ``x[1] += 1``) does not raise, and neither does
+# a change to a strided view that a functional op got as a contiguous copy (NOTE [ Views ]).
+
+
+def _check_versions(ctx: Function) -> None:
+    changed = changes_since(ctx.epoch)
+    if not changed:
+        return
+    for kept in _kept_arrays(ctx):
+        extent = memory_extent(kept)
+        for where in changed:
+            if extents_overlap(extent, where):
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: an array of shape {tuple(kept.shape)} and dtype {kept.dtype} "
+                    f"that {type(ctx).__name__} saved for its backward was changed in place after its "
+                    "forward. Hint: the change (+=, add_, copy_, zero_, an index assignment, an "
+                    "optimizer step, or one on a view of the same memory) must come after backward(), "
+                    "or clone() the tensor before it"
+                )
+
+
+def _kept_arrays(ctx: Function) -> list:
+    """The arrays ``ctx`` keeps (itself, or in a tuple or list it keeps)."""
+    out = []
+    for value in ctx.__dict__.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, (np.dtype, type)):
+                out.append(v)
+    return out
 
 
 # NOTE [ Released nodes ]
@@ -288,7 +358,9 @@ def _accumulate_leaf(leaf: TensorCore, grad: Any, m: Any, owned: bool = False) -
             m.copy_(lent, grad)  # through the tensor math: a compiled step records it (taifuse/compiler.py)
             set_grad(leaf, wrap(lent, backend(leaf)))
         else:
-            set_grad(leaf, wrap(grad if owned else m.copy(grad), backend(leaf)))
+            # A leaf's .grad is contiguous (NOTE [ Views ]): a strided gradient is copied.
+            keep = owned and (not isinstance(grad, np.ndarray) or grad.flags.c_contiguous)
+            set_grad(leaf, wrap(grad if keep else m.copy(grad), backend(leaf)))
     else:
         m.add_(so_far, grad)
 
@@ -335,6 +407,10 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
                     if needed:
                         _edge_done(parent, counts)
             continue
+        if ctx.epoch is not None and ctx.epoch != INPLACE_EPOCH[0]:
+            _check_versions(ctx)
+        if not ctx.strided:
+            g = dense(g)
         acc = _summed_so_far(ctx, g, pending, summable)
         ctx.accumulate_into = acc
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]

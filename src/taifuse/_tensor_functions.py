@@ -20,7 +20,7 @@ import numpy as np
 from taifuse import _autocast_state
 from taifuse._engine import Function, is_grad_enabled
 from taifuse._internal import TensorCore, backend, common_backend, data, is_tensor, wrap
-from taifuse._tensor_math import astype, sum_to_shape
+from taifuse._tensor_math import astype, expanded, math_for, sum_to_shape, transposed
 
 
 def is_scalar(value: Any) -> bool:
@@ -96,11 +96,17 @@ def operand(value: Any, like: TensorCore, op: str, scalars: bool = True) -> Any:
 # ----------------------------------------------------------------------------- arithmetic nodes
 
 
+class _Method(Function):
+    """A Tensor method's node: its math (``taifuse._tensor_math``) takes arrays of any strides."""
+
+    strided = True
+
+
 def shape_of(v: Any) -> tuple[int, ...]:
     return tuple(v.shape) if hasattr(v, "shape") else ()
 
 
-class _Add(Function):
+class _Add(_Method):
     def forward(self, a: Any, b: Any) -> Any:
         self.shapes = (shape_of(a), shape_of(b))
         return self.m.add(a, b)
@@ -109,7 +115,7 @@ class _Add(Function):
         return tuple(sum_to_shape(self.m, g, s) if n else None for s, n in zip(self.shapes, self.needs_grad))
 
 
-class _Sub(Function):
+class _Sub(_Method):
     def forward(self, a: Any, b: Any) -> Any:
         self.shapes = (shape_of(a), shape_of(b))
         return self.m.sub(a, b)
@@ -120,7 +126,7 @@ class _Sub(Function):
         return ga, gb
 
 
-class _Mul(Function):
+class _Mul(_Method):
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
         return self.m.mul(a, b)
@@ -132,7 +138,7 @@ class _Mul(Function):
         return ga, gb
 
 
-class _Div(Function):
+class _Div(_Method):
     def forward(self, a: Any, b: Any) -> Any:
         self.a, self.b = a, b
         return self.m.div(a, b)
@@ -149,7 +155,7 @@ class _Div(Function):
         return ga, gb
 
 
-class _Cast(Function):
+class _Cast(_Method):
     """``a`` in another dtype; the gradient goes back in ``a``'s (NOTE [ Mixed dtypes ])."""
 
     owns_grads = True  # the backward's cast is a new array
@@ -188,7 +194,7 @@ def autocast_args(policy: str, *values: Any) -> tuple[Any, ...]:
     )
 
 
-class _Neg(Function):
+class _Neg(_Method):
     def forward(self, a: Any) -> Any:
         return self.m.neg(a)
 
@@ -196,7 +202,7 @@ class _Neg(Function):
         return (self.m.neg(g),)
 
 
-class _PowScalar(Function):
+class _PowScalar(_Method):
     def forward(self, a: Any, exponent: float) -> Any:
         self.a, self.exponent = a, exponent
         return self.m.pow_scalar(a, exponent)
@@ -210,11 +216,12 @@ class _PowScalar(Function):
 
 
 def _swap_last(m: Any, a: Any) -> Any:
+    # A view on the host: BLAS takes the transposed operand as it is.
     axes = tuple(range(a.ndim - 2)) + (a.ndim - 1, a.ndim - 2)
-    return m.transpose(a, axes)
+    return transposed(m, a, axes)
 
 
-class _MatMul(Function):
+class _MatMul(_Method):
     def forward(self, a: Any, b: Any) -> Any:
         sa, sb = shape_of(a), shape_of(b)
         if not sa or not sb:
@@ -250,7 +257,7 @@ class _MatMul(Function):
         return ga, gb
 
 
-class _Sum(Function):
+class _Sum(_Method):
     def forward(self, a: Any, dims: tuple[int, ...] | None, keepdim: bool, mean: bool) -> Any:
         self.in_shape = shape_of(a)
         self.dims = tuple(range(a.ndim)) if dims is None else dims
@@ -262,13 +269,15 @@ class _Sum(Function):
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         m = self.m
-        g = m.broadcast_to(m.reshape(g, self.keep_shape), self.in_shape)
+        g = expanded(m, m.reshape(g, self.keep_shape), self.in_shape)
         if self.mean:
             g = m.div(g, self.count)
         return g, None, None, None
 
 
-class _Reshape(Function):
+class _Reshape(_Method):
+    view = True  # when the strides allow it (always for contiguous data), else a copy
+
     def forward(self, a: Any, shape: tuple[int, ...]) -> Any:
         self.in_shape = shape_of(a)
         return self.m.reshape(a, shape)
@@ -277,24 +286,42 @@ class _Reshape(Function):
         return self.m.reshape(g, self.in_shape), None
 
 
-class _Transpose(Function):
+class _Transpose(_Method):
+    view = True  # on the host; a copy on a device
+
     def forward(self, a: Any, axes: tuple[int, ...]) -> Any:
         self.axes = axes
-        return self.m.transpose(a, axes)
+        return transposed(self.m, a, axes)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         inverse = tuple(int(i) for i in np.argsort(self.axes))
-        return self.m.transpose(g, inverse), None
+        return transposed(self.m, g, inverse), None
 
 
 # ----------------------------------------------------------------------------- views and indexing
 
-# NOTE [ Views copy ]
-# A Tensor's array is always C-contiguous (NOTE [ Tensor storage ] in _tensor_math.py), so the ops
-# that are views in PyTorch (indexing, permute, transpose, expand, split, chunk) return copies
-# here: writing into the result in place does not change the tensor it came from, and vice versa.
-# reshape, view, unsqueeze and squeeze do share the data. Each copy is one gather through
-# strides (``as_strided`` in the tensor-math tables), and its backward the matching scatter.
+# NOTE [ Views ]
+# As PyTorch's: on the host backends (``numpy``, ``numba``) ``view``, ``reshape`` (of data whose
+# strides allow it), ``unsqueeze``, ``squeeze``, ``flatten``, ``transpose``, ``permute``, ``t``,
+# ``mT``, ``T``, ``expand``, ``split``, ``chunk``, ``unbind``, iteration, basic indexing (ints,
+# slices of any step, ``None``, ``...``) and ``detach`` return Tensors over the same memory: their
+# arrays are NumPy views with strides (``expand``'s repeats have stride 0 and are read-only),
+# their version counter is their input's (NOTE [ Version counters ] in _engine.py) and their
+# ``_base`` is the tensor that owns the memory. Writing into one in place changes the others.
+# Indexing with an integer array (``t[[0, 2]]``) copies, as in PyTorch; so does ``reshape`` where
+# no strides can express the result (``.transpose(0, 1).reshape(-1)``), from the pool.
+# The Tensor methods' math (NumPy's ufuncs, BLAS) reads any strides: a transposed operand of
+# ``@`` goes to BLAS as it is. A kernel needs C-contiguous arrays, so a Function that is not
+# ``strided`` (every functional op's) gets a view's array as a contiguous copy from the pool, and
+# its gradient likewise (``Function.apply``, ``_walk`` in _engine.py): the copy happens only where
+# a kernel needs it, as PyTorch's ``.contiguous()`` inside its ops. A leaf's ``.grad`` is always
+# contiguous. The pool takes a buffer back only once no view of it is alive (NOTE [ Buffer
+# ownership ] in pool.py: every NumPy view keeps the lease alive).
+# On the ``taichi`` backend a device array is a flat ndarray with a shape, without strides or an
+# offset that kernels would honour, so only ``view``/``reshape``/``unsqueeze``/``squeeze``/
+# ``flatten`` (and ``detach``) share memory there; the others return copies (a gather through
+# strides, ``as_strided`` in its tensor-math table; the backward the matching scatter), as they
+# did on every backend before. ``Tensor.is_contiguous()`` and ``stride()`` say which is which.
 
 
 class IndexOutOfRange(IndexError, ValueError):
@@ -323,10 +350,11 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def narrow(t: TensorCore, dim: int, start: int, length: int) -> TensorCore:
-    """Entries ``start ... start + length - 1`` of ``t`` along ``dim``, as a copy."""
+    """Entries ``start ... start + length - 1`` of ``t`` along ``dim`` (a view on the host)."""
     strides = _contiguous(t.shape)
     shape = t.shape[:dim] + (length,) + t.shape[dim + 1 :]
-    return _Strided.apply(t, shape, strides, start * strides[dim] if length else 0)
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return _Strided.apply(t, shape, strides, start * strides[dim] if length else 0, index)
 
 
 def _index_array(item: Any, t: TensorCore, dim: int) -> Any:
@@ -368,7 +396,10 @@ def _is_array_index(item: Any) -> bool:
     return False
 
 
-def getitem(t: TensorCore, index: Any) -> TensorCore:
+def _parse_index(t: TensorCore, index: Any) -> tuple:
+    """``t[index]`` worked out: (shape, strides and offset into ``t``'s C layout, NumPy's basic
+    index, the one array index with its dimension and position in the result, and the positions
+    of the advanced indices), with the index checked."""
     items = index if isinstance(index, tuple) else (index,)
     consumed = 0
     for item in items:
@@ -390,14 +421,17 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
     offset = d = 0
     array_item = array_dim = array_pos = None
     advanced: list[int] = []  # positions in ``items`` of the ints and the array (NumPy's advanced indices)
+    basic: list[Any] = []  # the index as NumPy's basic indexing, the array's dimension kept whole
     for pos, item in enumerate(items):
         if item is None:
             shape.append(1)
             strides.append(0)
+            basic.append(None)
         elif item is Ellipsis:
             for _ in range(t.ndim - consumed):
                 shape.append(t.shape[d])
                 strides.append(in_strides[d])
+                basic.append(slice(None))
                 d += 1
         elif isinstance(item, slice):
             start, stop, step = item.indices(t.shape[d])
@@ -405,6 +439,9 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
             offset += start * in_strides[d] if length else 0
             shape.append(length)
             strides.append(step * in_strides[d])
+            # (NumPy reads a negative stop as counted from the end: a reversed slice to the
+            # first entry has none.)
+            basic.append(slice(start, stop if stop >= 0 else None, step) if length else slice(0, 0))
             d += 1
         elif _is_array_index(item):
             if array_item is not None:
@@ -413,6 +450,7 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
             advanced.append(pos)
             shape.append(t.shape[d])
             strides.append(in_strides[d])
+            basic.append(slice(None))
             d += 1
         else:  # an int (or a 0-d integer array or Tensor)
             i = int(item.item()) if is_tensor(item) or isinstance(item, np.ndarray) else int(item)
@@ -421,10 +459,16 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
                 raise IndexOutOfRange(f"index {i} is out of bounds for dimension {d} with size {n}")
             offset += (i % n) * in_strides[d]
             advanced.append(pos)
+            basic.append(i % n)
             d += 1
     shape += t.shape[d:]
     strides += in_strides[d:]
-    out = _Strided.apply(t, tuple(shape), tuple(strides), offset)
+    return tuple(shape), tuple(strides), offset, tuple(basic), array_item, array_dim, array_pos, advanced
+
+
+def getitem(t: TensorCore, index: Any) -> TensorCore:
+    shape, strides, offset, basic, array_item, array_dim, array_pos, advanced = _parse_index(t, index)
+    out = _Strided.apply(t, shape, strides, offset, basic)
     if array_item is None:
         return out
     index_arr = _index_array(array_item, t, array_dim)
@@ -441,28 +485,74 @@ def getitem(t: TensorCore, index: Any) -> TensorCore:
     return out
 
 
-class _Strided(Function):
-    """A gather through strides (basic indexing, split); the backward scatters into zeros, or adds
-    into the input's gradient summed so far (NOTE [ Gradients summed in place ])."""
+def setitem(t: TensorCore, index: Any, value: Any) -> Any:
+    """``t[index] = value`` for a basic index (ints, slices, ``None``, ``...``), ``value`` (an
+    array of ``t``'s backend and dtype) broadcast to the indexed shape; writes ``t``'s memory.
+    Returns the part written, a view (on the host), or None (all of it, on a device)."""
+    shape, strides, offset, basic, array_item, *_ = _parse_index(t, index)
+    if array_item is not None:
+        raise TypeError(
+            "index assignment: only basic indices (ints, slices, None, ...) are supported, not an "
+            "integer array or Tensor index"
+        )
+    try:
+        fits = np.broadcast_shapes(shape, shape_of(value)) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"index assignment: value of shape {shape_of(value)} does not broadcast to the indexed shape {shape}"
+        )
+    arr = data(t)
+    if isinstance(arr, np.ndarray):
+        part = arr[basic]
+        np.copyto(part, value, casting="unsafe")
+        return part
+    if 0 not in shape:
+        m = math_for(backend(t))
+        m.scatter_strided_(arr, m.broadcast_to(value, shape), strides, offset)
+    return None
+
+
+class _Strided(_Method):
+    """Basic indexing and ``split``: a NumPy view on the host (``index``, NumPy's basic index),
+    a gather through strides on a device (``strides`` and ``offset`` into the input's C layout:
+    NOTE [ Views ]); the backward scatters into zeros, or adds into the input's gradient summed so
+    far (NOTE [ Gradients summed in place ])."""
 
     owns_grads = True
     accumulates = True
+    view = True
 
-    def forward(self, a: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
+    def forward(
+        self, a: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int, index: tuple
+    ) -> Any:
         self.in_shape, self.strides, self.offset = shape_of(a), strides, offset
+        if isinstance(a, np.ndarray):
+            return a[index]
         return self.m.as_strided(a, shape, strides, offset)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         out = self.accumulate_into
         if out is not None:
             self.m.scatter_add_strided_(out, g, self.strides, self.offset)
-            return out, None, None, None
+            return out, None, None, None, None
         out = self.m.full(self.in_shape, 0.0, g.dtype)
         self.m.scatter_strided_(out, g, self.strides, self.offset)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
-class _Take(Function):
+class _Contiguous(_Method):
+    """A contiguous copy of a strided view (``Tensor.contiguous``); the gradient passes through."""
+
+    def forward(self, a: Any) -> Any:
+        return self.m.copy(a)
+
+    def backward(self, g: Any) -> tuple[Any, ...]:
+        return (g,)
+
+
+class _Take(_Method):
     owns_grads = True
 
     def forward(self, a: Any, index: Any, axis: int) -> Any:
@@ -477,16 +567,18 @@ class _Take(Function):
         return self.m.take_backward(g, self.index, self.axis, self.size), None, None
 
 
-class _Expand(Function):
+class _Expand(_Method):
+    view = True  # on the host (read-only: stride 0 along the repeats); a copy on a device
+
     def forward(self, a: Any, shape: tuple[int, ...]) -> Any:
         self.in_shape = shape_of(a)
-        return self.m.broadcast_to(a, shape)
+        return expanded(self.m, a, shape)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         return sum_to_shape(self.m, g, self.in_shape), None
 
 
-class _MaskedFill(Function):
+class _MaskedFill(_Method):
     owns_grads = True
 
     def forward(self, a: Any, mask: Any, value: float) -> Any:
@@ -498,7 +590,7 @@ class _MaskedFill(Function):
         return ga, None, None
 
 
-class _Exp(Function):
+class _Exp(_Method):
     owns_grads = True
 
     def forward(self, a: Any) -> Any:
@@ -509,7 +601,7 @@ class _Exp(Function):
         return (self.m.mul(g, self.out),)
 
 
-class _Log(Function):
+class _Log(_Method):
     owns_grads = True
 
     def forward(self, a: Any) -> Any:
@@ -520,7 +612,7 @@ class _Log(Function):
         return (self.m.div(g, self.a),)
 
 
-class _Sqrt(Function):
+class _Sqrt(_Method):
     owns_grads = True
 
     def forward(self, a: Any) -> Any:
@@ -532,7 +624,7 @@ class _Sqrt(Function):
         return (self.m.div(g, self.m.mul(self.out, 2.0)),)
 
 
-class _Amax(Function):
+class _Amax(_Method):
     owns_grads = True
 
     def forward(self, a: Any, dims: tuple[int, ...], keepdim: bool) -> Any:
@@ -550,7 +642,7 @@ class _Amax(Function):
         return m.mul(ties, share), None, None
 
 
-class _MaxDim(Function):
+class _MaxDim(_Method):
     owns_grads = True
 
     def forward(self, a: Any, dim: int, keepdim: bool, index: Any) -> Any:
@@ -567,7 +659,7 @@ def legacy_empty(shape: tuple[int, ...]) -> bool:
     return shape == (0,)
 
 
-class _Cat(Function):
+class _Cat(_Method):
     owns_grads = True
 
     def forward(self, *arrays: Any, dim: int) -> Any:
@@ -620,3 +712,4 @@ def tensor_list(tensors: Any, op: str) -> list[TensorCore]:
 Add, Sub, Mul, Div, Cast, Neg, PowScalar, MatMul = _Add, _Sub, _Mul, _Div, _Cast, _Neg, _PowScalar, _MatMul
 Sum, Reshape, Transpose, Strided, Take, Expand = _Sum, _Reshape, _Transpose, _Strided, _Take, _Expand
 MaskedFill, Exp, Log, Sqrt, Amax, MaxDim, Cat = _MaskedFill, _Exp, _Log, _Sqrt, _Amax, _MaxDim, _Cat
+Contiguous = _Contiguous

@@ -7,8 +7,12 @@ reductions, accumulation) only through the object :func:`math_for` returns. On t
 attribute ``TENSOR_MATH``, so that tensor data stays on the device.
 
 # NOTE [ Tensor storage ]
-# A Tensor's array is always C-contiguous (kernels require it): operations that would return a
-# strided view (``transpose``, ``broadcast_to``) return contiguous copies here.
+# A Tensor's array on the host may be a strided NumPy view of another Tensor's memory (NOTE
+# [ Views ] in _tensor_functions.py): the methods here take operands of any strides (NumPy's
+# ufuncs and BLAS do) and return C-contiguous arrays from the pool, except ``reshape``, which
+# returns a view when the strides allow one, as PyTorch's does. The kernels need C-contiguous
+# operands: the engine hands them ones (:func:`dense`). A device backend's arrays are always
+# contiguous (Taichi ndarrays have no strides or offset), so its views are reshapes only.
 """
 
 from __future__ import annotations
@@ -287,7 +291,14 @@ class HostMath:
 
     @staticmethod
     def reshape(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        return np.ascontiguousarray(a).reshape(shape)
+        """``a`` in ``shape``: a view when ``a``'s strides allow one (always, for a contiguous ``a``),
+        else a contiguous copy from the pool, as ``torch.reshape``."""
+        view = viewed(a, shape)
+        if view is not None:
+            return view
+        out = _buffer(tuple(shape), a.dtype)
+        np.copyto(out.reshape(a.shape), a)
+        return out
 
     @staticmethod
     def transpose(a: np.ndarray, axes: tuple[int, ...] | None = None) -> np.ndarray:
@@ -378,7 +389,7 @@ class HostMath:
     def item(a: np.ndarray) -> float | int:
         return a.reshape(()).item()
 
-    # -- views and gathers (NOTE [ Views copy ] in _tensor_functions.py)
+    # -- views and gathers (NOTE [ Views ] in _tensor_functions.py)
 
     @staticmethod
     def as_strided(
@@ -486,9 +497,71 @@ class HostMath:
         return out
 
 
+def viewed(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``a`` reshaped to ``shape`` without a copy, or None when its strides do not allow that."""
+    if a.flags.c_contiguous:
+        return a.reshape(shape)
+    try:
+        return np.reshape(a, shape, copy=False)
+    except ValueError:  # the strides do not allow it
+        return None
+    except TypeError:  # NumPy before 2.1 has no copy=: setting the shape of a view raises instead
+        view = a.view()
+        try:
+            view.shape = shape
+        except AttributeError:
+            return None
+        return view
+
+
+def dense(a: Any) -> Any:
+    """``a`` C-contiguous: itself, or (a strided host view) a copy from the pool, for a kernel."""
+    if not isinstance(a, np.ndarray) or a.flags.c_contiguous:
+        return a
+    out = _buffer(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
+
+
+def shares_storage(a: Any, b: Any) -> bool:
+    """Whether array ``a`` is a view of ``b``'s memory: NumPy views of one array (their ``base``
+    is the array that owns the memory, or the pool's lease), or device arrays of one storage."""
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and _owner(a) is _owner(b)
+    storage = getattr(a, "storage", None)
+    return storage is not None and storage is getattr(b, "storage", None)
+
+
+def _owner(a: np.ndarray) -> np.ndarray:
+    # NumPy collapses view chains: a view's base is the first array that owns its memory or whose
+    # base is not an array (a pooled buffer's lease: NOTE [ Buffer ownership ] in pool.py).
+    return a.base if isinstance(a.base, np.ndarray) else a
+
+
+def transposed(m: Any, a: Any, axes: tuple[int, ...]) -> Any:
+    """``a`` with its dimensions in the order ``axes``: a view on the host, a copy on a device."""
+    if isinstance(a, np.ndarray):
+        return a.transpose(axes)
+    return m.transpose(a, axes)
+
+
+def expanded(m: Any, a: Any, shape: tuple[int, ...]) -> Any:
+    """``a`` broadcast to ``shape``: a read-only view on the host (stride 0 along the repeats, so
+    nothing may write it), a copy on a device."""
+    if isinstance(a, np.ndarray):
+        if math.prod(shape) == a.size:  # no repeats (new or kept size-1 dimensions): writable
+            view = viewed(a, tuple(shape))
+            if view is not None:
+                return view
+        return np.broadcast_to(a, shape)
+    return m.broadcast_to(a, shape)
+
+
 def _strided_view(a: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> np.ndarray:
-    # NOTE: as_strided checks no bounds: callers pass positions inside ``a``'s storage.
-    flat = a.reshape(-1)[offset:]
+    # NOTE: as_strided checks no bounds: callers pass positions inside ``a``'s storage. Those
+    # are positions in ``a``'s C layout: a strided ``a`` (a view, read by a gather) is first
+    # copied to one; the targets of the scatters are always contiguous.
+    flat = dense(a).reshape(-1)[offset:]
     return np.lib.stride_tricks.as_strided(flat, tuple(shape), tuple(s * a.itemsize for s in strides))
 
 

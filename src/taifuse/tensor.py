@@ -8,12 +8,12 @@ kernel; gradients accumulate into the ``.grad`` of leaf tensors that ``requires_
 
 This module is the Tensor's public face: its methods check their arguments and call the
 Functions of taifuse/_tensor_functions.py (arithmetic, ``sum``, ``mean``, ``exp``, ``max``, ...,
-and the views: indexing, ``reshape``, ``permute``, ``expand``, :func:`cat`, ...; NOTE [ Views
-copy ] there), which compute through ``taifuse._tensor_math`` (NOTE [ Tensor storage ] there). The
+and the views: indexing, ``reshape``, ``permute``, ``expand``, :func:`cat`, ...; NOTE [ Views ]
+there), which compute through ``taifuse._tensor_math`` (NOTE [ Tensor storage ] there). The
 engine (grad mode, ``Function``, the backward walk) is taifuse/_engine.py, the optimizers'
 gradient slots taifuse/_grad_slots.py, and the Tensor's fields, as the rest of the package reads
 them, taifuse/_internal.py. (The NOTEs this module names without a file, [ Mixed dtypes ],
-[ Autocast ] and [ Views copy ], are in _tensor_functions.py.) The neural-network ops are ``taifuse.functional``'s, which return
+[ Autocast ] and [ Views ], are in _tensor_functions.py.) The neural-network ops are ``taifuse.functional``'s, which return
 differentiable Tensors when given Tensors.
 
 Example::
@@ -40,12 +40,13 @@ import numpy as np
 from taifuse import _engine, backends
 from taifuse._engine import Function, enable_grad, is_grad_enabled, no_grad
 from taifuse._grad_slots import GradSlot, bind_storage, set_grad_slot, storage_is  # noqa: F401 (their old home)
-from taifuse._internal import TensorCore, register_tensor_class, wrap
+from taifuse._internal import TensorCore, bump_version, register_tensor_class, share_version, wrap
 from taifuse._tensor_functions import (
     Add,
     Amax,
     Cast,
     Cat,
+    Contiguous,
     Div,
     Exp,
     Expand,
@@ -70,10 +71,11 @@ from taifuse._tensor_functions import (
     narrow,
     operand,
     promoted,
+    setitem,
     shape_of,
     tensor_list,
 )
-from taifuse._tensor_math import astype, math_for
+from taifuse._tensor_math import astype, math_for, viewed
 
 if TYPE_CHECKING:  # annotations only: typing.Self is Python 3.11+
     from typing_extensions import Self
@@ -129,6 +131,7 @@ class Tensor(TensorCore):
         self._ctx: Function | None = None
         self._requires_grad = False
         self._grad: Tensor | None = None
+        self._version_counter = [0]
         if arr.dtype.kind == "f":
             be.check_dtype(arr.dtype, "tensor: dtype")
         self.requires_grad = requires_grad
@@ -250,8 +253,92 @@ class Tensor(TensorCore):
         return math_for(self._be).item(self._data)
 
     def detach(self) -> Tensor:
-        """A tensor sharing this one's data, outside the graph (``requires_grad=False``)."""
-        return wrap(self._data, self._be)
+        """A tensor sharing this one's data and version counter, outside the graph
+        (``requires_grad=False``); in-place changes to it change this one (NOTE [ Views ])."""
+        out = wrap(self._data, self._be)
+        if self._base is None:
+            out._version_counter = self._version_counter
+        else:  # a view stays one (its array may be strided), of the same base
+            share_version(out, self, True)
+        return out
+
+    # -- memory (NOTE [ Views ])
+
+    @property
+    def _version(self) -> int:
+        """How many in-place changes this tensor's memory has had (shared with its views), as
+        PyTorch's ``_version`` (NOTE [ Version counters ] in _engine.py)."""
+        return self._version_counter[0]
+
+    def is_contiguous(self) -> bool:
+        """Whether the data is laid out in C order without gaps, as ``torch.Tensor.is_contiguous``
+        (a transpose, a strided slice or an expand on the host is not; device arrays always are).
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> x = taifuse.tensor(np.zeros((2, 3)))
+            >>> x.is_contiguous(), x.t().is_contiguous()
+            (True, False)
+        """
+        return not isinstance(self._data, np.ndarray) or bool(self._data.flags.c_contiguous)
+
+    def contiguous(self) -> Tensor:
+        """This tensor if :meth:`is_contiguous`, else a contiguous copy of it (from the pool) that
+        autograd differentiates, as ``torch.Tensor.contiguous``.
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> y = taifuse.tensor(np.arange(6.0).reshape(2, 3)).t().contiguous()
+            >>> y.is_contiguous(), y.stride()
+            (True, (2, 1))
+        """
+        if self.is_contiguous():
+            return self
+        return Contiguous.apply(self)
+
+    def stride(self, dim: int | None = None) -> Any:
+        """The step in elements between neighbours along each dimension (or along ``dim``), as
+        ``torch.Tensor.stride``: 0 along an expanded dimension, negative along a reversed slice
+        (which PyTorch refuses to make).
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor(np.zeros((2, 3))).t().stride()
+            (1, 3)
+        """
+        if isinstance(self._data, np.ndarray):
+            strides = tuple(s // self._data.itemsize for s in self._data.strides)
+        else:
+            strides = _c_strides(self.shape)
+        if dim is None:
+            return strides
+        return strides[dim_index(dim, self.ndim, "stride")] if self.ndim else 1
+
+    def data_ptr(self) -> int:
+        """The address of the first element, as ``torch.Tensor.data_ptr``: a view of another
+        tensor's memory has an address inside it. Host backends only: a Taichi device array has
+        no address that Python may read (``RuntimeError`` there).
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> x = taifuse.tensor(np.zeros((2, 3), np.float32))
+            >>> x[1].data_ptr() - x.data_ptr()
+            12
+        """
+        if isinstance(self._data, np.ndarray):
+            return int(self._data.__array_interface__["data"][0])
+        raise RuntimeError(
+            f"data_ptr: a tensor on the {self._be.NAME!r} backend lives in device memory without a "
+            "host address; compare views with is_contiguous()/stride() and _base instead"
+        )
 
     def to(self, dtype: Any) -> Tensor:
         """This tensor in ``dtype``, as ``torch.Tensor.to(dtype)``: ``self`` when the dtype already
@@ -395,14 +482,34 @@ class Tensor(TensorCore):
 
     # NOTE [ In-place ops ]
     # ``p -= lr * p.grad`` updates the array in place, for optimizer steps under ``no_grad``. With
-    # grad mode on, a tensor that requires grad refuses (as in PyTorch), since its graph would be
-    # differentiated at the wrong values. Unlike PyTorch there is no version counter: changing in
-    # place, under no_grad, a tensor that a live graph saved makes that graph's gradients wrong.
-    def _inplace(self, other: Any, op: str) -> Self:
-        if is_grad_enabled() and self.requires_grad:
+    # grad mode on, a tensor that requires grad refuses (PyTorch rebases a non-leaf's graph
+    # instead; here that is refused, with this error), and so does a view made under no_grad of
+    # one (as PyTorch). An expanded view (stride 0) refuses always, as in PyTorch. Every in-place
+    # change bumps the version counter the tensor shares with its views, so a graph that saved
+    # the old values raises at backward instead of differentiating at the wrong ones (NOTE
+    # [ Version counters ] in _engine.py). In-place changes to a view change its base and the
+    # other views of it (NOTE [ Views ]).
+    def _check_writable(self, op: str) -> None:
+        if is_grad_enabled():
+            if self._requires_grad:
+                raise RuntimeError(
+                    f"in-place {op} on a tensor that requires grad; wrap the update in taifuse.no_grad()"
+                )
+            if self._no_grad_view:
+                raise RuntimeError(
+                    f"in-place {op}: this view was created in no_grad mode of a tensor that requires grad "
+                    "and is being modified in place with grad mode enabled, which autograd cannot track; "
+                    "modify it under taifuse.no_grad() too, or make the view with grad mode enabled"
+                )
+        if isinstance(self._data, np.ndarray) and not self._data.flags.writeable:
             raise RuntimeError(
-                f"in-place {op} on a tensor that requires grad; wrap the update in taifuse.no_grad()"
+                f"in-place {op}: unsupported operation: more than one element of the written-to tensor "
+                "refers to a single memory location (an expand()ed tensor). Please clone() the tensor "
+                "before performing the operation."
             )
+
+    def _inplace(self, other: Any, op: str) -> Self:
+        self._check_writable(op)
         m = math_for(self._be)
         if (
             isinstance(other, np.ndarray)
@@ -428,6 +535,7 @@ class Tensor(TensorCore):
                 f"in-place {op}: operand of shape {shape_of(value)} does not broadcast to {self.shape}"
             )
         getattr(m, op)(self._data, value)
+        bump_version(self)
         return self
 
     def __iadd__(self, other: Any) -> Self:
@@ -451,23 +559,9 @@ class Tensor(TensorCore):
             >>> t.copy_(np.array([3.0, 4.0])).numpy()
             array([3., 4.], dtype=float32)
         """
-        if is_grad_enabled() and self.requires_grad:
-            raise RuntimeError("in-place copy_ on a tensor that requires grad; wrap it in taifuse.no_grad()")
+        self._check_writable("copy_")
         m = math_for(self._be)
-        if isinstance(src, Tensor):
-            if src._be is not self._be:
-                raise TypeError(
-                    f"copy_: src lives on backend {src._be.NAME!r}, the tensor on {self._be.NAME!r}"
-                )
-            value = src._data if src.dtype == self.dtype else astype(m, src._data, self.dtype)
-        elif isinstance(src, np.ndarray) or is_scalar(src):
-            value = np.asarray(src, dtype=self.dtype)
-            if not isinstance(self._data, np.ndarray):
-                value = self._be.from_numpy(np.asarray(value, order="C"))
-        else:
-            raise TypeError(
-                f"copy_: src should be a Tensor, numpy.ndarray or number, got {type(src).__name__}"
-            )
+        value = self._assigned(src, "copy_: src")
         if np.broadcast_shapes(self.shape, shape_of(value)) != self.shape:
             raise ValueError(f"copy_: src of shape {shape_of(value)} does not broadcast to {self.shape}")
         if isinstance(self._data, np.ndarray):
@@ -477,13 +571,60 @@ class Tensor(TensorCore):
             # and NaN included), so a fill and an add copy exactly.
             m.fill_(self._data, -0.0)
             m.add_(self._data, value)
+        bump_version(self)
         return self
+
+    def _assigned(self, src: Any, what: str) -> Any:
+        """``src`` (a Tensor on this backend, a NumPy array or a number) as an array of this
+        tensor's backend and dtype, to be written into it."""
+        if isinstance(src, Tensor):
+            if src._be is not self._be:
+                raise TypeError(f"{what} lives on backend {src._be.NAME!r}, the tensor on {self._be.NAME!r}")
+            return src._data if src.dtype == self.dtype else astype(math_for(self._be), src._data, self.dtype)
+        if isinstance(src, np.ndarray) or is_scalar(src):
+            value = np.asarray(src, dtype=self.dtype)
+            if not isinstance(self._data, np.ndarray):
+                value = self._be.from_numpy(np.asarray(value, order="C"))
+            return value
+        raise TypeError(f"{what} should be a Tensor, numpy.ndarray or number, got {type(src).__name__}")
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``t[index] = value`` in place, as PyTorch, for a basic index (ints, slices, ``None``,
+        ``...``; an integer array index raises ``TypeError``): ``value`` (a Tensor, NumPy array
+        or number) broadcast to the indexed shape and cast to this tensor's dtype. The in-place
+        rules of ``+=`` apply (NOTE [ In-place ops ]); so ``t[i] += 1`` works on every backend.
+
+        Example::
+
+            >>> import numpy as np, taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> t = taifuse.tensor(np.zeros((2, 3), np.float32))
+            >>> t[:, 1] = 5.0
+            >>> t[0] += 1.0
+            >>> t.numpy()
+            array([[1., 6., 1.],
+                   [0., 5., 0.]], dtype=float32)
+        """
+        self._check_writable("index assignment")
+        bump_version(self, setitem(self, index, self._assigned(value, "index assignment: value")))
+
+    def add_(self, other: Any) -> Self:
+        """``self += other`` in place, as ``torch.Tensor.add_`` (NOTE [ In-place ops ])."""
+        return self._inplace(other, "add_")
+
+    def sub_(self, other: Any) -> Self:
+        """``self -= other`` in place, as ``torch.Tensor.sub_`` (NOTE [ In-place ops ])."""
+        return self._inplace(other, "sub_")
+
+    def mul_(self, other: Any) -> Self:
+        """``self *= other`` in place, as ``torch.Tensor.mul_`` (NOTE [ In-place ops ])."""
+        return self._inplace(other, "mul_")
 
     def zero_(self) -> Self:
         """Fill with zeros in place (``optimizer.zero_grad(set_to_none=False)`` does this to ``.grad``)."""
-        if is_grad_enabled() and self.requires_grad:
-            raise RuntimeError("in-place zero_ on a tensor that requires grad; wrap it in taifuse.no_grad()")
+        self._check_writable("zero_")
         math_for(self._be).fill_(self._data, 0.0)
+        bump_version(self)
         return self
 
     def __neg__(self) -> Tensor:
@@ -508,7 +649,8 @@ class Tensor(TensorCore):
         return Sum.apply(a, _normalize_dims(dim, self.ndim, "mean"), bool(keepdim), True)
 
     def reshape(self, *shape: Any) -> Tensor:
-        """The same data in ``shape`` (one entry may be -1)."""
+        """The same data in ``shape`` (one entry may be -1): a view when the strides allow one
+        (always for contiguous data), else a copy, as ``torch.Tensor.reshape`` (NOTE [ Views ])."""
         if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
             shape = tuple(shape[0])
         return Reshape.apply(self, _resolve_shape(shape, self.shape))
@@ -533,7 +675,8 @@ class Tensor(TensorCore):
         return self.reshape(shape[:start] + (math.prod(shape[start : end + 1]),) + shape[end + 1 :])
 
     def transpose(self, dim0: int, dim1: int) -> Tensor:
-        """Swap dimensions ``dim0`` and ``dim1`` (returns a copy, unlike PyTorch's view: NOTE [ Views copy ]).
+        """Swap dimensions ``dim0`` and ``dim1``: a view on the host backends, a copy on taichi
+        (NOTE [ Views ]).
 
         Example::
 
@@ -550,16 +693,42 @@ class Tensor(TensorCore):
 
     @property
     def T(self) -> Tensor:
-        """The tensor with its dimensions reversed (a matrix transposed)."""
+        """The tensor with its dimensions reversed (a matrix transposed); a view as :meth:`transpose`."""
         return Transpose.apply(self, tuple(reversed(range(self.ndim))))
 
-    # -- views (NOTE [ Views copy ])
+    def t(self) -> Tensor:
+        """A matrix transposed (a tensor of at most 2 dimensions), as ``torch.Tensor.t``; a view
+        as :meth:`transpose`.
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> taifuse.tensor([[1.0, 2.0, 3.0]]).t().shape
+            (3, 1)
+        """
+        if self.ndim > 2:
+            raise ValueError(f"t: expects a tensor with <= 2 dimensions, but self is {self.ndim}D")
+        return Transpose.apply(self, tuple(reversed(range(self.ndim))))
+
+    @property
+    def mT(self) -> Tensor:
+        """The last two dimensions swapped (a batch of matrices transposed), as ``torch.Tensor.mT``;
+        a view as :meth:`transpose`."""
+        if self.ndim < 2:
+            raise ValueError(
+                f"mT: tensor.mT is only supported on matrices or batches of matrices, got {self.ndim}-D"
+            )
+        return self.transpose(-2, -1)
+
+    # -- views (NOTE [ Views ])
 
     def view(self, *shape: Any) -> Tensor:
         """The same data in ``shape`` (one entry may be -1), as ``torch.Tensor.view``.
 
-        Tensors are always contiguous, so this is :meth:`reshape`; the result shares the data (as
-        PyTorch's view does), and ``backward`` reshapes the gradient back.
+        The result shares the data, and ``backward`` reshapes the gradient back. As PyTorch's, it
+        raises ``RuntimeError`` where the strides cannot express the new shape (a transposed
+        tensor flattened): use :meth:`reshape` (which copies there) or :meth:`contiguous` first.
 
         Example::
 
@@ -568,11 +737,20 @@ class Tensor(TensorCore):
             >>> taifuse.tensor([1.0, 2.0, 3.0, 4.0]).view(2, -1).shape
             (2, 2)
         """
-        return self.reshape(*shape)
+        if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
+            shape = tuple(shape[0])
+        new = _resolve_shape(shape, self.shape)
+        if isinstance(self._data, np.ndarray) and viewed(self._data, new) is None:
+            raise RuntimeError(
+                f"view size is not compatible with input tensor's size and stride (at least one dimension "
+                f"spans across two contiguous subspaces): shape {self.shape}, strides {self.stride()}, "
+                f"view {new}. Use .reshape(...) instead."
+            )
+        return Reshape.apply(self, new)
 
     def permute(self, *dims: Any) -> Tensor:
-        """The dimensions reordered: dimension ``i`` of the result is ``dims[i]`` of this tensor
-        (returns a copy, unlike PyTorch's view: NOTE [ Views copy ]).
+        """The dimensions reordered: dimension ``i`` of the result is ``dims[i]`` of this tensor; a
+        view as :meth:`transpose`.
 
         Example::
 
@@ -625,8 +803,9 @@ class Tensor(TensorCore):
 
     def expand(self, *sizes: Any) -> Tensor:
         """This tensor repeated along its size-1 dimensions (and new leading ones) to ``sizes``; -1
-        keeps a dimension's size. The backward sums the gradient over the repeats. Returns a copy,
-        unlike PyTorch's view (NOTE [ Views copy ]).
+        keeps a dimension's size. The backward sums the gradient over the repeats. On the host a
+        view with stride 0 along the repeats, which in-place ops refuse, as PyTorch's (a copy on
+        taichi: NOTE [ Views ]).
 
         Example::
 
@@ -664,7 +843,8 @@ class Tensor(TensorCore):
 
     def split(self, split_size_or_sections: int | Sequence[int], dim: int = 0) -> tuple[Tensor, ...]:
         """Pieces along ``dim``: of ``split_size_or_sections`` entries each (the last may be shorter),
-        or of the listed sizes. Each piece is a copy, unlike PyTorch's views (NOTE [ Views copy ]).
+        or of the listed sizes. Each piece is a view on the host backends, a copy on taichi (NOTE
+        [ Views ]).
 
         Example::
 
@@ -701,7 +881,7 @@ class Tensor(TensorCore):
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
         """At most ``chunks`` pieces of ``ceil(size / chunks)`` entries along ``dim`` (the last may be
-        shorter), as ``torch.chunk``. Each piece is a copy (NOTE [ Views copy ]).
+        shorter), as ``torch.chunk``. Each piece is a view as in :meth:`split`.
 
         Example::
 
@@ -717,17 +897,36 @@ class Tensor(TensorCore):
         n = self.shape[dim_index(dim, self.ndim, "chunk")]
         return self.split(-(-n // int(chunks)) if n else 0, dim)
 
+    def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
+        """The entries along ``dim``, that dimension removed, as ``torch.unbind``; each is a view as
+        in :meth:`__getitem__`.
+
+        Example::
+
+            >>> import taifuse
+            >>> taifuse.set_backend("numpy")
+            >>> [r.numpy().tolist() for r in taifuse.tensor([[1.0, 2.0], [3.0, 4.0]]).unbind(1)]
+            [[1.0, 3.0], [2.0, 4.0]]
+        """
+        if not self.ndim:
+            raise ValueError("unbind: dimension specified as 0 but tensor has no dimensions")
+        d = dim_index(dim, self.ndim, "unbind")
+        lead = (slice(None),) * d
+        return tuple(self[lead + (i,)] for i in range(self.shape[d]))
+
     def __iter__(self) -> Iterator[Tensor]:
-        """The entries along the first dimension (``for row in t``), as PyTorch; each is a copy."""
+        """The entries along the first dimension (``for row in t``), as PyTorch; each is a view as
+        in :meth:`__getitem__`."""
         if not self.shape:
             raise TypeError("iteration over a 0-d tensor")
         return (self[i] for i in range(self.shape[0]))
 
     def __getitem__(self, index: Any) -> Tensor:
         """NumPy/PyTorch indexing: ints, slices (any step, negative too, which PyTorch refuses),
-        ``None``, ``...``, and one integer array, list or Tensor along one dimension. Returns a copy,
-        unlike PyTorch's views of basic indexing (NOTE [ Views copy ]); the backward scatters the
-        gradient back (repeated indices accumulate).
+        ``None``, ``...``, and one integer array, list or Tensor along one dimension. Basic indexing
+        (no array) returns a view on the host backends, as PyTorch's; an array index, and any
+        index on taichi, a copy (NOTE [ Views ]). The backward scatters the gradient back
+        (repeated indices accumulate).
 
         Raises ``IndexError`` for an index out of range, as PyTorch. An integer Tensor already on
         the taichi device is not range-checked (that would copy it to the host): an entry out of
@@ -952,6 +1151,14 @@ def _normalize_dims(dim: Any, ndim: int, op: str) -> tuple[int, ...] | None:
         raise ValueError(f"{op}: dim {dim!r} repeats a dimension")
     # A 0-d tensor accepts dim 0 and -1, as in PyTorch, but has no axis to apply them to.
     return tuple(out) if ndim else ()
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _resolve_shape(shape: Sequence[Any], old: tuple[int, ...]) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ import numpy as np
 from taifuse import _profile_hook, pool
 from taifuse._engine import enable_grad
 from taifuse._grad_slots import GradSlot, bind_storage, set_grad_slot, storage_is
-from taifuse._internal import backend, data, grad_data, wrap
+from taifuse._internal import backend, bump_version, data, grad_data, wrap
 from taifuse.backends.reference.optim import BFLOAT16_BITS, from_bfloat16_bits, to_bfloat16_bits
 from taifuse.tensor import Tensor
 
@@ -432,6 +432,7 @@ class Optimizer:
                 new = update(*args) if rec is None else rec.step(self, update, args)
                 for i in range(run.first, run.last):
                     bucket.steps[i] = new.step
+                    bump_version(bucket.params[i])  # an in-place change (NOTE [ Version counters ])
         return loss
 
     def grad_buffers(self) -> list[tuple[ModuleType, list[Any]]]:

@@ -344,7 +344,7 @@ def matmul_kernels_for(dtype: Any) -> SimpleNamespace:
 
 @functools.cache
 def index_kernels_for(dtype: Any) -> SimpleNamespace:
-    """View and index kernels (gather, scatter, take, masked_fill, first_index; NOTE [ Views copy ]
+    """View and index kernels (gather, scatter, take, masked_fill, first_index; NOTE [ Views ]
     in taifuse/_tensor_functions.py) for storage dtype ``dtype``, built once per process."""
     ti = _import_taichi()
     from taifuse.backends.taichi import _math as M
@@ -863,7 +863,7 @@ class TaichiMath:
         else:  # int32 class indices: a store, not arithmetic (NOTE [ No integer arithmetic ]); Taichi's own fill
             _nd(acc).fill(int(value))
 
-    # -- views and indices (NOTE [ Views copy ] in taifuse/_tensor_functions.py)
+    # -- views and indices (NOTE [ Views ] in taifuse/_tensor_functions.py)
 
     @staticmethod
     def as_strided(a: Any, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
