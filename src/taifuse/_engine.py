@@ -44,7 +44,7 @@ from taifuse._internal import (
     share_version,
     wrap,
 )
-from taifuse._tensor_math import dense, math_for, shares_storage
+from taifuse._tensor_math import math_for, shares_storage
 
 __all__ = [
     "Function",
@@ -58,6 +58,12 @@ __all__ = [
     "run_backward",
     "set_grad_enabled",
 ]
+
+
+def _strided(a: Any) -> bool:
+    """A host array a kernel cannot take as it is (NOTE [ Views ] in _tensor_functions.py)."""
+    return isinstance(a, np.ndarray) and not a.flags.c_contiguous
+
 
 # ----------------------------------------------------------------------------- grad mode
 
@@ -173,7 +179,8 @@ class Function:
         if not cls.strided:
             for t in tensors:
                 if base(t) is not None:  # only a view may be strided
-                    arrays = tuple(map(dense, arrays))
+                    # through the math object, which taifuse.compile records (a bare copy it would not)
+                    arrays = tuple(ctx.m.contiguous(a) if _strided(a) else a for a in arrays)
                     break
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
         result = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, arrays, kwargs)
@@ -409,8 +416,8 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
             continue
         if ctx.epoch is not None and ctx.epoch != INPLACE_EPOCH[0]:
             _check_versions(ctx)
-        if not ctx.strided:
-            g = dense(g)
+        if not ctx.strided and _strided(g):
+            g = ctx.m.contiguous(g)
         acc = _summed_so_far(ctx, g, pending, summable)
         ctx.accumulate_into = acc
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]

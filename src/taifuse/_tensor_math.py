@@ -362,6 +362,13 @@ class HostMath:
         return out
 
     @staticmethod
+    def contiguous(a: np.ndarray) -> np.ndarray:
+        """``a`` C-contiguous for a kernel: itself, or a strided view's copy from the pool (``dense``).
+        A method of the math object, not a bare copy, so that a compiled step records the copy and
+        makes it again at each replay (NOTE [ Views ] in _tensor_functions.py)."""
+        return dense(a)
+
+    @staticmethod
     def copy_(acc: np.ndarray, a: np.ndarray) -> None:
         """acc[...] = a, in place (a gradient into its slot of an optimizer's flat buffer)."""
         np.copyto(acc, a)

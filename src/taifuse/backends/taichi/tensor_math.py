@@ -819,6 +819,11 @@ class TaichiMath:
         return TaichiMath.sum(TaichiMath.mul(a, a), None, False)
 
     @staticmethod
+    def contiguous(a: Any) -> Any:
+        """``a`` itself: a device array is always contiguous (HostMath.contiguous's counterpart)."""
+        return a
+
+    @staticmethod
     def copy_(acc: Any, a: Any) -> None:
         _require_float("copy_", ("tensor updated", acc), ("operand", a))
         if tuple(a.shape) != tuple(acc.shape) or a.dtype != acc.dtype:
