@@ -23,6 +23,7 @@ SUITES = {
     "pool": "taifuse.bench.suites.pool",
     "transformer": "taifuse.bench.suites.transformer",
     "profiler": "taifuse.bench.suites.profiler",
+    "step": "taifuse.bench.suites.step",
 }
 
 
