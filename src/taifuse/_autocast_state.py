@@ -47,7 +47,16 @@ _FLOAT16 = np.dtype(np.float16)
 _FLOAT32 = np.dtype(np.float32)
 _FLOAT64 = np.dtype(np.float64)
 
-_local = threading.local()
+
+class _Local(threading.local):
+    # Class attributes: a thread that never used autocast reads None without a lookup miss.
+    state: State | None = None  # this thread's state, made on first use
+    # The state while autocast is on in this thread, else None: what the ops' hooks read, one
+    # attribute (``current.active``), so that autocast costs an op nothing while it is off.
+    active: State | None = None
+
+
+current = _Local()
 
 
 class State:
@@ -67,16 +76,15 @@ class State:
 
 def state() -> State:
     """This thread's state, made on first use."""
-    current = getattr(_local, "state", None)
-    if current is None:
-        current = _local.state = State()
-    return current
+    mine = current.state
+    if mine is None:
+        mine = current.state = State()
+    return mine
 
 
 def active_state() -> State | None:
     """This thread's state when autocast is on, else ``None`` (what the ops' hooks ask)."""
-    current = getattr(_local, "state", None)
-    return current if current is not None and current.enabled else None
+    return current.active
 
 
 def is_autocast_enabled() -> bool:
@@ -92,8 +100,8 @@ def get_autocast_dtype() -> np.dtype:
 def autocast_kwargs() -> dict[str, Any]:
     """This thread's autocast settings as ``autocast``'s keyword arguments, for a region that
     must compute as this one does later (a checkpoint's recomputation, as PyTorch's)."""
-    current = state()
-    return {"dtype": current.dtype, "enabled": current.enabled, "cache_enabled": current.cache_enabled}
+    here = state()
+    return {"dtype": here.dtype, "enabled": here.enabled, "cache_enabled": here.cache_enabled}
 
 
 def clear_autocast_cache() -> None:
@@ -107,20 +115,22 @@ def clear_autocast_cache() -> None:
 
 def enter(dtype: np.dtype, enabled: bool, cache_enabled: bool) -> tuple[bool, np.dtype, bool]:
     """Start a region with these (checked) settings on this thread; returns what ``leave`` restores."""
-    current = state()
-    previous = (current.enabled, current.dtype, current.cache_enabled)
-    current.enabled, current.dtype, current.cache_enabled = enabled, dtype, cache_enabled
-    current.nesting += 1
+    here = state()
+    previous = (here.enabled, here.dtype, here.cache_enabled)
+    here.enabled, here.dtype, here.cache_enabled = enabled, dtype, cache_enabled
+    here.nesting += 1
+    current.active = here if enabled else None
     return previous
 
 
 def leave(previous: tuple[bool, np.dtype, bool]) -> None:
     """End the innermost region: the outermost one's exit clears the cache (NOTE [ Autocast cache ])."""
-    current = state()
-    current.nesting -= 1
-    if current.nesting == 0:
-        current.cache.clear()
-    current.enabled, current.dtype, current.cache_enabled = previous
+    here = state()
+    here.nesting -= 1
+    if here.nesting == 0:
+        here.cache.clear()
+    here.enabled, here.dtype, here.cache_enabled = previous
+    current.active = here if here.enabled else None
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import numpy as np
 from taifuse import _array_ops as A
 from taifuse import _autocast_state, _random, backends, pool
 from taifuse._engine import Function
-from taifuse._internal import backend, common_backend, data, wrap
+from taifuse._internal import backend, data, wrap
 from taifuse._tensor_functions import autocast_args
 from taifuse._tensor_math import sum_to_shape
 from taifuse.tensor import Tensor
@@ -77,6 +77,11 @@ def constants(op: str, names: tuple[str, ...], *values: Any) -> tuple[Any, ...]:
     arrays. On a device backend a NumPy argument would otherwise send the forward's result to the
     host and reach the backward kernels as host memory.
     """
+    for v in values:
+        if isinstance(v, np.ndarray):
+            break
+    else:
+        return values  # the common case, Tensors (and None): nothing to bring over
     like = values[0] if isinstance(values[0], Tensor) else None
     return tuple(
         _tensor_arg(v, op, name, like=like) if isinstance(v, np.ndarray) else v
@@ -92,11 +97,11 @@ def _no_out(op: str, out: Any) -> None:
 class Op(Function):
     """A Function whose forward runs on the active backend (checked against the tensors')."""
 
+    on_active_backend = True  # Function.apply checks it (NOTE [ The lean apply ])
+
     @classmethod
-    def apply(cls, *args: Any, **kwargs: Any) -> Tensor:
-        be = common_backend([a for a in args if isinstance(a, Tensor)], cls.__name__)
+    def wrong_backend(cls, be: ModuleType, active: ModuleType) -> None:
         _check_active(be, cls.__name__.lstrip("_").lower())
-        return super().apply(*args, **kwargs)
 
     def needs_any(self) -> bool:
         return any(self.needs_grad)
@@ -112,7 +117,9 @@ class _FromInput(Op):
 
     def forward(self, x: Any, *params: Any) -> Any:
         self.x, self.params = x, params
-        return getattr(A, self.op)(x, *params)
+        if params:  # gelu's approximate, leaky_relu's slope: checked by the array op
+            return getattr(A, self.op)(x, *params)
+        return A.unary(self.op, self.be, x)
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         gi = new_array(self.be, self.x.shape, self.x.dtype)
@@ -143,7 +150,7 @@ class _FromOutput(Op):
     op = ""
 
     def forward(self, x: Any) -> Any:
-        self.y = getattr(A, self.op)(x)
+        self.y = A.unary(self.op, self.be, x)
         return self.y
 
     def backward(self, g: Any) -> tuple[Any, ...]:
@@ -167,7 +174,8 @@ def gelu(x: Tensor, approximate: str, out: Any) -> Tensor:
 
 
 def relu(x: Tensor, out: Any) -> Tensor:
-    _no_out("relu", out)
+    if out is not None:
+        _no_out("relu", out)
     return _Relu.apply(x)
 
 

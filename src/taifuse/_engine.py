@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from taifuse import _profile_hook
+from taifuse import _profile_hook, backends
 from taifuse._internal import (
     INPLACE_EPOCH,
     TensorCore,
@@ -67,12 +67,17 @@ def _strided(a: Any) -> bool:
 
 # ----------------------------------------------------------------------------- grad mode
 
-_grad_mode = threading.local()
+
+class _GradMode(threading.local):
+    enabled = True  # a class attribute: a thread that never set it reads True without a lookup miss
+
+
+_grad_mode = _GradMode()
 
 
 def is_grad_enabled() -> bool:
     """Whether ops record the graph in this thread (False inside :class:`no_grad`)."""
-    return getattr(_grad_mode, "enabled", True)
+    return _grad_mode.enabled
 
 
 def set_grad_enabled(enabled: bool) -> None:
@@ -126,6 +131,17 @@ class enable_grad(_GradModeGuard):
 # ----------------------------------------------------------------------------- graph nodes
 
 
+class _NoGrads(dict):
+    """``needs_grad`` of a node that records nothing, by argument count: all False."""
+
+    def __missing__(self, n: int) -> tuple[bool, ...]:
+        self[n] = value = (False,) * n
+        return value
+
+
+_NO_GRADS = _NoGrads()
+
+
 class Function:
     """One differentiable op: ``forward`` on arrays, ``backward`` from the output's gradient.
 
@@ -160,35 +176,72 @@ class Function:
     # graph (NOTE [ Version counters ]); None outside it.
     epoch: int | None = None
 
-    def __init__(self) -> None:
-        # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
-        # (NOTE [ The graph keeps no data ]).
-        self.parents: tuple[TensorCore | Function | None, ...] = ()
-        self.released = False
+    # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
+    # (NOTE [ The graph keeps no data ]). Class attributes, so that making a node sets nothing.
+    parents: tuple[TensorCore | Function | None, ...] = ()
+    released = False
+    # True for the ops that compute on the active backend (the functional ops): ``apply`` checks
+    # that the tensors live there and calls :meth:`wrong_backend` when they do not.
+    on_active_backend = False
+
+    @classmethod
+    def wrong_backend(cls, be: ModuleType, active: ModuleType) -> None:
+        """Raise the error for tensors of backend ``be`` when ``active`` is the active one."""
+        raise TypeError(
+            f"{cls.__name__}: the tensors live on backend {be.NAME!r}, not on the active {active.NAME!r}"
+        )
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Run the op on ``args`` and, if a Tensor argument requires grad, record it in the graph."""
-        tensors = [a for a in args if isinstance(a, TensorCore)]
-        be = common_backend(tensors, cls.__name__)
+        # NOTE [ The lean apply ]
+        # Every op and Tensor method passes here, so it is written for the per-op fixed cost
+        # (the ``step`` bench suite's first rows): one pass over the arguments finds the
+        # backend, whether to record and the arrays; the node's tensor math comes from a dict;
+        # the grad mode and the profiler's switch are one attribute read each.
+        be = None
+        record = False
+        arrays = []
+        for a in args:
+            if isinstance(a, TensorCore):
+                tb = backend(a)
+                if be is None:
+                    be = tb
+                elif tb is not be:
+                    common_backend([a for a in args if isinstance(a, TensorCore)], cls.__name__)
+                if requires_grad(a):
+                    record = True
+                arrays.append(data(a))
+            else:
+                arrays.append(a)
+        if be is None:
+            be = common_backend((), cls.__name__)
+        if cls.on_active_backend:
+            active = backends.active()
+            if active is not be:
+                cls.wrong_backend(be, active)
         ctx = cls()
-        ctx.be, ctx.m = be, math_for(be)
-        record = is_grad_enabled() and any(t.requires_grad for t in tensors)
-        ctx.needs_grad = tuple(isinstance(a, TensorCore) and a.requires_grad and record for a in args)
-        arrays = tuple(data(a) if isinstance(a, TensorCore) else a for a in args)
+        ctx.be = be
+        ctx.m = math_for(be)
+        record = record and _grad_mode.enabled
+        ctx.needs_grad = (
+            tuple([isinstance(a, TensorCore) and requires_grad(a) for a in args])
+            if record
+            else _NO_GRADS[len(args)]
+        )
         if not cls.strided:
-            for t in tensors:
-                if base(t) is not None:  # only a view may be strided
+            for a in args:
+                if isinstance(a, TensorCore) and base(a) is not None:  # only a view may be strided
                     # through the math object, which taifuse.compile records (a bare copy it would not)
-                    arrays = tuple(ctx.m.contiguous(a) if _strided(a) else a for a in arrays)
+                    arrays = [ctx.m.contiguous(x) if _strided(x) else x for x in arrays]
                     break
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
-        result = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, arrays, kwargs)
+        result = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, tuple(arrays), kwargs)
         out = wrap(result, be)
         if cls.view and shares_storage(result, arrays[0]):
             share_version(out, args[0], record)
         if record:
-            ctx.parents = tuple(graph_node(a) for a in args)
+            ctx.parents = tuple([graph_node(a) for a in args])
             attach(out, ctx)
             ctx.epoch = INPLACE_EPOCH[0]
         return out
@@ -204,12 +257,13 @@ class Function:
         ``retain_graph``), so that the intermediates are freed while the output lives on; keep
         the shapes, dims and dtypes, and the links to the inputs (NOTE [ Released nodes ])."""
         state = self.__dict__
-        freed = {k for k, v in state.items() if k not in _KEPT_ON_RELEASE and not _is_metadata(v)}
+        freed = [k for k, v in state.items() if k not in _KEPT_ON_RELEASE and not _is_metadata(v)]
         for k in freed:
             del state[k]
-        state["_freed"] = frozenset(freed | state.get("_freed", frozenset()))
+        before = state.get("_freed")
+        state["_freed"] = frozenset(freed) if before is None else before.union(freed)
         # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays.
-        self.parents = tuple(graph_node(p) if isinstance(p, TensorCore) else p for p in self.parents)
+        self.parents = tuple([graph_node(p) if isinstance(p, TensorCore) else p for p in self.parents])
         self.released = True
 
     def __getattr__(self, name: str) -> Any:
@@ -282,9 +336,22 @@ def _kept_arrays(ctx: Function) -> list:
 _KEPT_ON_RELEASE = frozenset({"be", "m", "needs_grad", "parents", "released", "_freed", "profile_signature"})
 
 
+# The exact types that are metadata, for a set look-up before the isinstance chain (a released
+# node's fields are mostly these: shapes are tuples of ints).
+_PLAIN_METADATA = frozenset({type(None), bool, int, str})
+
+
 def _is_metadata(value: Any) -> bool:
     """Whether a node keeps ``value`` after its backward ran (NOTE [ Released nodes ])."""
-    if value is None or isinstance(value, (numbers.Integral, str, np.dtype, type, ModuleType)):
+    kind = type(value)
+    if kind in _PLAIN_METADATA:
+        return True
+    if kind is tuple:
+        for v in value:
+            if type(v) not in _PLAIN_METADATA and not _is_metadata(v):
+                return False
+        return True
+    if isinstance(value, (numbers.Integral, str, np.dtype, type, ModuleType)):
         return True
     if isinstance(value, (tuple, list)):
         return all(_is_metadata(v) for v in value)

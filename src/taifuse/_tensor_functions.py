@@ -181,7 +181,7 @@ class _Cast(_Method):
 def autocast_args(policy: str, *values: Any) -> tuple[Any, ...]:
     """``values`` with their floating Tensors cast as autocast's ``policy`` says ("lower",
     "float32" or "widest"; NOTE [ Autocast ]), or unchanged when autocast is off."""
-    state = _autocast_state.active_state()
+    state = _autocast_state.current.active  # one attribute read while autocast is off
     if state is None:
         return values
     floats = [v for v in values if is_tensor(v) and v.dtype.kind == "f"]
@@ -261,17 +261,19 @@ class _Sum(_Method):
     def forward(self, a: Any, dims: tuple[int, ...] | None, keepdim: bool, mean: bool) -> Any:
         self.in_shape = shape_of(a)
         self.dims = tuple(range(a.ndim)) if dims is None else dims
-        self.count = math.prod(self.in_shape[d] for d in self.dims)
-        self.keep_shape = tuple(1 if i in self.dims else n for i, n in enumerate(self.in_shape))
         self.mean = mean
         s = self.m.sum(a, self.dims, keepdim)
-        return self.m.div(s, self.count) if mean else s
+        return self.m.div(s, self._count()) if mean else s
+
+    def _count(self) -> int:
+        return math.prod([self.in_shape[d] for d in self.dims])
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        m = self.m
-        g = expanded(m, m.reshape(g, self.keep_shape), self.in_shape)
+        m, dims = self.m, self.dims
+        keep_shape = tuple([1 if i in dims else n for i, n in enumerate(self.in_shape)])
+        g = expanded(m, m.reshape(g, keep_shape), self.in_shape)
         if self.mean:
-            g = m.div(g, self.count)
+            g = m.div(g, self._count())
         return g, None, None, None
 
 

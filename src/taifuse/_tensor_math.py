@@ -18,6 +18,7 @@ attribute ``TENSOR_MATH``, so that tensor data stays on the device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -28,8 +29,9 @@ from taifuse.backends import _host
 
 
 def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A result buffer from the host pool (NOTE [ Buffer ownership ] in taifuse/pool.py)."""
-    return _pool.host_pool().acquire(shape, dtype)
+    """A result buffer from the host pool (NOTE [ Buffer ownership ] in taifuse/pool.py; a small
+    one from NumPy: NOTE [ Small host buffers ] there)."""
+    return _pool.host_empty(shape, dtype)
 
 
 def _floating(*operands: Any) -> bool:
@@ -312,7 +314,7 @@ class HostMath:
         if tuple(a.shape) == tuple(shape):
             return a
         out = _buffer(tuple(shape), a.dtype)
-        np.copyto(out, np.broadcast_to(a, shape))
+        np.copyto(out, a)  # copyto broadcasts (and raises as np.broadcast_to where it cannot)
         return out
 
     @staticmethod
@@ -575,8 +577,21 @@ def _strided_view(a: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...
 HOST_MATH = HostMath()
 
 
-def math_for(backend: ModuleType) -> Any:
-    """The tensor-arithmetic object of ``backend``: its ``TENSOR_MATH``, else NumPy's for a host backend."""
+class _MathOf(dict):
+    """Per backend module, its tensor math, found once (a backend's table never changes it)."""
+
+    def __missing__(self, backend: ModuleType) -> Any:
+        self[backend] = math = _find_math(backend)
+        return math
+
+
+# math_for(backend): the tensor-arithmetic object of ``backend``, its ``TENSOR_MATH``, else NumPy's
+# for a host backend. A bound dict look-up, no Python frame once the backend is known: every op's
+# node asks (NOTE [ The lean apply ] in _engine.py).
+math_for: Callable[[ModuleType], Any] = _MathOf().__getitem__
+
+
+def _find_math(backend: ModuleType) -> Any:
     math = getattr(backend, "TENSOR_MATH", None)
     if math is not None:
         return math

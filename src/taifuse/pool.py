@@ -114,12 +114,14 @@ from taifuse import _profile_hook, _trace_hook
 
 __all__ = [
     "DEFAULT_MAX_MB",
+    "SMALL_HOST_BYTES",
     "SPLIT_RATIO",
     "Allocator",
     "BufferPool",
     "PoolStats",
     "empty",
     "get_pool",
+    "host_empty",
     "host_pool",
     "size_class",
     "zeros",
@@ -665,7 +667,8 @@ def host_pool() -> BufferPool:
 
 
 def empty(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any:
-    """An uninitialised array of ``shape`` and ``dtype`` on backend ``be``, from its pool.
+    """An uninitialised array of ``shape`` and ``dtype`` on backend ``be``, from its pool (a host
+    request of at most 1 KiB from NumPy: NOTE [ Small host buffers ]).
 
     The one allocation path for results and scratch (see NOTE [ Buffer ownership ]): the caller
     must write every element before reading it. ``be`` is a backend module or its ``ALLOCATOR``.
@@ -678,9 +681,62 @@ def empty(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any
         >>> pool.empty(backends.active(), (2, 3), np.float32).shape
         (2, 3)
     """
+    try:
+        small = _small_requests.get((be, shape, dtype))  # the common case, without a call
+    except TypeError:  # an unhashable shape: _small_host_pool decides
+        small = None
+    if small is None:
+        small = _small_host_pool(be, shape, dtype)
+    if small and not small._disabled:
+        out = np.empty(shape, dtype)
+        if small.fill_on_reuse is not None:
+            out.fill(small.fill_on_reuse)
+        return out
     return get_pool(be).acquire(shape, dtype)
+
+
+def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """:func:`empty` on the host memory, whichever backend is active (the host tensor math's results)."""
+    return empty(_host_allocator(), shape, dtype)
 
 
 def zeros(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any:
     """Like :func:`empty`, zero-filled: for kernels that accumulate into their output."""
+    small = _small_host_pool(be, shape, dtype)
+    if small and not small._disabled:
+        return np.zeros(shape, dtype)
     return get_pool(be).acquire(shape, dtype, zero=True)
+
+
+# NOTE [ Small host buffers ]
+# A host request of at most SMALL_HOST_BYTES bytes is a plain ``np.empty``, outside the pool:
+# NumPy serves data that small from its own cache of freed blocks (numpy/_core/src/multiarray/
+# alloc.c caches up to 1024 bytes), so the pool would save no allocation, while its bookkeeping and
+# lease (NOTE [ Buffer ownership ]) took about as long as the rest of a small op together (the
+# ``step`` bench suite's per-op rows: ``F.relu`` on an (8, 16) tensor). As PyTorch's CPU allocator,
+# which caches nothing. Such buffers are not in the pool's statistics (a step's bytes in use miss at
+# most 1 KiB per live tiny buffer), and ``fill_on_reuse`` fills them too. ``BufferPool.acquire``
+# itself pools every size (tests/test_pool.py drives it directly). Device pools take every request:
+# a device allocation is expensive whatever its size.
+SMALL_HOST_BYTES = 1024
+
+# (backend or allocator, shape, dtype) -> the host pool, for the small requests (NOTE [ Small host
+# buffers ]); False for the requests that go to the pool. Ops repeat a few signatures.
+_small_requests: dict[tuple, Any] = {}
+
+
+def _small_host_pool(be: ModuleType | Allocator, shape: Any, dtype: Any) -> BufferPool | bool:
+    """The host pool when a request of ``shape`` and ``dtype`` on ``be`` is small (NOTE [ Small
+    host buffers ]; the caller checks that the pool is not disabled), else False."""
+    try:
+        known = _small_requests.get((be, shape, dtype))
+    except TypeError:  # an unhashable shape (a list): decided without the cache
+        known = None
+        shape = tuple(shape)
+    if known is None:
+        target = get_pool(be)
+        nbytes = math.prod(int(n) for n in shape) * np.dtype(dtype).itemsize
+        known = target if target.allocator.ON_HOST and 0 < nbytes <= SMALL_HOST_BYTES else False
+        if len(_small_requests) < 4096:
+            _small_requests[(be, shape, dtype)] = known
+    return known

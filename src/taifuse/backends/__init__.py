@@ -168,7 +168,8 @@ def active() -> ModuleType:
             with _lock:  # NOTE: starting a backend (ti.init) is process-wide; one at a time
                 module = _thread.module = _resolve(*_thread.request)
         return module
-    return _process_active()
+    module = _active  # every op asks: the started backend without a second call
+    return module if module is not None else _process_active()
 
 
 def _process_active() -> ModuleType:

@@ -89,6 +89,7 @@ _COL_TILE = 256  # columns per work item of column sums (bias / weight gradients
 # gelu_tanh ~32K elements, float32). "workqueue": derived, not measured: its ~100 us launch
 # (docs/backends.md, "Numba") against the measured serial cost per element. "tbb": not measured, as "omp".
 _PARALLEL_MIN_ELEMENTS = {"omp": 65536, "tbb": 65536, "workqueue": 1 << 20}
+_SERIAL_BELOW = min(_PARALLEL_MIN_ELEMENTS.values())
 _TRANSCENDENTAL_DISCOUNT = 2
 
 # NOTE [ Serial epilogue between BLAS calls ]
@@ -702,7 +703,9 @@ def _parallel_min_elements() -> int:
 def _parallel(size: int, transcendental: bool = False) -> bool:
     """Whether a kernel over ``size`` elements runs parallel (NOTE [ Serial and parallel kernels ])."""
     work = size * _TRANSCENDENTAL_DISCOUNT if transcendental else size
-    return work >= _parallel_min_elements()
+    # Under every layer's threshold it is serial whatever the threads: no thread query (a small
+    # op's fixed cost, the ``step`` bench suite's per-op rows).
+    return work >= _SERIAL_BELOW and work >= _parallel_min_elements()
 
 
 def _epilogue_parallel(size: int, transcendental: bool = False) -> bool:
@@ -713,13 +716,18 @@ def _epilogue_parallel(size: int, transcendental: bool = False) -> bool:
 # ----------------------------------------------------------------------------- host-side array views
 
 
+_FLOAT16 = np.dtype(np.float16)  # a dtype, not the type: == then converts nothing
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     """The array as the kernels take it: float16 as its uint16 bit view (NOTE [ float16 storage ])."""
-    return a.view(np.uint16) if a.dtype == np.float16 else a
+    return a.view(np.uint16) if a.dtype == _FLOAT16 else a
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
-    return _bits(a.reshape(-1))
+    # ravel: as reshape(-1) (a view of C-contiguous data, else a copy), in half the time.
+    flat = a.ravel()
+    return flat.view(np.uint16) if flat.dtype == _FLOAT16 else flat
 
 
 def _same_data(a: np.ndarray, out: np.ndarray) -> bool:

@@ -46,6 +46,7 @@ from taifuse.backends.numba._jit import (
     _readable,
     _relu,
     _row_tile,
+    _same_data,
     _sigmoid,
     _silu,
     _tanh,
@@ -603,9 +604,13 @@ def _embedding_parallel(indices, weight, out):
 
 
 def _unary(x: np.ndarray, out: np.ndarray, op: int, param: float = 0.0) -> None:
-    xf, of = _flat(_readable(x, out)), _flat(out)
-    par = _jit._parallel(xf.size, transcendental=op in _TRANSCENDENTAL_OPS)
-    if np.may_share_memory(xf, of):  # then out is x (see _readable): NOTE [ Spans, blocks and ... ]
+    # As _readable, with the one overlap test serving both questions (a small op's fixed cost).
+    shared = np.may_share_memory(x, out)
+    if shared and not _same_data(x, out):
+        x, shared = x.copy(), False
+    xf, of = _flat(x), _flat(out)
+    par = xf.size >= _jit._SERIAL_BELOW and _jit._parallel(xf.size, transcendental=op in _TRANSCENDENTAL_OPS)
+    if shared:  # then out is x: NOTE [ Spans, blocks and ... ]
         (_unary_inplace_parallel if par else _unary_inplace_serial)(of, op, float(param))
         return
     kernel = _unary_parallel if par else _unary_serial

@@ -25,6 +25,7 @@ SUITES = {
     "profiler": "taifuse.bench.suites.profiler",
     "cnn": "taifuse.bench.suites.cnn",
     "distributed": "taifuse.bench.suites.distributed",
+    "step": "taifuse.bench.suites.step",
 }
 
 

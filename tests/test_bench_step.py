@@ -1,0 +1,76 @@
+"""The step benchmark suite (issue 32's goals): its cases, the model FLOPs its MFU reads, and that
+every variant of its small cases computes what PyTorch's does (no benchmark runs here)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import taifuse
+from taifuse import backends
+from taifuse.bench.case import check_outputs
+from taifuse.bench.suites import load_cases, step, suite_names, transformer
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+
+
+@pytest.fixture(params=["numpy", "numba"])
+def host_backend(request):
+    with backends.preserved_choice():
+        taifuse.set_backend(request.param)
+        yield request.param
+
+
+def _ids(monkeypatch, compiled: bool) -> list[str]:
+    if compiled:
+        monkeypatch.setattr(taifuse, "compile", lambda fn: fn, raising=False)
+    else:
+        monkeypatch.delattr(taifuse, "compile", raising=False)
+    return [c.id for c in load_cases(["step"], compare_torch=True)]
+
+
+def test_registered_with_the_compiled_cases_only_when_taifuse_compile_exists(monkeypatch):
+    assert "step" in suite_names()
+    eager = _ids(monkeypatch, compiled=False)
+    assert [i.split("(")[0] for i in eager] == [
+        "step/per-op relu",
+        "step/per-op linear+sum+backward",
+        "step/mlp step",
+        "step/gpt step",
+        "step/gpt step peak memory",
+    ]
+    compiled = _ids(monkeypatch, compiled=True)
+    assert [i for i in compiled if i not in eager] == [
+        "step/mlp step compiled(2-64-64-3, gelu, batch=64, AdamW)",
+        "step/gpt step compiled(vocab_size=97, block_size=128, n_layer=4, n_head=4, n_embd=256, batch=16)",
+    ]
+
+
+def test_gpt_model_flops_are_nanogpts_estimate():
+    # Issue 32: 42.4 GFLOP a step at 4 layers, width 256, 4 heads, context 128, batch 16, by
+    # nanoGPT's 6 N + 12 L H Q T per token (N: the parameters but the position embedding).
+    config, batch = step.GPT.config, step.GPT.batch
+    shapes = transformer.gpt_parameter_shapes(config)
+    n = sum(int(np.prod(s)) for name, s in shapes.items() if name != "wpe.weight")
+    expected = (6 * n + 12 * 4 * 4 * 64 * 128) * batch * 128
+    assert step.gpt_model_flops(config, batch) == expected
+    assert abs(expected / 42.4e9 - 1) < 0.01
+    case = next(c for c in load_cases(["step"]) if c.name.startswith("gpt step("))
+    assert case.flops == expected
+
+
+@needs_torch
+@pytest.mark.parametrize("name", ["per-op relu", "per-op linear+sum+backward", "mlp step"])
+def test_small_cases_compute_what_torch_computes(host_backend, monkeypatch, name):
+    monkeypatch.setattr(taifuse, "compile", lambda fn: fn, raising=False)  # the compiled variant runs eagerly
+    for case in load_cases(["step"], compare_torch=True):
+        if not case.name.startswith((name + "(", name + " compiled(")):
+            continue
+        inputs = case.setup(0)
+        labels = [case.candidate.label] + [b.label for b in case.baselines]
+        outputs = {label: case.variant(label).build(inputs)() for label in labels}
+        for label in labels[1:]:
+            report = check_outputs(outputs[label], outputs[labels[0]], case.rtol, case.atol)
+            assert report["ok"], (case.id, label, report)
