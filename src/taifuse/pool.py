@@ -687,7 +687,9 @@ def empty(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any
         small = None
     if small is None:
         small = _small_host_pool(be, shape, dtype)
-    if small and not small._disabled:
+    # While taifuse.compile traces or replays a step, every buffer goes through the pool, where the
+    # compiler plans it (NOTE [ Step compiler hooks ]): a bare np.empty would be a host-made array.
+    if small and not small._disabled and _trace_hook.ACTIVE is None:
         out = np.empty(shape, dtype)
         if small.fill_on_reuse is not None:
             out.fill(small.fill_on_reuse)
@@ -703,7 +705,7 @@ def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def zeros(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any:
     """Like :func:`empty`, zero-filled: for kernels that accumulate into their output."""
     small = _small_host_pool(be, shape, dtype)
-    if small and not small._disabled:
+    if small and not small._disabled and _trace_hook.ACTIVE is None:  # as empty()
         return np.zeros(shape, dtype)
     return get_pool(be).acquire(shape, dtype, zero=True)
 
@@ -716,7 +718,9 @@ def zeros(be: ModuleType | Allocator, shape: tuple[int, ...], dtype: Any) -> Any
 # ``step`` bench suite's per-op rows: ``F.relu`` on an (8, 16) tensor). As PyTorch's CPU allocator,
 # which caches nothing. Such buffers are not in the pool's statistics (a step's bytes in use miss at
 # most 1 KiB per live tiny buffer), and ``fill_on_reuse`` fills them too. ``BufferPool.acquire``
-# itself pools every size (tests/test_pool.py drives it directly). Device pools take every request:
+# itself pools every size (tests/test_pool.py drives it directly), and while taifuse.compile traces
+# or replays a step every request goes to the pool, where the compiler plans its buffers (NOTE [ Step
+# compiler hooks ]). Device pools take every request:
 # a device allocation is expensive whatever its size.
 SMALL_HOST_BYTES = 1024
 
