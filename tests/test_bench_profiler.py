@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import itertools
 import importlib
 
 import numpy as np
@@ -22,7 +23,10 @@ def _profiled_op(module_name: str, name: str):
 
 
 def _reads_active(fn) -> bool:
-    return any(ins.argval == "ACTIVE" for ins in dis.get_instructions(fn))
+    """Whether ``fn`` reads the profiler's switch (``_profile_hook.ACTIVE``; the step compiler's
+    ``_trace_hook.ACTIVE`` in ``BufferPool.acquire`` is not the profiler's hook)."""
+    pairs = itertools.pairwise(dis.get_instructions(fn))
+    return any(a.argval == "_profile_hook" and b.argval == "ACTIVE" for a, b in pairs)
 
 
 @pytest.mark.parametrize(

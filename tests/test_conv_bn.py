@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import REFUSED_BY_DESIGN
 
 import taifuse
 import taifuse.amp
@@ -419,7 +420,7 @@ def test_conv2d_stats_kernel_matches_the_reference(backend, geometry, dtype):
 
     dtype = np.dtype(dtype)
     if dtype == np.float64 and not backend.supports_f64:
-        pytest.skip(f"{backend.param} has no float64")
+        pytest.skip(f"{REFUSED_BY_DESIGN}{backend.param} has no float64 (Metal has none)")
     module = backend.module()
     rng = np.random.default_rng(4)
     n, c, h, w, oc, k, s, p, d, g = geometry

