@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dis
-import itertools
 import importlib
+import itertools
 
 import numpy as np
 import pytest
