@@ -121,9 +121,12 @@ def _conv_case(cin: int, cout: int, n: int, size: int, compare_torch: bool) -> C
         bytes_written=fwd.bytes_written + bwd.bytes_written,
         flops=fwd.flops + bwd.flops,
         # Sums of 27-288 products forward, of n * size^2 (up to 65,536) for the weight's gradient:
-        # float32 reassociation differs between the two libraries' kernels.
+        # float32 reassociation differs between the two libraries' kernels. A float32 sum of m
+        # unit-scale terms is off by about m * 2**-24 in the worst order (65,536: 4e-3), and the
+        # largest of 18,432 weight-gradient entries several times that: atol 2e-2. The first full-size
+        # run (issue 28) read 3.4e-3 and 6.6e-3 against the smoke-size 1e-3 this had.
         rtol=1e-3,
-        atol=1e-3,
+        atol=2e-2,
     )
 
 
@@ -234,9 +237,10 @@ def _block_train_case(n: int, size: int, compare_torch: bool) -> Case:
         bytes_moved=fwd.bytes_moved + bwd.bytes_moved,
         bytes_written=fwd.bytes_written + bwd.bytes_written,
         flops=fwd.flops + bwd.flops,
-        # Batch norm's gradients are sums over n * size^2 values of products of unit-scale terms.
+        # Batch norm's gradients are sums over n * size^2 values of products of unit-scale terms,
+        # as the conv2d case's weight gradient (its atol's reasoning; the full-size run read 8.4e-3).
         rtol=1e-3,
-        atol=2e-3,
+        atol=2e-2,
     )
 
 
