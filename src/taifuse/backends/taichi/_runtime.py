@@ -247,12 +247,15 @@ def _pushed_cuda_context(lib, ctx):
         lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: it holds no state
+
+
 def thread_context():
     """A context manager that makes Taichi's CUDA context current for a call made on a thread other
     than the one that ran ti.init (NOTE [ CUDA contexts and threads ]); a no-op elsewhere."""
     cuda = _state["cuda_context"]
     if cuda is None or threading.get_ident() == _state["init_thread"]:
-        return contextlib.nullcontext()
+        return _NO_CONTEXT  # every allocation and free passes here: no new object
     return _pushed_cuda_context(*cuda)
 
 
