@@ -283,6 +283,63 @@ def test_tensor_flatten_matches_pytorch():
         taifuse.tensor(x).flatten(0, 3)
 
 
+# ----------------------------------------------------------------------------- numba's fast paths
+
+# (kind, shape, arg, the general kernels the case must not reach): NOTE [ Pooling fast paths ] in
+# backends/numba/conv.py. Ties and NaNs (two in one window) in every max case.
+_BACKWARD = ("_max_pool_backward",)
+FAST_CASES = {
+    "max_2x2": ("max", (3, 5, 12, 10), {"kernel_size": 2}, ("_max_pool", "_max_pool_backward")),
+    "max_2x2_odd_floor": ("max", (2, 3, 9, 7), {"kernel_size": 2}, ("_max_pool", "_max_pool_backward")),
+    "max_2x2_ceil": ("max", (2, 3, 9, 7), {"kernel_size": 2, "ceil_mode": True}, _BACKWARD),
+    "max_k3_s3_p1": ("max", (2, 2, 10, 11), {"kernel_size": 3, "stride": 3, "padding": 1}, _BACKWARD),
+    "global": ("adaptive", (4, 6, 7, 9), 1, ("_avg_pool", "_avg_pool_backward")),
+    "global_1x1": ("adaptive", (2, 3, 1, 1), 1, ("_avg_pool", "_avg_pool_backward")),
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=lambda d: d.name)
+@pytest.mark.parametrize("name", FAST_CASES)
+def test_numba_pool_fast_paths_match_the_reference(monkeypatch, name, dtype):
+    """MaxPool2d(2), max pooling's backward over windows that do not overlap and the global
+    average take numba's fast paths (the general kernels they bypass raise here) and give the
+    reference's values: max pooling's exactly (ties: the first maximum; NaN: the last NaN of a
+    window), the averages within the tolerance table's bound."""
+    if "numba" not in taifuse.available_backends():
+        pytest.skip("numba is not installed")
+    taifuse.set_backend("numba")
+    from taifuse.backends.numba import conv as kernels
+
+    kind, shape, arg, bypassed = FAST_CASES[name]
+    rng = np.random.default_rng(5)
+    x = rng.integers(-3, 4, shape).astype(dtype)  # few values: ties in most windows
+    g = rng.standard_normal(_out_shape(kind, shape, arg)).astype(dtype)
+    if kind == "max":
+        x[0, 0, 0, 1] = x[0, 0, 1, 0] = np.nan  # two NaNs in the first window
+        x[-1, -1, 2, 3] = np.nan
+        g[0, 0, 0, 0] = -0.0
+    for fn in bypassed:
+
+        def refuse(*args, _fn=fn):
+            raise AssertionError(f"{name} reached the general kernel {_fn}")
+
+        monkeypatch.setattr(kernels, fn, refuse)
+    X = taifuse.tensor(x, requires_grad=True)
+    y = _call(kind, X, arg)
+    y.backward(taifuse.tensor(g))
+    (ref, gref), (sout, sgx), idx = _reference(kind, x, g, arg)
+    if kind == "max":
+        np.testing.assert_array_equal(y.numpy(), ref.astype(dtype))
+        np.testing.assert_array_equal(F.max_pool2d(X, **arg, return_indices=True)[1].numpy(), idx)
+        # Each input gets at most one window's gradient, so the float64 sum is that gradient exactly.
+        np.testing.assert_array_equal(X.grad.numpy(), gref.astype(dtype))
+        assert not np.signbit(X.grad.numpy()[gref == 0]).any(), "a zero gradient should be +0.0"
+    else:
+        tol = TOLERANCES[dtype]
+        assert_close(y.numpy(), ref, sout, tol, f"{name} out {dtype}")
+        assert_close(X.grad.numpy(), gref, sgx, tol, f"{name} grad {dtype}")
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
