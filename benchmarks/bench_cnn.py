@@ -7,7 +7,8 @@
   PyTorch's unfused Conv2d -> BatchNorm2d -> ReLU in eval.
 * One training step (forward, cross entropy, backward, AdamW) of examples/train_cnn.py's CNN at a
   CIFAR-like input: at least as fast as the same model in PyTorch CPU ("met" when the whole 95%
-  interval of the speedup is at or above ``1 / (1 + 5%)``, as bench_training.py's goal).
+  interval of the speedup is at or above ``1 / (1 + 5%)``, as bench_training.py's goal). The same
+  step under ``taifuse.compile`` is judged beside it on its own line (the goal is the eager step's).
 * The training-mode Conv-BN-ReLU block reads and writes the activation fewer times than the
   unfused one: the bytes ``taifuse._costs`` counts for both (the profiler's "MB moved" column),
   printed beside the block's timed rows against taifuse's unfused modules and PyTorch's.
@@ -84,6 +85,10 @@ def goals(result: dict, n: int = cnn.BATCH, size: int = cnn.SIZE) -> list[dict]:
     name = "CNN training step: taifuse no slower than torch"
     row = _row(rows, f"{cnn.SUITE}/cnn step(", "torch")
     out.append(_goal(name, row, floor, f"speedup over torch, floor {floor:.2f}", smoke))
+    if cnn.has_compile():  # the same step under taifuse.compile, beside the goal (which is eager's)
+        name = "CNN training step under taifuse.compile: no slower than torch"
+        row = _row(rows, f"{cnn.SUITE}/cnn step compiled(", "torch")
+        out.append(_goal(name, row, floor, f"speedup over torch, floor {floor:.2f}", smoke))
     return out
 
 

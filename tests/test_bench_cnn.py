@@ -37,7 +37,9 @@ def test_registered_at_issue_28s_sizes(monkeypatch):
         "conv-bn-relu train(64, 32->64, 32x32, 3x3)",
         "conv-bn-relu eval folded(64, 32->64, 32x32, 3x3)",
         "cnn step(3x32x32, batch=64)",
+        "cnn step compiled(3x32x32, batch=64)",
     ]
+    assert [v.label for v in cases[-1].baselines] == ["taifuse eager", "torch"]
     for case in cases:
         torch_variant = case.variant("torch")
         assert torch_variant.isolated and torch_variant.peer
@@ -78,7 +80,8 @@ def test_goals_read_the_torch_rows_and_a_smoke_run_meets_none():
         for c in cnn.cases(compare_torch=True)
     ]
     goals = bench.goals({"rows": rows})
-    assert [g["status"] for g in goals] == ["met"] * 4
-    assert [g["status"] for g in bench.goals({"rows": rows}, 4, 8)] == ["not met"] * 4
+    assert [g["status"] for g in goals] == ["met"] * 5
+    assert goals[-1]["goal"].startswith("CNN training step under taifuse.compile")
+    assert [g["status"] for g in bench.goals({"rows": rows}, 4, 8)] == ["not met"] * 5
     line = bench.block_bytes()
     assert "fused 142.8 MB" in line and "277.0 MB" in line  # docs/cnn.md quotes these counts

@@ -12,6 +12,8 @@ float32, against PyTorch CPU (oneDNN) timed in processes of its own.
 * ``cnn step``: one training step (forward, cross entropy, backward, AdamW) of
   examples/train_cnn.py's CNN (Conv-BN-ReLU, max pool, Conv-BN-ReLU, global average pool, linear)
   at a CIFAR-like input (64 images of 3 x 32 x 32, 10 classes), its blocks as ``nn.ConvBnReLU2d``.
+* ``cnn step compiled``: the same step as a function under ``taifuse.compile`` (docs/compile.md),
+  against the eager step and PyTorch's, when the package has the compiler.
 
 Each check compares the output followed by every gradient (:class:`StepOutput`). The sizes are
 issue 28's in quick mode too (``--quick`` takes fewer samples, as for the other suites);
@@ -21,12 +23,14 @@ images for a smoke run (``benchmarks/bench_cnn.py --batch N --size SIZE``), neve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
 
 import numpy as np
 
+import taifuse
 from taifuse import _costs
 from taifuse.bench.case import Case, Variant
 from taifuse.bench.suites.training import StepOutput
@@ -395,6 +399,24 @@ loss = F.cross_entropy(model(xt), y)
 loss.backward()
 opt.step()
 """
+# The same step as a function under taifuse.compile (traced on the first call, replayed after), as
+# the step suite's MLP row: batch norm's num_batches_tracked and AdamW's step are host segments.
+_TAIFUSE_COMPILED_PREPARE = (
+    _TAIFUSE_STEP_PREPARE
+    + """
+def train_step(xb, yb):
+    opt.zero_grad()
+    out = F.cross_entropy(model(xb), yb)
+    out.backward()
+    opt.step()
+    return out
+
+compiled_step = taifuse.compile(train_step)
+"""
+)
+_TAIFUSE_COMPILED = """
+loss = compiled_step(xt, y)
+"""
 _TORCH_STEP_PREPARE = """
 model = suite.torch_cnn(dict(conv1=conv1, conv2=conv2, fc_w=fc_w, fc_b=fc_b))
 params = list(model.parameters())
@@ -422,36 +444,58 @@ def cnn_step_flops(n: int, size: int) -> int:
     return 2 * conv1 + 3 * conv2 + 3 * fc
 
 
-def _cnn_step_case(n: int, size: int, compare_torch: bool) -> Case:
+def has_compile() -> bool:
+    """Whether this taifuse has the step compiler (``taifuse.compile``): the compiled row is built only then."""
+    return callable(getattr(taifuse, "compile", None))
+
+
+def _cnn_step_case(n: int, size: int, compare_torch: bool, compiled: bool = False) -> Case:
+    """The CNN step's row: taifuse eager against torch, or (``compiled``) the same step under
+    ``taifuse.compile`` against taifuse eager and torch."""
     c0, c1, c2 = CNN_CHANNELS
     n_params = c1 * c0 * 9 + c2 * c1 * 9 + 2 * (c1 + c2) + CLASSES * (c2 + 1)
-    baselines = ()
+    imports = ("numpy as np", "taifuse", "taifuse.optim", "taifuse.functional as F", _SUITE_IMPORT)
+    eager = Variant(
+        "taifuse",
+        _TAIFUSE_STEP,
+        result="step",
+        prepare=_TAIFUSE_STEP_PREPARE,
+        imports=imports,
+        note="examples/train_cnn.py's CNN (its blocks as nn.ConvBnReLU2d): forward, cross entropy, "
+        "backward, AdamW step",
+    )
+    if compiled:
+        candidate = Variant(
+            "taifuse compiled",
+            _TAIFUSE_COMPILED,
+            result="step",
+            prepare=_TAIFUSE_COMPILED_PREPARE,
+            imports=imports,
+            note="the same step as a function under taifuse.compile (traced on the first call)",
+        )
+        baselines = [dataclasses.replace(eager, label="taifuse eager")]
+        name = f"cnn step compiled({c0}x{size}x{size}, batch={n})"
+    else:
+        candidate, baselines = eager, []
+        name = f"cnn step({c0}x{size}x{size}, batch={n})"
     if compare_torch:
-        baselines = (
+        baselines.append(
             Variant(
                 "torch", _TORCH_STEP, result="step", prepare=_TORCH_STEP_PREPARE,
                 imports=("numpy as np", "torch", _SUITE_IMPORT),
                 note="the same CNN in PyTorch CPU eager (Conv2d, BatchNorm2d, ReLU per block), the same "
                 "weights and batch; AdamW(fused=True)",
                 isolated=True,
-            ),
+            )
         )  # fmt: skip
     return Case(
         suite=SUITE,
-        name=f"cnn step({c0}x{size}x{size}, batch={n})",
+        name=name,
         setup=lambda seed: cnn_inputs(seed, n, size),
         setup_code=f"rng = np.random.default_rng(seed); x ({n}, {c0}, {size}, {size}) normal, y ({n},) in "
         f"[0, {CLASSES}); conv and linear weights ~ U(+-1/sqrt(fan_in)); float32",
-        candidate=Variant(
-            "taifuse",
-            _TAIFUSE_STEP,
-            result="step",
-            prepare=_TAIFUSE_STEP_PREPARE,
-            imports=("numpy as np", "taifuse", "taifuse.optim", "taifuse.functional as F", _SUITE_IMPORT),
-            note="examples/train_cnn.py's CNN (its blocks as nn.ConvBnReLU2d): forward, cross entropy, "
-            "backward, AdamW step",
-        ),
-        baselines=baselines,
+        candidate=candidate,
+        baselines=tuple(baselines),
         dtype="float32",
         shape=f"CNN {c0}->{c1}->{c2} channels (Conv-BN-ReLU, max pool, Conv-BN-ReLU, average pool, "
         f"linear to {CLASSES}); the check compares the loss and every gradient of the first step",
@@ -483,11 +527,15 @@ def batch_and_size() -> tuple[int, int]:
 
 def cases(quick: bool = False, compare_torch: bool = False) -> list[Case]:
     """The conv2d rows at both layers, the block in training and folded in evaluation, the CNN
-    step, at :func:`batch_and_size` (the same in quick mode)."""
+    step (eager, and compiled when :func:`has_compile`), at :func:`batch_and_size` (the same in
+    quick mode)."""
     n, size = batch_and_size()
-    return [
+    out = [
         *(_conv_case(cin, cout, n, size, compare_torch) for cin, cout in LAYERS),
         _block_train_case(n, size, compare_torch),
         _block_eval_case(n, size, compare_torch),
         _cnn_step_case(n, size, compare_torch),
     ]
+    if has_compile():
+        out.append(_cnn_step_case(n, size, compare_torch, compiled=True))
+    return out
