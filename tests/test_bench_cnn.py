@@ -85,3 +85,35 @@ def test_goals_read_the_torch_rows_and_a_smoke_run_meets_none():
     assert [g["status"] for g in bench.goals({"rows": rows}, 4, 8)] == ["not met"] * 5
     line = bench.block_bytes()
     assert "fused 142.8 MB" in line and "277.0 MB" in line  # docs/cnn.md quotes these counts
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "numba"])
+def test_the_compiled_step_replays_the_eager_step(backend_name):
+    """The compiled row's step (the suite's CNN with its nn.ConvBnReLU2d blocks under
+    taifuse.compile) gives the eager step's losses, parameters and running statistics over
+    several replays, not only the first call the harness checks (which is the trace)."""
+    with taifuse.use_backend(backend_name):
+        arrays = cnn.cnn_inputs(0, 4, 6)
+        runs = []
+        for compiled in (False, True):
+            model = cnn.taifuse_cnn(arrays)
+            opt = taifuse.optim.AdamW(model.parameters(), lr=1e-2)
+
+            def step(x, y, model=model, opt=opt):
+                opt.zero_grad()
+                loss = taifuse.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                return loss
+
+            fn = taifuse.compile(step) if compiled else step
+            x = taifuse.tensor(arrays["x"])
+            losses = [fn(x, arrays["y"]).numpy().copy() for _ in range(5)]
+            state = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+            runs.append((losses, state, fn))
+        (eager_losses, eager_state, _), (losses, state, fn) = runs
+        assert (fn.traces, fn.replays) == (1, 4)
+        np.testing.assert_array_equal(losses, eager_losses)
+        assert list(state) == list(eager_state)
+        for key, value in eager_state.items():  # the running statistics and num_batches_tracked too
+            np.testing.assert_array_equal(state[key], value, err_msg=key)
