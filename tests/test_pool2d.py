@@ -340,6 +340,32 @@ def test_numba_pool_fast_paths_match_the_reference(monkeypatch, name, dtype):
         assert_close(X.grad.numpy(), gref, sgx, tol, f"{name} grad {dtype}")
 
 
+def test_the_profiler_times_max_pool2d_forward_kernel_inside_the_op(backend, monkeypatch):
+    """Regression: the Tensor path ran max pooling's kernel before its autograd op, so the profiler's
+    max_pool2d forward event held microseconds and the kernel's time went to the enclosing module's
+    range (a CNN step's MaxPool2d read as 'self' time of [model.1])."""
+    import time
+
+    from taifuse._internal import backend as backend_of
+    from taifuse.profiler import profile
+
+    backend.activate()
+    x = taifuse.tensor(np.ones((1, 2, 4, 4), np.float32), requires_grad=True)
+    be = backend_of(x)
+    kernel = be.max_pool2d
+
+    def slow(*args):
+        time.sleep(0.05)
+        return kernel(*args)
+
+    monkeypatch.setattr(be, "max_pool2d", slow)
+    with profile() as prof:
+        y = F.max_pool2d(x, 2)
+    events = [e for e in prof.events() if e.kind == "op" and e.name == "max_pool2d"]
+    assert len(events) == 1 and events[0].duration_ns >= 45_000_000, events
+    np.testing.assert_array_equal(y.numpy(), np.ones((1, 2, 2, 2), np.float32))
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from taifuse import _array_ops as A
 from taifuse import pool
 from taifuse._autograd_ops import Op, constants, new_array
-from taifuse._internal import backend, data, wrap
+from taifuse._internal import backend, wrap
 from taifuse.tensor import Tensor, autocast_args
 
 # Activations whose backward needs the pre-activation kept (as F.linear: NOTE [ Linear saves the
@@ -398,11 +398,13 @@ def conv2d_tensor(
 
 
 class _MaxPool2d(Op):
-    """Max pooling; the forward's indices route the gradient (computed before, passed in)."""
+    """Max pooling into ``out`` and ``idx`` (allocated by the caller, which returns the indices);
+    the indices route the gradient. The kernel runs here, inside the op, where the profiler times it."""
 
     owns_grads = True
 
     def forward(self, x: Any, geom: PoolGeometry, out: Any, idx: Any) -> Any:
+        self.be.max_pool2d(x, geom.kernel_size, geom.stride, geom.padding, geom.dilation, out, idx)
         self.x_shape, self.x_dtype, self.geom, self.idx = tuple(x.shape), x.dtype, geom, idx
         return out
 
@@ -475,7 +477,8 @@ def max_pool2d_tensor(
     shape = _batched("max_pool2d", tuple(x.shape))
     geom = pool_geometry("max_pool2d", shape, kernel_size, stride, padding, dilation, ceil_mode)
     x4 = _as_4d(x, shape)
-    out, idx = _max_pool(backend(x4), data(x4), geom)
+    be = backend(x4)
+    out, idx = pool.empty(be, geom.out_shape, x4.dtype), pool.empty(be, geom.out_shape, _index_dtype(be))
     y = _MaxPool2d.apply(x4, geom, out, idx)
     if x.ndim == 3:
         y, idx = y.reshape(geom.out_shape[1:]), idx.reshape(geom.out_shape[1:])
