@@ -40,12 +40,17 @@ def test_registered_with_the_compiled_cases_only_when_taifuse_compile_exists(mon
         "step/per-op linear+sum+backward",
         "step/mlp step",
         "step/gpt step",
+        "step/example gpt step",
         "step/gpt step peak memory",
     ]
     compiled = _ids(monkeypatch, compiled=True)
+    example = transformer.example_settings()
+    assert example.source == "examples/train_gpt.py's defaults"
+    sizes = ", ".join(f"{k}={v}" for k, v in example.config.items())
     assert [i for i in compiled if i not in eager] == [
         "step/mlp step compiled(2-64-64-3, gelu, batch=64, AdamW)",
         "step/gpt step compiled(vocab_size=97, block_size=128, n_layer=4, n_head=4, n_embd=256, batch=16)",
+        f"step/example gpt step compiled({sizes}, batch={example.batch})",
     ]
 
 

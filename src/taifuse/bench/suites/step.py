@@ -15,6 +15,10 @@ CPU eager timed in processes of its own (NOTE [ Isolated baselines ] in taifuse.
   nanoGPT's model FLOPs (NOTE [ Model FLOPs ]), so the row's roofline column is its MFU against
   the GEMM ceiling the run measures; the goal is >= 70% MFU, i.e. >= 1.9x PyTorch. Compiled too
   when ``taifuse.compile`` exists.
+* ``example gpt step``: the step examples/train_gpt.py trains with by default (its GPT, batch,
+  AdamW and clipping: ``transformer.example_settings``), the transformer suite's GPT case; eager,
+  and compiled when ``taifuse.compile`` exists. Issue 32's goal: >= 1.5x PyTorch. Its roofline
+  column is the MFU, as the GPT step's.
 * ``gpt step peak memory``: the GPT step's peak memory above the parameters, gradients, AdamW
   state and batch, measured as the memory suite measures (fresh processes, tracemalloc and peak
   RSS: NOTE [ Measuring peak memory ] in suites/memory.py); eager, and compiled against eager when
@@ -344,25 +348,35 @@ def _gpt_compiled(eager: Variant, g: GPTSettings) -> Variant:
     )
 
 
-def _gpt_case(compare_torch: bool, compiled: bool) -> Case | SkippedCase:
-    base = transformer.gpt_case(compare_torch, GPT)
+def _gpt_case(
+    compare_torch: bool, compiled: bool, g: GPTSettings | None = None, prefix: str = "gpt step"
+) -> Case | SkippedCase:
+    """The GPT step at ``g`` (default :data:`GPT`; the example's defaults for ``example gpt step``)."""
+    g = g or GPT
+    base = transformer.gpt_case(compare_torch, g)
+    name = base.name.replace("gpt step(", f"{prefix} compiled(" if compiled else f"{prefix}(", 1)
     if isinstance(base, SkippedCase):
-        return dataclasses.replace(base, suite=SUITE)
-    name = base.name.replace("gpt step(", "gpt step compiled(" if compiled else "gpt step(")
+        return dataclasses.replace(base, suite=SUITE, name=name)
     candidate, baselines = base.candidate, list(base.baselines)
     if compiled:
-        candidate = _gpt_compiled(base.candidate, GPT)
+        candidate = _gpt_compiled(base.candidate, g)
         baselines.insert(0, dataclasses.replace(base.candidate, label="taifuse eager"))
+    goal = ">= 70%" if g is GPT else ">= 1.5x torch"
     return dataclasses.replace(
         base,
         suite=SUITE,
         name=name,
         candidate=candidate,
         baselines=tuple(baselines),
-        flops=gpt_model_flops(GPT.config, GPT.batch),
+        flops=gpt_model_flops(g.config, g.batch),
         shape=base.shape + "; the roofline column is the step's MFU (nanoGPT's model FLOPs over the GEMM "
-        "ceiling; issue 32's goal: >= 70%)",
+        f"ceiling; issue 32's goal: {goal})",
     )
+
+
+def _example_gpt_case(compare_torch: bool, compiled: bool) -> Case | SkippedCase:
+    """examples/train_gpt.py's default step (``transformer.example_settings``)."""
+    return _gpt_case(compare_torch, compiled, transformer.example_settings(), prefix="example gpt step")
 
 
 # NOTE [ A compiled step's memory ]: past its traces before measure_memory's warm-up call.
@@ -434,8 +448,9 @@ def _gpt_memory_case(compiled: bool, g: GPTSettings | None = None) -> StepMemory
 
 
 def cases(quick: bool = False, compare_torch: bool = False) -> list[Any]:
-    """The per-op rows, the MLP step, the GPT step (MFU) and its peak memory; each also compiled
-    when ``taifuse.compile`` exists. The same in quick mode (the sizes are the goals')."""
+    """The per-op rows, the MLP step, the GPT step (MFU), the example's default GPT step and the GPT
+    step's peak memory; each also compiled when ``taifuse.compile`` exists. The same in quick mode
+    (the sizes are the goals')."""
     compiled = has_compile()
     out: list[Any] = [
         _relu_case(compare_torch),
@@ -447,5 +462,8 @@ def cases(quick: bool = False, compare_torch: bool = False) -> list[Any]:
     out.append(_gpt_case(compare_torch, compiled=False))
     if compiled:
         out.append(_gpt_case(compare_torch, compiled=True))
+    out.append(_example_gpt_case(compare_torch, compiled=False))
+    if compiled:
+        out.append(_example_gpt_case(compare_torch, compiled=True))
     out.append(_gpt_memory_case(compiled))
     return out
