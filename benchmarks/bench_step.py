@@ -12,6 +12,8 @@ its own (NOTE [ Isolated baselines ] in taifuse.bench.harness).
 * The GPT step at 4 layers, width 256, 4 heads, context 128, batch 16 at >= 70% MFU (nanoGPT's
   model FLOPs over the GEMM ceiling this run measures: NOTE [ Model FLOPs ] in the suite), which
   is >= 1.9x PyTorch; PyTorch's MFU is printed beside it (taifuse's over the speedup).
+* The step examples/train_gpt.py trains with by default (its ``parse_args([])``) at >= 1.5x
+  PyTorch, eager; the compiled step's speed-up is judged against the same goal.
 * Peak memory of that step: eager (compare with an earlier run's row: "not above today's"), and
   compiled at most eager's (the pair row's value, eager's peak over compiled's, at least 1).
 
@@ -38,6 +40,7 @@ from taifuse.bench.suites import load_cases, step
 
 PER_OP_GOAL = 0.5  # speedup over torch, at least: taifuse's time at most 2x torch's
 MFU_GOAL = 0.70
+EXAMPLE_GOAL = 1.5  # the example's default GPT step: speedup over torch, at least
 
 
 def _missing(name: str, row: dict | None) -> dict:
@@ -88,7 +91,7 @@ def _mfu(rows: list[dict], prefix: str) -> tuple[dict | None, dict | None]:
 
 
 def goals(result: dict) -> list[dict]:
-    """The per-op, MLP, GPT (MFU) and memory goals, judged from a run's rows."""
+    """The per-op, MLP, GPT (MFU), example GPT step and memory goals, judged from a run's rows."""
     rows = result["rows"]
     out = [
         _speed_goal(rows, "per-op F.relu: at most 2x torch's time", "per-op relu", PER_OP_GOAL, "us"),
@@ -131,6 +134,18 @@ def goals(result: dict) -> list[dict]:
                 "high": roof["high"],
                 "detail": detail,
             }
+        )
+
+    for prefix in (
+        ("example gpt step", "example gpt step compiled") if step.has_compile() else ("example gpt step",)
+    ):
+        out.append(
+            _speed_goal(
+                rows,
+                f"{prefix} (examples/train_gpt.py's defaults): >= {EXAMPLE_GOAL}x torch",
+                prefix,
+                EXAMPLE_GOAL,
+            )
         )
 
     memory = [r for r in rows if r["id"].startswith(f"{step.SUITE}/gpt step peak memory(")]

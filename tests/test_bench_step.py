@@ -40,12 +40,17 @@ def test_registered_with_the_compiled_cases_only_when_taifuse_compile_exists(mon
         "step/per-op linear+sum+backward",
         "step/mlp step",
         "step/gpt step",
+        "step/example gpt step",
         "step/gpt step peak memory",
     ]
     compiled = _ids(monkeypatch, compiled=True)
+    example = transformer.example_settings()
+    assert example.source == "examples/train_gpt.py's defaults"
+    sizes = ", ".join(f"{k}={v}" for k, v in example.config.items())
     assert [i for i in compiled if i not in eager] == [
         "step/mlp step compiled(2-64-64-3, gelu, batch=64, AdamW)",
         "step/gpt step compiled(vocab_size=97, block_size=128, n_layer=4, n_head=4, n_embd=256, batch=16)",
+        f"step/example gpt step compiled({sizes}, batch={example.batch})",
     ]
 
 
@@ -75,3 +80,33 @@ def test_small_cases_compute_what_torch_computes(host_backend, monkeypatch, name
         for label in labels[1:]:
             report = check_outputs(outputs[label], outputs[labels[0]], case.rtol, case.atol)
             assert report["ok"], (case.id, label, report)
+
+
+# A GPT small enough for a test, big enough that its activations outweigh Python's own objects in
+# tracemalloc's count (the eager step's peak is about 6 MiB).
+SMALL_GPT = transformer.GPTSettings(
+    config={"vocab_size": 97, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64},
+    batch=8,
+    lr=3e-3,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    source="a test's size",
+)
+
+
+def test_the_compiled_memory_row_measures_a_replay_and_counts_its_arena(host_backend, monkeypatch):
+    """NOTE [ A compiled step's memory ]: the compiled variant's measured call is a replay, not its
+    second trace (an eager step that keeps every buffer it saw, with the first trace's free blocks
+    still pooled), and its peak counts the arena and kept buffers it holds between calls."""
+    monkeypatch.setattr(step, "has_compile", lambda: True)
+    monkeypatch.setattr(step, "GPT", SMALL_GPT)
+    case = step._gpt_memory_case(compiled=True)
+    runs = {v.label: case.run_job({"variant": v.label, "process": 0}) for v in case.variants}
+    eager, compiled = runs["taifuse eager"], runs["taifuse compiled"]
+    # tracemalloc sees every NumPy array: a trace's peak is several times the eager step's; a
+    # replay's is its arena (the step's live peak, at most the eager pool's) and a little more.
+    assert compiled["traced_peak_bytes"] <= 1.1 * eager["traced_peak_bytes"], (compiled, eager)
+    held = compiled.get("held_bytes")
+    assert held is not None and 0 < held <= compiled["traced_peak_bytes"], compiled
+    assert compiled["pool_peak_bytes"] <= 0.05 * held, compiled  # a replay's buffers are planned, not pooled
+    assert eager.get("held_bytes") is None

@@ -149,7 +149,7 @@ class CompiledFunction:
         if step is not None and step.confirmed:
             self.replays += 1
             return step.run(args, kwargs)
-        new, result, refused = _trace(self.fn, args, kwargs, self.fallback)
+        new, result, refused = _trace(self.fn, args, kwargs, self.fallback, pending=step)
         self.traces += 1
         if new is not None and step is not None:  # `step` awaits confirming
             refused = new.confirm(step)  # NOTE [ Constants made by host code ]
@@ -524,45 +524,94 @@ def _made_inside(externals: list[_External]) -> list[_External]:
 # ----------------------------------------------------------------------------- the trace
 
 
-def _trace(fn: Callable, args: tuple, kwargs: dict, fallback: bool) -> tuple[_Replay | None, Any, str | None]:
-    """Run ``fn`` once, recording it: (the compiled step, ``fn``'s result, why not compiled or None)."""
+# NOTE [ Memory a trace leaves ]
+# What a compiled step holds between calls is its plan: the arena (or the shared device arrays)
+# and the buffers it keeps (``PlanStats``). A trace runs the step eagerly and keeps every buffer it
+# saw alive until its end, so the pool serves it as many fresh blocks as the step made buffers
+# (``PlanStats.planned``, several times the live peak); when the trace ends they are all free in
+# the pool, which the replays never ask for them. So a trace gives the pool back the free bytes it
+# added: each pool the step used keeps no more wholly free memory than it had before the trace
+# (``shrink_to_fit``: least recently freed first), as an eager step leaves it. And a trace that
+# waits for a second one to confirm its constants (NOTE [ Constants made by host code ]) gives up
+# its plan first: it keeps only the constants to compare. Its arena would be a second one, and its
+# ``.grad`` bindings (NOTE [ Gradients a replay leaves ]) would keep the optimizer's gradient slots
+# lent, so that the second trace's gradients were buffers of their own, kept besides the flat
+# buffer and copied into it by every replay's step.
+
+
+def _free_bytes(pools: list[pool.BufferPool]) -> list[int]:
+    """The wholly free bytes each pool holds (what ``shrink_to_fit`` bounds)."""
+    out = []
+    for p in pools:
+        s = p.stats()
+        out.append(s.bytes_pooled - s.bytes_fragmented)
+    return out
+
+
+def _step_pools() -> list[pool.BufferPool]:
+    """The pools a step on the active backend draws from: its own and, off the host, the host pool."""
+    own, host = pool.get_pool(backends.active()), pool.host_pool()
+    return [own] if own is host else [own, host]
+
+
+def _trace(
+    fn: Callable, args: tuple, kwargs: dict, fallback: bool, pending: _Replay | None = None
+) -> tuple[_Replay | None, Any, str | None]:
+    """Run ``fn`` once, recording it: (the compiled step, ``fn``'s result, why not compiled or None).
+    ``pending``: this signature's trace that awaits confirming, whose plan is given up first."""
     with _TRACE_LOCK:
-        tracer = _Tracer(fallback)
-        inputs = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
-        for t in inputs:
-            tracer._add(data(t), 0, False, fresh=True)
-        objects = _step_objects(fn, args, kwargs)
-        before = _storage_guard(objects)
-        undo = _install(tracer)
-        hooked = _engine.backward_pass()
-        _trace_hook.ACTIVE = tracer
+        pools = _step_pools()
+        free_before = _free_bytes(pools)  # NOTE [ Memory a trace leaves ]
+        if pending is not None:  # only its constants are needed now
+            pending.release()
         try:
-            result = fn(*args, **kwargs)
+            return _record(fn, args, kwargs, fallback)
         finally:
-            _trace_hook.ACTIVE = None
-            undo()
-        if _engine.backward_pass() != hooked and tracer.refused is None:
-            # NOTE [ Gradient hooks ] in _engine.py: Python on the gradients mid-backward.
-            tracer.refuse(
-                "a backward in the step ran gradient hooks (register_post_accumulate_grad_hook, "
-                "DistributedDataParallel's all-reduce), Python that a replay would not run"
-            )
-        if tracer.refused is not None:
-            return None, result, tracer.refused
-        if not before():
-            # The step moved a parameter's storage (an optimizer took back one assigned from
-            # outside): the calls before the move read the old array. Trace the next call again.
-            return None, _detach(result), None
-        guards = [before]
-        grads = _grad_bindings(objects)
-        outputs = _describe_outputs(tracer, result)
-        detached = _detach(result)
-        del result
-        gc.collect()  # buffers held only by dead graph nodes in cycles are not kept
-        guards.extend(_scaler_guards(tracer.scalers))
-        replay = _Replay(tracer, outputs, guards)
-        replay.grads = grads
-        return replay, detached, None
+            gc.collect()  # what the trace's graph held in cycles goes back to the pool first
+            for p, before in zip(pools, free_before):  # NOTE [ Memory a trace leaves ]
+                p.shrink_to_fit(before)
+
+
+def _record(
+    fn: Callable, args: tuple, kwargs: dict, fallback: bool
+) -> tuple[_Replay | None, Any, str | None]:
+    """``_trace``'s recording run, under its lock."""
+    tracer = _Tracer(fallback)
+    inputs = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
+    for t in inputs:
+        tracer._add(data(t), 0, False, fresh=True)
+    objects = _step_objects(fn, args, kwargs)
+    before = _storage_guard(objects)
+    undo = _install(tracer)
+    hooked = _engine.backward_pass()
+    _trace_hook.ACTIVE = tracer
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        _trace_hook.ACTIVE = None
+        undo()
+    if _engine.backward_pass() != hooked and tracer.refused is None:
+        # NOTE [ Gradient hooks ] in _engine.py: Python on the gradients mid-backward.
+        tracer.refuse(
+            "a backward in the step ran gradient hooks (register_post_accumulate_grad_hook, "
+            "DistributedDataParallel's all-reduce), Python that a replay would not run"
+        )
+    if tracer.refused is not None:
+        return None, result, tracer.refused
+    if not before():
+        # The step moved a parameter's storage (an optimizer took back one assigned from
+        # outside): the calls before the move read the old array. Trace the next call again.
+        return None, _detach(result), None
+    guards = [before]
+    grads = _grad_bindings(objects)
+    outputs = _describe_outputs(tracer, result)
+    detached = _detach(result)
+    del result
+    gc.collect()  # buffers held only by dead graph nodes in cycles are not kept
+    guards.extend(_scaler_guards(tracer.scalers))
+    replay = _Replay(tracer, outputs, guards)
+    replay.grads = grads
+    return replay, detached, None
 
 
 def _install(tracer: _Tracer) -> Callable[[], None]:
@@ -858,6 +907,13 @@ class _Replay:
                 )
         self.confirmed = True
         return None
+
+    def release(self) -> None:
+        """Give up the plan (arena, kept buffers, ``.grad`` bindings), keeping the constants that a
+        second trace compares (NOTE [ Memory a trace leaves ]): the step cannot replay after this."""
+        self.confirmed = False
+        self.arrays, self.inner, self.zero_fills, self.grads = [], [], [], []
+        self.steps, self.outputs = [], ("const", None)
 
     def guards_hold(self) -> bool:
         return all(g() for g in self.guards)

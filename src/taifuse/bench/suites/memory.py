@@ -20,6 +20,11 @@ PyTorch rows show ``None``) and the kernel's peak resident set, VmHWM, reset by 
 ``/proc/self/clear_refs`` (Linux). For RSS to follow the arrays, glibc is told to serve every block
 above 128 KiB with its own mmap (``mallopt(M_MMAP_THRESHOLD)``): a freed array then goes back to
 the kernel at once instead of staying in a heap that a later step would reuse unseen.
+
+Memory that a step allocates once and holds between calls, such as a compiled step's arena
+(docs/compile.md, "Buffers"), is already in the pre-step level and so in neither reading: such a
+variant names it (``held``, an expression over its namespace giving bytes), and both peaks count
+it, as the memory the step needs beyond the model's state.
 """
 
 from __future__ import annotations
@@ -203,11 +208,13 @@ def _empty_pools() -> int | None:
     return s.bytes_in_use + s.bytes_pooled
 
 
-def measure_memory(variant: Variant, inputs: dict[str, Any]) -> dict[str, Any]:
+def measure_memory(variant: Variant, inputs: dict[str, Any], held: str | None = None) -> dict[str, Any]:
     """One step's peak memory above what the process held before it (NOTE [ Measuring peak memory ]).
 
     Runs a warm-up step first (JIT compilation, BLAS buffers), then the measured step. Call it in a
-    fresh process: allocator and pool state from other work would blur the numbers.
+    fresh process: allocator and pool state from other work would blur the numbers. ``held``: an
+    expression over the variant's namespace, evaluated after the measured step, for the bytes the
+    step holds between calls (a compiled step's arena); both peaks count them (``held_bytes``).
     """
     libc = _glibc()
     if libc is not None:
@@ -231,6 +238,10 @@ def measure_memory(variant: Variant, inputs: dict[str, Any]) -> dict[str, Any]:
     finally:
         tracemalloc.stop()
     rss_peak = _proc_status("VmHWM") if rss_ok else None
+    rss_step = None if rss_peak is None or rss_before is None else rss_peak - rss_before
+    held_bytes = 0
+    if held is not None:  # the suite's own text, over the namespace the variant's code ran in
+        held_bytes = int(eval(compile(held, f"<held {variant.label}>", "eval"), call.__globals__))
     pool_peak = None
     if pool_before is not None:
         from taifuse import pool
@@ -238,9 +249,10 @@ def measure_memory(variant: Variant, inputs: dict[str, Any]) -> dict[str, Any]:
         pool_peak = pool.get_pool().stats().peak_bytes - pool_before
     return {
         "variant": variant.label,
-        "rss_peak_bytes": None if rss_peak is None or rss_before is None else rss_peak - rss_before,
+        "rss_peak_bytes": None if rss_step is None else rss_step + held_bytes,
         # PyTorch allocates outside Python's allocator: tracemalloc sees nothing of its tensors.
-        "traced_peak_bytes": traced_peak if variant.label.startswith("taifuse") else None,
+        "traced_peak_bytes": traced_peak + held_bytes if variant.label.startswith("taifuse") else None,
+        "held_bytes": held_bytes if held is not None else None,
         "pool_peak_bytes": pool_peak if variant.label.startswith("taifuse") else None,
         "step_ns": step_ns,
         "rss_before_bytes": rss_before,
@@ -324,6 +336,9 @@ class MemoryCase:
             notes.append("tracemalloc: not seen (PyTorch allocates outside Python's allocator)")
         if pooled:
             notes.append(f"taifuse pool peak: {_list(pooled)}")
+        held = [r["held_bytes"] / MIB for r in runs if r.get("held_bytes") is not None]
+        if held:
+            notes.append(f"of each peak, held between calls (counted in both readings): {_list(held)}")
         notes.append(f"the measured step took {_list(steps, 'g')} s (tracemalloc on; not a timing row)")
         if error:
             notes.append(f"only {len(runs)} process(es) finished: {error}")
