@@ -4,7 +4,8 @@ required GPU backend (Vulkan on Linux CI, Metal on the macOS job) really ran.
 Every test that takes ``backend`` runs once per param in ``helpers.BACKEND_PARAMS``. The fixture is
 session-scoped, so pytest groups the tests by backend and Taichi switches arch a few times per run
 instead of once per test. A backend that is absent (its package not installed, or for the GPU
-params the Vulkan/Metal runtime) is skipped, and one that is installed but fails to start fails;
+params the Vulkan/Metal runtime) is skipped (taichi-cuda without an NVIDIA driver is deselected at
+collection instead), and one that is installed but fails to start fails;
 an absent backend fails too when it is required: ``TAIFUSE_REQUIRE_VULKAN=1`` / ``TAIFUSE_REQUIRE_METAL=1``
 / ``TAIFUSE_REQUIRE_CUDA=1`` or ``--require-backend=taichi-vulkan``, which CI sets (and
 ``--require-backend=taichi-cuda``, which benchmarks/gpu/run.sh sets on the GPU machine), turn that skip
@@ -17,7 +18,7 @@ import os
 from collections import Counter
 
 import pytest
-from helpers import BACKEND_PARAMS, DESIGN_SKIPS, BackendSpec, start
+from helpers import BACKEND_PARAMS, CUDA_PARAM, DESIGN_SKIPS, BackendSpec, cuda_absent, start
 from hypothesis import HealthCheck, settings
 
 REQUIRE_ENV = {
@@ -56,6 +57,34 @@ def required_backends(config: pytest.Config) -> set[str]:
         if os.environ.get(env, "") == "1":
             required.add(param)
     return required
+
+
+def _cuda_deselected(config: pytest.Config) -> str | None:
+    """Why this run leaves the taichi-cuda params out at collection, or None when it keeps them."""
+    if CUDA_PARAM in required_backends(config):
+        return None  # kept: an absent CUDA must fail as a skip of a required backend (below)
+    return cuda_absent()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    reason = _cuda_deselected(config)
+    return None if reason is None else f"{CUDA_PARAM}: deselected at collection ({reason})"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Without an NVIDIA driver every taichi-cuda test (~3,000 of the suite's params) would only be
+    # skipped: each one's setup, report and (under pytest-xdist) trip to the controller cost time
+    # and prove nothing. They are deselected instead, unless the run requires taichi-cuda.
+    if _cuda_deselected(config) is None:
+        return
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        (dropped if any(isinstance(v, str) and v == CUDA_PARAM for v in params) else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session", params=BACKEND_PARAMS)

@@ -150,6 +150,18 @@ class BackendSpec:
 _start_failures: dict[str, str] = {}
 
 
+def cuda_absent() -> str | None:
+    """Why the taichi-cuda param cannot run here, or None when an NVIDIA GPU and its driver are.
+
+    Asked of the driver without starting Taichi: a failed ti.init(arch=cuda) would fall back to the
+    CPU and re-initialise Taichi under the other backends' tests."""
+    if importlib.util.find_spec("taichi") is None:
+        return "the 'taichi' package is not installed"
+    if backends.best_taichi_arch() != "cuda":
+        return "no NVIDIA GPU with its driver (libcuda.so.1 and /dev/nvidia*) on this machine"
+    return None
+
+
 def start(spec: BackendSpec) -> str | None:
     """Start ``spec``'s backend; returns why it is unavailable, or None when it runs as asked."""
     if spec.param in _start_failures:
@@ -159,10 +171,8 @@ def start(spec: BackendSpec) -> str | None:
         reason = f"the {spec.name!r} package is not installed"
     elif importlib.util.find_spec(backends._MODULES[spec.name]) is None:
         reason = f"the module {backends._MODULES[spec.name]} does not exist"
-    elif spec.arch == "cuda" and backends.best_taichi_arch() != "cuda":
-        # Asked of the driver without starting Taichi: a failed ti.init(arch=cuda) would fall back
-        # to the CPU and re-initialise Taichi under the other backends' tests.
-        reason = "no NVIDIA GPU with its driver (libcuda.so.1 and /dev/nvidia*) on this machine"
+    elif spec.arch == "cuda" and cuda_absent() is not None:
+        reason = cuda_absent()
     else:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -28,6 +28,7 @@ expecttest (which ``common_methods_invocations`` imports) is absent.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -602,16 +603,47 @@ def _opinfo(name: str) -> Any:
     return OPINFOS[(base, variant)]
 
 
+# NOTE [ OpInfo sample cost ]
+# ``sample_inputs`` looks for the unittest.TestCase calling it (to seed from the test's name and
+# track inputs): ``extract_test_fn`` walks ``inspect.stack()``, which reads the source line of every
+# frame, twice per call. Under pytest there is no TestCase on the stack, so it finds None, and those
+# walks were ~3/4 of this module's collection (41 s of CPU against 10 s without them, loaded
+# machine), which every pytest-xdist worker pays. While the samples are made, the lookup returns
+# what it was checked to find here (None), so the samples are the same (checked by hashing every
+# sample's values both ways).
+@contextlib.contextmanager
+def _no_test_fn_lookup():
+    try:
+        from torch.testing._internal import common_utils
+        from torch.testing._internal.opinfo import core
+    except ImportError:  # another torch layout: make the samples the slow way
+        yield
+        return
+    users = [m for m in (common_utils, core) if callable(getattr(m, "extract_test_fn", None))]
+    if not users or common_utils.extract_test_fn() is not None:
+        yield
+        return
+    saved = [m.extract_test_fn for m in users]
+    for m in users:
+        m.extract_test_fn = lambda: None
+    try:
+        yield
+    finally:
+        for m, fn in zip(users, saved):
+            m.extract_test_fn = fn
+
+
 def cases() -> list[Case]:
     found = []
-    for row in TABLE:
-        for name in row.opinfos:
-            op = _opinfo(name)
-            for dtype in (F32, F16) if row.f16 else (F32,):
-                torch.manual_seed(0)  # the samples' values come from torch's generator
-                samples = op.sample_inputs("cpu", TORCH_DTYPES[dtype], requires_grad=not row.inplace)
-                kept = (item for item in enumerate(samples) if item[0] % row.sample_stride == 0)
-                found += [Case(row, op, dtype, i, s) for i, s in kept]
+    with _no_test_fn_lookup():
+        for row in TABLE:
+            for name in row.opinfos:
+                op = _opinfo(name)
+                for dtype in (F32, F16) if row.f16 else (F32,):
+                    torch.manual_seed(0)  # the samples' values come from torch's generator
+                    samples = op.sample_inputs("cpu", TORCH_DTYPES[dtype], requires_grad=not row.inplace)
+                    kept = (item for item in enumerate(samples) if item[0] % row.sample_stride == 0)
+                    found += [Case(row, op, dtype, i, s) for i, s in kept]
     return found
 
 
