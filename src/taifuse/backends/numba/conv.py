@@ -8,10 +8,21 @@ from the host pool, never the columns of the whole batch. The layout puts a bloc
 by side in the columns, ``(C * KH * KW, nb * OH * OW)``, so that each group is ONE product per
 block, ``w_g (OCg, K) @ cols_g (K, nb * P)``, into a channel-major scratch ``(OC, nb * P)``; one
 pass then adds the bias, applies the activation (keeping ``pre``) and stores NCHW. The backward
-forms grad_pre = grad_out * act'(pre) channel-major for the whole batch in one pass that also
-sums grad_b, then per block: grad_w_g += grad_pre_g @ cols_g.T and the columns' gradient
-``w_g.T @ grad_pre_g``, which col2im adds back into grad_x one (image, channel) plane per work
-item (so no two threads write one element). A depthwise forward (one input channel per group)
+runs per block too: one pass writes the block's grad_pre = grad_out * act'(pre) channel-major
+into scratch ``(OC, nb * P)`` (and each plane's float64 sum, for grad_b), so that both products
+read it while it is in cache; the columns are recomputed; ``grad_w_g += cols_g @ grad_pre_g.T``
+(transposed) when a group has at least as many taps K as outputs, else ``grad_pre_g @ cols_g.T``:
+the product whose output has more rows than columns. On a loaded 2-core machine, with a Numba
+kernel before each call, the other order stalled: medians of 2.8 s against 17 ms a call at
+3 -> 32 (K = 27, 32 outputs), 558 ms against 18.5 ms at 32 -> 64 (K = 288, 64 outputs);
+OpenBLAS alone ran both orders in 3-5 ms (docs/cnn.md). The columns' gradient
+``w_g.T @ grad_pre_g`` is written over the columns and col2im adds it back into grad_x one
+(image, channel) plane per work item (no two threads write one element), each tap one shifted
+add over the rows and columns whose input is inside (no branch in the inner loop). Scratch rows
+carry 16 elements of padding: at 32 x 32 outputs every row stride is a multiple of 4 KiB, which
+puts all rows of a BLAS operand in one L1 set. An input that needs no gradient (a network's
+first layer) skips the columns' gradient and col2im (the autograd passes ``grad_x=None``, as
+PyTorch). A depthwise forward (one input channel per group)
 runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns;
 everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded machine's ratios). float16 is storage only: the columns, the weight and the sums are float32.
 
@@ -400,7 +411,10 @@ def _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x,
     gw = None
     if grad_w is not None:
         gw = grad_w.reshape(groups, ocg, k) if grad_w.dtype == ct else scratch.acquire((groups, ocg, k), ct)
-        gw_t = scratch.acquire((k, ocg), ct)  # a block's grad_w_g, transposed
+        # A block's grad_w_g as the product whose output has more rows than columns: (K, OCg), or
+        # (OCg, K) when a group has more outputs than taps (NOTE above: the other order stalled).
+        tall = k >= ocg
+        gw_blk = scratch.acquire((k, ocg) if tall else (ocg, k), ct)
     for n0 in range(0, n, nb):
         n1 = min(n, n0 + nb)
         width = (n1 - n0) * p
@@ -412,11 +426,15 @@ def _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x,
         if gw is not None:
             _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
             for g in range(groups):
-                np.matmul(cv[g * k : (g + 1) * k], gpv[g * ocg : (g + 1) * ocg].T, out=gw_t)
-                if n0:
-                    gw[g] += gw_t.T
+                cg_, gp_ = cv[g * k : (g + 1) * k], gpv[g * ocg : (g + 1) * ocg]
+                if tall:
+                    part = np.matmul(cg_, gp_.T, out=gw_blk).T
                 else:
-                    np.copyto(gw[g], gw_t.T)
+                    part = np.matmul(gp_, cg_.T, out=gw_blk)
+                if n0:
+                    gw[g] += part
+                else:
+                    np.copyto(gw[g], part)
         if grad_x is not None:
             for g in range(groups):
                 np.matmul(w2[g].T, gpv[g * ocg : (g + 1) * ocg], out=cv[g * k : (g + 1) * k])
