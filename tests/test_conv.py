@@ -328,3 +328,48 @@ def test_conv2d_empty_batch_gives_empty_output_and_zero_gradients(backend):
     np.testing.assert_array_equal(b.grad.numpy(), np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="non-empty height and width"):
         F.conv2d(np.zeros((1, 2, 0, 4), np.float32), np.ones((3, 2, 1, 1), np.float32), padding=1)
+
+
+def test_conv2d_input_without_grad_gets_no_input_gradient(backend, monkeypatch):
+    """As PyTorch, an input that does not require grad (a network's first layer reads data) gets no
+    gradient: the backward kernel is passed ``grad_x=None`` (numba skips the columns' gradient and
+    col2im), and the weight's and bias's gradients are those of the full backward."""
+    backend.activate()
+    x, w, b, g, args = _case_arrays(CASES["stride2_pad_not_dividing"], F32)
+    be = taifuse.backends.active()
+    passed = []
+    kernel = be.conv2d_backward
+
+    def spy(*a):
+        passed.append(a[9])  # grad_x
+        return kernel(*a)
+
+    monkeypatch.setattr(be, "conv2d_backward", spy)
+    X, W, B = taifuse.tensor(x), taifuse.tensor(w, requires_grad=True), taifuse.tensor(b, requires_grad=True)
+    y = F.conv2d(X, W, B, *args)
+    (y * taifuse.tensor(g)).sum().backward()
+    assert passed == [None] and X.grad is None
+    ref, scales = _reference(x, w, b, g, *args)
+    for what, got, i in (("grad weight", W.grad, 2), ("grad bias", B.grad, 3)):
+        assert_close(got.numpy(), ref[i], scales[i], TOLERANCES[F32], f"conv2d {what} on {backend.param}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_numba_backward_in_several_blocks_of_images_matches_the_reference(monkeypatch, name):
+    """numba's backward runs per block of images (NOTE [ Convolution on the host: im2col in blocks ]):
+    five images in blocks of two (the last one partial) give the one-block results, every
+    geometry of CASES (1x1 and 7x7 kernels, stride 2, dilation 2, groups, H != W)."""
+    if "numba" not in taifuse.available_backends():
+        pytest.skip("numba is not installed")
+    from taifuse.backends.numba import conv as numba_conv
+
+    case = (5,) + CASES[name][1:]
+    x, w, b, g, args = _case_arrays(case, F32, seed=4, bias=name != "depthwise_multiplier")
+    rows, (oh, ow) = x.shape[1] * w.shape[2] * w.shape[3], g.shape[2:]
+    monkeypatch.setattr(numba_conv, "COLS_BLOCK_BYTES", 2 * rows * oh * ow * 4)
+    with taifuse.use_backend("numba"):
+        got = _run(None, x, w, b, g, *args)
+    ref, scales = _reference(x, w, b, g, *args)
+    for what, gv, rv, sv in zip(("out", "grad input", "grad weight", "grad bias"), got, ref, scales):
+        if gv is not None:
+            assert_close(gv, rv, sv, TOLERANCES[F32], f"conv2d {name} {what} on numba, blocks of 2 images")

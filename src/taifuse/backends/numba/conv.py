@@ -8,10 +8,21 @@ from the host pool, never the columns of the whole batch. The layout puts a bloc
 by side in the columns, ``(C * KH * KW, nb * OH * OW)``, so that each group is ONE product per
 block, ``w_g (OCg, K) @ cols_g (K, nb * P)``, into a channel-major scratch ``(OC, nb * P)``; one
 pass then adds the bias, applies the activation (keeping ``pre``) and stores NCHW. The backward
-forms grad_pre = grad_out * act'(pre) channel-major for the whole batch in one pass that also
-sums grad_b, then per block: grad_w_g += grad_pre_g @ cols_g.T and the columns' gradient
-``w_g.T @ grad_pre_g``, which col2im adds back into grad_x one (image, channel) plane per work
-item (so no two threads write one element). A depthwise forward (one input channel per group)
+runs per block too: one pass writes the block's grad_pre = grad_out * act'(pre) channel-major
+into scratch ``(OC, nb * P)`` (and each plane's float64 sum, for grad_b), so that both products
+read it while it is in cache; the columns are recomputed; ``grad_w_g += cols_g @ grad_pre_g.T``
+(transposed) when a group has at least as many taps K as outputs, else ``grad_pre_g @ cols_g.T``:
+the product whose output has more rows than columns. On a loaded 2-core machine, with a Numba
+kernel before each call, the other order stalled: medians of 2.8 s against 17 ms a call at
+3 -> 32 (K = 27, 32 outputs), 558 ms against 18.5 ms at 32 -> 64 (K = 288, 64 outputs);
+OpenBLAS alone ran both orders in 3-5 ms (docs/cnn.md). The columns' gradient
+``w_g.T @ grad_pre_g`` is written over the columns and col2im adds it back into grad_x one
+(image, channel) plane per work item (no two threads write one element), each tap one shifted
+add over the rows and columns whose input is inside (no branch in the inner loop). Scratch rows
+carry 16 elements of padding: at 32 x 32 outputs every row stride is a multiple of 4 KiB, which
+puts all rows of a BLAS operand in one L1 set. An input that needs no gradient (a network's
+first layer) skips the columns' gradient and col2im (the autograd passes ``grad_x=None``, as
+PyTorch). A depthwise forward (one input channel per group)
 runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns;
 everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded machine's ratios). float16 is storage only: the columns, the weight and the sums are float32.
 
@@ -138,7 +149,9 @@ def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
 @njit(**_FMA_PARALLEL)
 def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
     # gx[n, c] = the sum of every column entry that read it; one (n, c) plane per work item,
-    # summed in acc (the columns' dtype, pool scratch of nb * C planes).
+    # summed in acc (the columns' dtype, pool scratch of nb * C planes). Each tap adds its column
+    # row to the plane over the output rows and columns whose input lies inside (``_valid``), so
+    # the inner loop has no branch; at stride 1 it is a shifted contiguous add that vectorizes.
     c_dim, h, w = gx.shape[1], gx.shape[2], gx.shape[3]
     p = oh * ow
     nb = n1 - n0
@@ -149,16 +162,20 @@ def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
         plane[:] = 0
         base = (n - n0) * p
         for i in range(kh):
+            r0, r1 = _valid(oh, sh, i * dh - ph, h)
             for j in range(kw):
+                off = j * dw - pw
+                q0, q1 = _valid(ow, sw, off, w)
                 src = gcols[(c * kh + i) * kw + j]
-                for r in range(oh):
-                    ih = r * sh - ph + i * dh
-                    if ih < 0 or ih >= h:
-                        continue
-                    for q in range(ow):
-                        iw = q * sw - pw + j * dw
-                        if 0 <= iw < w:
-                            plane[ih, iw] += src[base + r * ow + q]
+                for r in range(r0, r1):
+                    row = plane[r * sh - ph + i * dh]
+                    s = base + r * ow
+                    if sw == 1:
+                        for q in range(q0, q1):
+                            row[q + off] += src[s + q]
+                    else:
+                        for q in range(q0, q1):
+                            row[q * sw + off] += src[s + q]
         dst = gx[n, c]
         for a in range(h):
             for b in range(w):
@@ -191,23 +208,32 @@ def _epilogue(y, b, op, n0, out, pre):
 
 
 @njit(**_FMA_PARALLEL)
-def _grad_pre(pre, g, op, gp, gb):
-    # gp[o, n * P + p] = g[n, o, p] * act'(pre[n, o, p]) (channel-major), gb[o] = its float64 sum.
-    n_dim, oc, p = g.shape
-    for o in prange(oc):
-        acc = 0.0
-        for n in range(n_dim):
-            dst = gp[o, n * p : (n + 1) * p]
-            if op == _IDENTITY:
-                src = g[n, o]
-                for q in range(p):
-                    dst[q] = _widen(src[q])
-            else:
-                _grad_pre_span(pre[n, o], g[n, o], op, dst)
+def _grad_pre(pre, g, op, n0, n1, gp, sums):
+    # Images [n0, n1): gp[o, (n - n0) * P + p] = g[n, o, p] * act'(pre[n, o, p]) (channel-major),
+    # sums[n, o] = the plane's float64 sum (for grad_b). One (n, o) plane per work item.
+    oc, p = g.shape[1], g.shape[2]
+    for item in prange((n1 - n0) * oc):
+        n = n0 + item // oc
+        o = item % oc
+        dst = gp[o, (n - n0) * p : (n - n0 + 1) * p]
+        if op == _IDENTITY:
+            src = g[n, o]
             for q in range(p):
-                acc += dst[q]
-        if gb is not None:
-            gb[o] = _narrow(acc, gb)
+                dst[q] = _widen(src[q])
+        else:
+            _grad_pre_span(pre[n, o], g[n, o], op, dst)
+        if sums is not None:
+            sums[n, o] = _span_sum(dst)
+
+
+@njit(**_FMA_REDUCE)
+def _span_sum(a):
+    # The float64 sum of a span, reassociated so that it vectorizes (a sequential float64 sum
+    # is one add per 4 cycles).
+    s = 0.0
+    for q in range(a.size):
+        s += a[q]
+    return s
 
 
 @njit(**_FMA_PARALLEL)
@@ -237,27 +263,28 @@ def _epilogue_stats(y, b, n0, out, shift, s1, s2):
 
 
 @njit(**_FMA_PARALLEL)
-def _bn_grad_pre(y, g, mean, scale, shift, relu, k1, k2, k3, gp):
-    # Batch norm's input gradient in training, written channel-major for the convolution's
-    # products: gp[o, n * P + p] = k1 * (g' - k2 - (y - mean) * k3), g' = g masked by the forward's
-    # ReLU (NOTE [ The ReLU mask in the backward ] in batch_norm.py).
-    n_dim, oc, p = g.shape
-    for o in prange(oc):
+def _bn_grad_pre(y, g, mean, scale, shift, relu, k1, k2, k3, n0, n1, gp):
+    # Batch norm's input gradient in training for images [n0, n1), written channel-major for the
+    # convolution's products: gp[o, (n - n0) * P + p] = k1 * (g' - k2 - (y - mean) * k3), g' = g
+    # masked by the forward's ReLU (NOTE [ The ReLU mask in the backward ] in batch_norm.py).
+    oc, p = g.shape[1], g.shape[2]
+    for item in prange((n1 - n0) * oc):
+        n = n0 + item // oc
+        o = item % oc
         m, a, b = mean[o], scale[o], shift[o]
         f1, f2, f3 = k1[o], k2[o], k3[o]
-        for n in range(n_dim):
-            dst = gp[o, n * p : (n + 1) * p]
-            ys, gs = y[n, o], g[n, o]
-            if relu:
-                for q in range(p):
-                    yv = _widen(ys[q])
-                    pre = _widen(_narrow((yv - m) * a + b, g))
-                    gv = _like(0.0, yv) if pre <= 0 else _widen(gs[q])
-                    dst[q] = f1 * (gv - f2 - (yv - m) * f3)
-            else:
-                for q in range(p):
-                    yv = _widen(ys[q])
-                    dst[q] = f1 * (_widen(gs[q]) - f2 - (yv - m) * f3)
+        dst = gp[o, (n - n0) * p : (n - n0 + 1) * p]
+        ys, gs = y[n, o], g[n, o]
+        if relu:
+            for q in range(p):
+                yv = _widen(ys[q])
+                pre = _widen(_narrow((yv - m) * a + b, g))
+                gv = _like(0.0, yv) if pre <= 0 else _widen(gs[q])
+                dst[q] = f1 * (gv - f2 - (yv - m) * f3)
+        else:
+            for q in range(p):
+                yv = _widen(ys[q])
+                dst[q] = f1 * (_widen(gs[q]) - f2 - (yv - m) * f3)
 
 
 # ----------------------------------------------------------------------------- direct kernels
@@ -357,51 +384,73 @@ def conv2d_backward(
     """See the reference's conv2d_backward; NOTE [ Convolution on the host: im2col in blocks ]."""
     op = int(activation_code(activation))
     n, oc, oh, ow = grad_out.shape
-    scratch = pool.host_pool()
     p = oh * ow
-    gp = scratch.acquire((oc, n * p), _compute_dtype(x.dtype))
-    gb = None if grad_b is None else scratch.acquire((oc,), np.float64)
     g3 = _bits(grad_out).reshape(n, oc, p)
     # pre is read only with an activation; without one, grad_out stands in for the argument.
-    _grad_pre(g3 if pre is None else _bits(pre).reshape(n, oc, p), g3, op, gp, gb)
-    if grad_b is not None:
-        np.copyto(grad_b, gb, casting="unsafe")
-    _products(x, w, gp, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
+    p3 = g3 if pre is None else _bits(pre).reshape(n, oc, p)
+    sums = None if grad_b is None else pool.host_pool().acquire((n, oc), np.float64)
+
+    def fill(n0, n1, gp):
+        _grad_pre(p3, g3, op, n0, n1, gp, sums)
+
+    _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
+    if grad_b is not None:  # the planes' sums, image by image in a fixed order
+        np.copyto(grad_b, sums.sum(axis=0), casting="unsafe")
 
 
-def _products(x, w, gp, stride, padding, dilation, groups, oh, ow, grad_x, grad_w) -> None:
-    """grad_w and grad_x from grad_pre ``gp (OC, N * P)`` (channel-major, the compute dtype), per
-    block of images (NOTE [ Convolution on the host: im2col in blocks ])."""
-    if grad_x is None and grad_w is None:
-        return
+# Pool scratch rows get this many elements of padding: a row stride of N * 4 KiB (the columns'
+# and grad_pre's rows at 32 x 32 outputs) puts every row of a BLAS operand in one cache set.
+_ROW_PAD = 16
+
+
+def _padded(scratch, rows: int, width: int, dtype) -> np.ndarray:
+    return scratch.acquire((rows, width + _ROW_PAD), dtype)[:, :width]
+
+
+def _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w) -> None:
+    """grad_w and grad_x per block of images (NOTE [ Convolution on the host: im2col in blocks ]):
+    ``fill(n0, n1, gp)`` writes the block's grad_pre channel-major into ``gp (OC, nb * P)`` (the
+    compute dtype), then the block's products read it while it is in cache."""
     n, c, _, _ = x.shape
-    oc, cg, kh, kw = w.shape
+    _, cg, kh, kw = w.shape
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     scratch = pool.host_pool()
-    ct = gp.dtype
+    ct = _compute_dtype(x.dtype)
     p = oh * ow
     k = cg * kh * kw
     ocg = oc // groups
     w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
     nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
-    cols = scratch.acquire((c * kh * kw, nb * p), ct)
+    gp = _padded(scratch, oc, nb * p, ct)
+    cols = None if grad_x is None and grad_w is None else _padded(scratch, c * kh * kw, nb * p, ct)
     planes = None if grad_x is None else scratch.acquire((nb * c,) + tuple(grad_x.shape[2:]), ct)
     gw = None
     if grad_w is not None:
         gw = grad_w.reshape(groups, ocg, k) if grad_w.dtype == ct else scratch.acquire((groups, ocg, k), ct)
-        gw_part = scratch.acquire((ocg, k), ct)
+        # A block's grad_w_g as the product whose output has more rows than columns: (K, OCg), or
+        # (OCg, K) when a group has more outputs than taps (NOTE above: the other order stalled).
+        tall = k >= ocg
+        gw_blk = scratch.acquire((k, ocg) if tall else (ocg, k), ct)
     for n0 in range(0, n, nb):
         n1 = min(n, n0 + nb)
         width = (n1 - n0) * p
-        cv, gpv = cols[:, :width], gp[:, n0 * p : n1 * p]
+        gpv = gp[:, :width]
+        fill(n0, n1, gpv)
+        if cols is None:
+            continue
+        cv = cols[:, :width]
         if gw is not None:
             _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
             for g in range(groups):
-                rows = slice(g * ocg, (g + 1) * ocg)
-                target = gw[g] if n0 == 0 else gw_part
-                np.matmul(gpv[rows], cv[g * k : (g + 1) * k].T, out=target)
+                cg_, gp_ = cv[g * k : (g + 1) * k], gpv[g * ocg : (g + 1) * ocg]
+                if tall:
+                    part = np.matmul(cg_, gp_.T, out=gw_blk).T
+                else:
+                    part = np.matmul(gp_, cg_.T, out=gw_blk)
                 if n0:
-                    gw[g] += gw_part
+                    gw[g] += part
+                else:
+                    np.copyto(gw[g], part)
         if grad_x is not None:
             for g in range(groups):
                 np.matmul(w2[g].T, gpv[g * ocg : (g + 1) * ocg], out=cv[g * k : (g + 1) * k])
@@ -491,9 +540,11 @@ def conv2d_batch_norm_backward(
     np.divide(sum_g, count, out=k2, casting="unsafe")
     np.multiply(sum_gx, invstd, out=k3, casting="unsafe")
     np.divide(k3, count, out=k3)
-    gp = scratch.acquire((oc, count), ct)
-    _bn_grad_pre(y3, g3, m, a, bsh, relu, k1, k2, k3, gp)
-    _products(x, w, gp, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
+
+    def fill(n0, n1, gp):
+        _bn_grad_pre(y3, g3, m, a, bsh, relu, k1, k2, k3, n0, n1, gp)
+
+    _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
 
 
 # ----------------------------------------------------------------------------- pooling
