@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from taifuse import backends
-from taifuse.bench import harness, stats
+from taifuse.bench import harness, stats, timing
 from taifuse.bench.case import Case, Variant, check_outputs
-from taifuse.bench.worker import measure_case
+from taifuse.bench.worker import measure_case, measure_solo
 
 PROCESSES, PAIRS = 5, 30
 
@@ -177,6 +179,21 @@ def test_check_outputs_catches_shape_and_dtype():
     assert "dtype" in check_outputs(x, x.astype(np.float64), 1e-6, 1e-6)["reason"]
     assert "shape" in check_outputs(x, x[:3], 1e-6, 1e-6)["reason"]
     assert not check_outputs(x, x + 1e-3, 1e-6, 1e-6)["ok"]
+
+
+def test_a_case_floor_of_calls_per_sample_holds_in_both_kinds_of_process():
+    # Case.min_loops: each sample is at least that many calls, also when fewer would fill
+    # min_sample_ns (the step suite's per-op rows: NOTE [ Per-op timing ]); times stay per call.
+    calls = []
+    assert timing.calibrate(lambda: calls.append(1), min_sample_ns=1, min_loops=250) == 250
+    assert len(calls) == 250  # one try: 250 calls already last longer than 1 ns
+    assert timing.calibrate(lambda: None, min_sample_ns=1) == 1
+    case = dataclasses.replace(_isolated_case(), min_loops=300)
+    run = measure_case(case, harness.comparisons(case, True), 2, 1, check_only=["apart"])
+    assert run["loops"] == {"candidate": 300, "near": 300}
+    assert len(run["samples"]["candidate|near"]["a"]) == 2
+    solo = measure_solo(case, "apart", blocks=2, min_sample_ns=1)
+    assert solo["loops"] == 300 and len(solo["samples"]) == 2
 
 
 # ----------------------------------------------------------------------------- isolated baselines

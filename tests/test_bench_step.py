@@ -54,6 +54,14 @@ def test_registered_with_the_compiled_cases_only_when_taifuse_compile_exists(mon
     ]
 
 
+def test_per_op_rows_time_many_calls_a_sample():
+    # NOTE [ Per-op timing ]: both sides of the per-op rows at least OP_CALLS calls a sample.
+    cases = {c.name.split("(")[0]: c for c in load_cases(["step"], compare_torch=True)}
+    for name in ("per-op relu", "per-op linear+sum+backward"):
+        assert cases[name].min_loops == step.OP_CALLS >= 1000
+    assert cases["mlp step"].min_loops == 1
+
+
 def test_gpt_model_flops_are_nanogpts_estimate():
     # Issue 32: 42.4 GFLOP a step at 4 layers, width 256, 4 heads, context 128, batch 16, by
     # nanoGPT's 6 N + 12 L H Q T per token (N: the parameters but the position embedding).

@@ -129,3 +129,44 @@ def test_grad_mode_is_per_thread():
         t.join()
         assert not taifuse.is_grad_enabled()
     assert seen == [True] and taifuse.is_grad_enabled()
+
+
+def test_a_released_checkpoint_node_keeps_nodes_not_argument_tensors():
+    # NOTE [ Released nodes ]: a checkpoint's parents are its argument Tensors; once its backward
+    # ran it keeps what graph_node makes of them (a non-leaf's creator, None for a constant), so
+    # their arrays can go. A leaf that requires grad stays itself.
+    from taifuse.checkpoint import checkpoint
+
+    with taifuse.use_backend("numpy"):
+        w = taifuse.tensor(np.full((4, 3), 2.0, np.float32), requires_grad=True)
+        x = taifuse.tensor(np.ones((4, 3), np.float32))
+        h = w * 3.0
+        y = checkpoint(lambda a, b, c: (a * b * c).sum(), h, x, w)
+        ctx = y.grad_fn
+        y.backward()
+        assert ctx.released
+        assert ctx.parents[0] is h.grad_fn and ctx.parents[1] is None and ctx.parents[2] is w
+        # d/dw of sum(3w * x * w) = 6 w x
+        np.testing.assert_allclose(w.grad.numpy(), np.full((4, 3), 12.0, np.float32), rtol=1e-6)
+
+
+def test_a_small_sums_gradient_is_made_whole_a_large_ones_stays_a_view():
+    # Sum's backward expands its gradient with copy_small (_tensor_math.expanded): at most
+    # pool.SMALL_HOST_BYTES a contiguous copy (the kernel after it needs one anyway), above that
+    # the read-only broadcast view that allocates nothing.
+    from taifuse._tensor_math import HOST_MATH, expanded
+
+    g = np.full((1, 1), 2.0, np.float32)
+    small = expanded(HOST_MATH, g, (8, 16), copy_small=True)  # 512 B
+    assert small.flags.c_contiguous and small.shape == (8, 16)
+    np.testing.assert_array_equal(small, np.full((8, 16), 2.0, np.float32))
+    large = expanded(HOST_MATH, g, (64, 64), copy_small=True)  # 16 KiB
+    assert large.strides == (0, 0) and not large.flags.writeable
+    assert expanded(HOST_MATH, g, (8, 16)).strides == (0, 0)  # without copy_small: the view
+    with taifuse.use_backend("numpy"):
+        for shape in ((8, 16), (64, 64)):
+            x = taifuse.tensor(np.arange(np.prod(shape), dtype=np.float32).reshape(shape), requires_grad=True)
+            w = taifuse.tensor(np.ones((5, shape[1]), np.float32), requires_grad=True)
+            taifuse.functional.linear(x, w).sum().backward()
+            np.testing.assert_array_equal(x.grad.numpy(), np.full(shape, 5.0, np.float32))
+            np.testing.assert_array_equal(w.grad.numpy(), np.broadcast_to(x.numpy().sum(0), (5, shape[1])))

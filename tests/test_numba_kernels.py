@@ -475,10 +475,34 @@ def test_parallel_threshold_and_describe():
         assert nb_jit._parallel(threshold // nb_jit._TRANSCENDENTAL_DISCOUNT, transcendental=True)
 
 
+def test_unary_kernels_go_parallel_where_the_threshold_says(monkeypatch):
+    # A transcendental op goes parallel at half the elements of the others (NOTE [ Serial and
+    # parallel kernels ]): the unary wrapper asks _jit._parallel at every size where that may say
+    # parallel, and forcing the parallel path (as force_path does) reaches it.
+    monkeypatch.setattr(nb_jit, "_parallel_min_elements", lambda: 65536)
+    calls = []
+    parallel = nb_forward._unary_parallel
+    monkeypatch.setattr(nb_forward, "_unary_parallel", lambda *a: (calls.append(a[0].size), parallel(*a)))
+    x = _inputs((40_000,), np.float32)
+    got, want = np.empty_like(x), np.empty_like(x)
+    nb.gelu(x, got, "tanh")  # 2 x 40,000 elements of work: parallel
+    ref.gelu(x, want, "tanh")
+    assert calls == [40_000]
+    assert_close(got, want, np.float32)
+    nb.relu(x, got)  # 40,000 < 65,536: serial
+    assert calls == [40_000]
+    monkeypatch.setattr(nb_jit, "_parallel", lambda size, transcendental=False: True)
+    nb.relu(x, got)
+    assert calls == [40_000, 40_000]
+    np.testing.assert_array_equal(got, np.maximum(x, 0))
+
+
+# The small unary path (its overlap test in the kernel) and the other.
+@pytest.mark.parametrize("size", [101, 70_001])
 @pytest.mark.parametrize("name", ["relu", "gelu", "dropout", "add_relu"])
-def test_out_overlapping_the_input(name):
+def test_out_overlapping_the_input(name, size):
     # out may be x itself (the in-place kernels) or a shifted view of it (x is read from a copy).
-    base = np.random.default_rng(6).standard_normal(70_001).astype(np.float32)
+    base = np.random.default_rng(6).standard_normal(size).astype(np.float32)
     shifts = [(slice(None), slice(None)), (slice(0, -1), slice(1, None)), (slice(1, None), slice(0, -1))]
     for x_slice, out_slice in shifts:
         buf = base.copy()

@@ -424,13 +424,13 @@ def unary(op: str, be: ModuleType, x: Any) -> Any:
     """Unary op ``op`` (one without parameters: relu, silu, sigmoid, tanh) of a Tensor's array
     ``x`` on the active backend ``be``, into a new array: the autograd forwards' call, without the
     public op's wrapper (the profiler records the autograd op itself). The checks run once per
-    signature (NOTE [ Checked signatures ])."""
+    signature (NOTE [ Checked signatures ]). ``x`` is an array of ``be`` already (a Tensor's, made
+    C-contiguous where a kernel needs it by ``Function.apply``): no conversion."""
     if (op, be, type(x), x.dtype) not in _CHECKED:
         return _unary(op, x, None)
-    xa = be.from_numpy(x) if isinstance(x, np.ndarray) else x
-    o = pool.empty(be, xa.shape, xa.dtype)
-    if xa.size:
-        getattr(be, op)(xa, o)
+    o = pool.empty(be, x.shape, x.dtype)
+    if x.size:
+        getattr(be, op)(x, o)
     return o
 
 
@@ -540,6 +540,19 @@ def linear(x: Any, weight: Any, bias: Any = None, activation: str | None = None,
     return call.result(o, out)
 
 
+def linear_arrays(be: ModuleType, x: Any, weight: Any, bias: Any, activation: str | None) -> Any:
+    """:func:`linear` of Tensors' arrays ``x``, ``weight``, ``bias`` on the active backend ``be``
+    into a new array: the autograd forward's call, without the public op's wrapper (the profiler
+    records the autograd op itself). The checks run once per signature (NOTE [ Checked
+    signatures ]); the arrays are ``be``'s already (C-contiguous where a kernel needs them, by
+    ``Function.apply``): no conversion."""
+    if not _checked(_linear_signature(be, x, weight, bias, activation)):
+        return linear(x, weight, bias, activation)
+    o = pool.empty(be, _linear_shape(x, weight), x.dtype)
+    _linear_kernel(be, x, weight, bias, activation, o)
+    return o
+
+
 def linear_keep_pre(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[Any, Any]:
     """``(activation(pre), pre)`` with ``pre = x @ weight.T + bias``, on backend arrays or NumPy.
 
@@ -609,15 +622,15 @@ def _linear_kernel(
 ) -> None:
     out_features, in_features = wa.shape
     rows = math.prod(xa.shape[:-1])
-    if rows and out_features:
-        be.linear_act(
-            _reshape(xa, (rows, in_features)),
-            wa,
-            ba,
-            activation,
-            _reshape(o, (rows, out_features)),
-            **({} if pre is None else {"pre": _reshape(pre, (rows, out_features))}),
-        )
+    if not (rows and out_features):
+        return
+    if xa.ndim != 2:  # the kernels take (rows, features); a 2-D x is that already
+        xa, o = _reshape(xa, (rows, in_features)), _reshape(o, (rows, out_features))
+        pre = None if pre is None else _reshape(pre, (rows, out_features))
+    if pre is None:
+        be.linear_act(xa, wa, ba, activation, o)
+    else:
+        be.linear_act(xa, wa, ba, activation, o, pre=pre)
 
 
 # ----------------------------------------------------------------------------- row reductions

@@ -307,7 +307,7 @@ class _Linear(Op):
         if activation in _SPLIT_ACTIVATION and self.needs_any():
             out, self.pre = A.linear_keep_pre(x, w, b, activation)
             return out
-        out = A.linear(x, w, b, activation)
+        out = A.linear_arrays(self.be, x, w, b, activation)
         self.pre = out if activation == "relu" else None
         return out
 
@@ -323,17 +323,15 @@ class _Linear(Op):
         gx = new_array(be, x.shape, x.dtype) if self.needs_grad[0] else None
         gw = new_array(be, w.shape, w.dtype) if self.needs_grad[1] else None
         gb = new_array(be, (out_features,), w.dtype) if self.has_bias and self.needs_grad[2] else None
-        kernels(be).linear_act_backward(
-            x.reshape(rows, in_features),
-            w,
-            None if self.pre is None else self.pre.reshape(rows, out_features),
-            g.reshape(rows, out_features),
-            self.activation,
-            None,  # grad_pre: the kernel takes scratch where it needs it (none on numba's float16 path)
-            None if gx is None else gx.reshape(rows, in_features),
-            gw,
-            gb,
-        )
+        pre = self.pre
+        if x.ndim == 2:  # the kernel's (rows, features) already
+            x2, g2, gx2 = x, g, gx
+        else:
+            x2, g2 = x.reshape(rows, in_features), g.reshape(rows, out_features)
+            pre = None if pre is None else pre.reshape(rows, out_features)
+            gx2 = None if gx is None else gx.reshape(rows, in_features)
+        # grad_pre None: the kernel takes scratch where it needs it (none on numba's float16 path)
+        kernels(be).linear_act_backward(x2, w, pre, g2, self.activation, None, gx2, gw, gb)
         return gx, gw, gb, None
 
 

@@ -26,7 +26,6 @@ from taifuse import _profile_hook, backends
 from taifuse._internal import (
     INPLACE_EPOCH,
     TensorCore,
-    attach,
     backend,
     base,
     changes_since,
@@ -197,11 +196,16 @@ class Function:
         # NOTE [ The lean apply ]
         # Every op and Tensor method passes here, so it is written for the per-op fixed cost
         # (the ``step`` bench suite's first rows): one pass over the arguments finds the
-        # backend, whether to record and the arrays; the node's tensor math comes from a dict;
-        # the grad mode and the profiler's switch are one attribute read each.
+        # backend, whether to record, whether a view is among them, the arrays and what the node
+        # keeps of each (NOTE [ The graph keeps no data ]); the node's tensor math comes from a
+        # dict; the grad mode and the profiler's switch are one attribute read each; the output
+        # is made with its creator in one call.
+        grad_mode = _grad_mode.enabled
         be = None
-        record = False
+        record = viewed = False
         arrays = []
+        needs = []
+        parents = []
         for a in args:
             if isinstance(a, TensorCore):
                 tb = backend(a)
@@ -209,11 +213,19 @@ class Function:
                     be = tb
                 elif tb is not be:
                     common_backend([a for a in args if isinstance(a, TensorCore)], cls.__name__)
-                if requires_grad(a):
-                    record = True
+                if base(a) is not None:  # only a view may be strided
+                    viewed = True
                 arrays.append(data(a))
+                if grad_mode and requires_grad(a):
+                    record = True
+                    creator = node(a)
+                    parents.append(a if creator is None else creator)  # graph_node(a)
+                    needs.append(True)
+                    continue
             else:
                 arrays.append(a)
+            parents.append(None)
+            needs.append(False)
         if be is None:
             be = common_backend((), cls.__name__)
         if cls.on_active_backend:
@@ -223,27 +235,20 @@ class Function:
         ctx = cls()
         ctx.be = be
         ctx.m = math_for(be)
-        record = record and _grad_mode.enabled
-        ctx.needs_grad = (
-            tuple([isinstance(a, TensorCore) and requires_grad(a) for a in args])
-            if record
-            else _NO_GRADS[len(args)]
-        )
-        if not cls.strided:
-            for a in args:
-                if isinstance(a, TensorCore) and base(a) is not None:  # only a view may be strided
-                    # through the math object, which taifuse.compile records (a bare copy it would not)
-                    arrays = [ctx.m.contiguous(x) if _strided(x) else x for x in arrays]
-                    break
+        ctx.needs_grad = tuple(needs) if record else _NO_GRADS[len(args)]
+        if viewed and not cls.strided:
+            # through the math object, which taifuse.compile records (a bare copy it would not)
+            arrays = [ctx.m.contiguous(x) if _strided(x) else x for x in arrays]
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
         result = ctx.forward(*arrays, **kwargs) if rec is None else rec.forward(ctx, tuple(arrays), kwargs)
-        out = wrap(result, be)
+        if record:
+            out = wrap(result, be, ctx)
+            ctx.parents = tuple(parents)
+            ctx.epoch = INPLACE_EPOCH[0]
+        else:
+            out = wrap(result, be)
         if cls.view and shares_storage(result, arrays[0]):
             share_version(out, args[0], record)
-        if record:
-            ctx.parents = tuple([graph_node(a) for a in args])
-            attach(out, ctx)
-            ctx.epoch = INPLACE_EPOCH[0]
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -257,13 +262,23 @@ class Function:
         ``retain_graph``), so that the intermediates are freed while the output lives on; keep
         the shapes, dims and dtypes, and the links to the inputs (NOTE [ Released nodes ])."""
         state = self.__dict__
-        freed = [k for k, v in state.items() if k not in _KEPT_ON_RELEASE and not _is_metadata(v)]
+        freed = [
+            k
+            for k, v in state.items()
+            if k not in _KEPT_ON_RELEASE and (type(v) in _PLAIN_DATA or not _is_metadata(v))
+        ]
         for k in freed:
             del state[k]
         before = state.get("_freed")
         state["_freed"] = frozenset(freed) if before is None else before.union(freed)
-        # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays.
-        self.parents = tuple([graph_node(p) if isinstance(p, TensorCore) else p for p in self.parents])
+        # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays
+        # (any other node's parents are what graph_node made of its arguments already).
+        parents = self.parents
+        for p in parents:
+            # graph_node(p) is not p: a non-leaf, or a leaf that does not require grad
+            if isinstance(p, TensorCore) and (node(p) is not None or not requires_grad(p)):
+                self.parents = tuple([graph_node(q) if isinstance(q, TensorCore) else q for q in parents])
+                break
         self.released = True
 
     def __getattr__(self, name: str) -> Any:
@@ -337,8 +352,10 @@ _KEPT_ON_RELEASE = frozenset({"be", "m", "needs_grad", "parents", "released", "_
 
 
 # The exact types that are metadata, for a set look-up before the isinstance chain (a released
-# node's fields are mostly these: shapes are tuples of ints).
+# node's fields are mostly these: shapes are tuples of ints), and the exact types that are data
+# (what most nodes save: host arrays and Python floats).
 _PLAIN_METADATA = frozenset({type(None), bool, int, str})
+_PLAIN_DATA = frozenset({np.ndarray, float})
 
 
 def _is_metadata(value: Any) -> bool:
@@ -393,16 +410,18 @@ def _graph_order(root: Function) -> list[Function]:
     seen: set[int] = set()
     stack: list[tuple[Function, bool]] = [(root, False)]
     while stack:
-        node, finished = stack.pop()
+        fn, finished = stack.pop()
         if finished:
-            order.append(node)
+            order.append(fn)
             continue
-        if id(node) in seen:
+        if id(fn) in seen:
             continue
-        seen.add(id(node))
-        stack.append((node, True))
-        for p in node.parents:
-            creator = _creator(p)
+        seen.add(id(fn))
+        stack.append((fn, True))
+        for p in fn.parents:
+            if p is None:
+                continue
+            creator = p if isinstance(p, Function) else node(p)  # _creator(p)
             if creator is not None and id(creator) not in seen:
                 stack.append((creator, False))
     return order
@@ -485,11 +504,12 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
             _check_versions(ctx)
         if not ctx.strided and _strided(g):
             g = ctx.m.contiguous(g)
-        acc = _summed_so_far(ctx, g, pending, summable)
-        ctx.accumulate_into = acc
+        if ctx.accumulates:
+            ctx.accumulate_into = _summed_so_far(ctx, g, pending, summable)
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
         grads = ctx.backward(g) if rec is None else rec.backward(ctx, g)
-        ctx.accumulate_into = None
+        if ctx.accumulates:
+            ctx.accumulate_into = None
         parents = ctx.parents
         if not retain_graph:
             ctx.release()
@@ -498,7 +518,7 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
                 if counts is not None and needed:
                     _edge_done(parent, counts)
                 continue
-            creator = _creator(parent)
+            creator = parent if isinstance(parent, Function) else node(parent)  # _creator(parent)
             if creator is None:
                 _accumulate_leaf(parent, pg, m, owned=ctx.owns_grads)  # type: ignore[arg-type]
                 if counts is not None:
@@ -516,7 +536,7 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
                 pending[id(creator)] = pg
                 if ctx.accumulates:  # a fresh array of the input's shape (owns_grads)
                     summable.add(id(creator))
-        g = grads = parents = parent = creator = pg = ctx = acc = so_far = None
+        g = grads = parents = parent = creator = pg = ctx = so_far = None
 
 
 # ----------------------------------------------------------------------------- gradient hooks

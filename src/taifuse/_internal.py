@@ -64,10 +64,11 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, TensorCore)
 
 
-def wrap(array: Any, be: ModuleType) -> Any:
-    """A new Tensor on ``array`` (no copy) of backend ``be``, outside the graph."""
+def wrap(array: Any, be: ModuleType, node: Any = None) -> Any:
+    """A new Tensor on ``array`` (no copy) of backend ``be``: outside the graph, or made by
+    ``node`` (then it requires grad, as after :func:`attach`)."""
     t = _tensor_class.__new__(_tensor_class)
-    t._data, t._be, t._ctx, t._requires_grad, t._grad = array, be, None, False, None
+    t._data, t._be, t._ctx, t._requires_grad, t._grad = array, be, node, node is not None, None
     t._version_counter = [0]
     return t
 

@@ -271,7 +271,7 @@ class _Sum(_Method):
     def backward(self, g: Any) -> tuple[Any, ...]:
         m, dims = self.m, self.dims
         keep_shape = tuple([1 if i in dims else n for i, n in enumerate(self.in_shape)])
-        g = expanded(m, m.reshape(g, keep_shape), self.in_shape)
+        g = expanded(m, m.reshape(g, keep_shape), self.in_shape, copy_small=True)
         if self.mean:
             g = m.div(g, self._count())
         return g, None, None, None

@@ -277,11 +277,13 @@ class HostMath:
     @staticmethod
     def sum(a: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool) -> np.ndarray:
         # float16 sums accumulate in float32 (storage-only dtype), then round once.
-        if a.dtype == np.float16 or not _floating(a):
-            acc = np.float32 if a.dtype == np.float16 else None
-            return np.asarray(np.sum(a, axis=axis, keepdims=keepdims, dtype=acc), dtype=a.dtype)
-        out = _buffer(_reduced_shape(a.shape, axis, keepdims), a.dtype)
-        np.sum(a, axis=axis, keepdims=keepdims, out=out)
+        dtype = a.dtype
+        if dtype == np.float16 or dtype.kind != "f":
+            acc = np.float32 if dtype == np.float16 else None
+            return np.asarray(np.sum(a, axis=axis, keepdims=keepdims, dtype=acc), dtype=dtype)
+        out = _buffer(_reduced_shape(a.shape, axis, keepdims), dtype)
+        # np.sum's own reduction, without its Python wrapper (half of a small sum's time).
+        np.add.reduce(a, axis=axis, keepdims=keepdims, out=out)
         return out
 
     @staticmethod
@@ -554,14 +556,25 @@ def transposed(m: Any, a: Any, axes: tuple[int, ...]) -> Any:
     return m.transpose(a, axes)
 
 
-def expanded(m: Any, a: Any, shape: tuple[int, ...]) -> Any:
+def expanded(m: Any, a: Any, shape: tuple[int, ...], *, copy_small: bool = False) -> Any:
     """``a`` broadcast to ``shape``: a read-only view on the host (stride 0 along the repeats, so
-    nothing may write it), a copy on a device."""
+    nothing may write it), a copy on a device.
+
+    ``copy_small``: on the host too a copy (from the pool) when the result is at most
+    ``pool.SMALL_HOST_BYTES``: for a gradient (a sum's backward), whose view would save no memory
+    there, and whose ``np.broadcast_to`` (Python code) took about 4x as long as the copy that a
+    kernel's backward then makes of it anyway (kernels take C-contiguous operands; (1, 1) ->
+    (8, 16) float32, on a shared machine).
+    """
     if isinstance(a, np.ndarray):
-        if math.prod(shape) == a.size:  # no repeats (new or kept size-1 dimensions): writable
+        n = math.prod(shape)
+        if n == a.size:  # no repeats (new or kept size-1 dimensions): writable
             view = viewed(a, tuple(shape))
             if view is not None:
                 return view
+        if copy_small and n * a.itemsize <= _pool.SMALL_HOST_BYTES:
+            # through the math object, which taifuse.compile records (a bare copy it would not)
+            return m.broadcast_to(a, tuple(shape))
         return np.broadcast_to(a, shape)
     return m.broadcast_to(a, shape)
 

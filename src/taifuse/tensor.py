@@ -1271,4 +1271,7 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
 
 def tensors_in(values: Iterable[Any]) -> bool:
     """Whether any of ``values`` is a Tensor (the functional ops' dispatch test)."""
-    return any(isinstance(v, Tensor) for v in values)
+    for v in values:  # a loop, not any() over a generator: every functional call asks
+        if isinstance(v, Tensor):
+            return True
+    return False

@@ -124,6 +124,10 @@ class Case:
         bytes_written: the part of ``bytes_moved`` that is written (the output): the roofline counts
             it twice, as the hardware moves it (NOTE [ Traffic model ] in taifuse._ceilings).
         rtol, atol: ``numpy.allclose`` tolerance of the correctness check.
+        min_loops: calls per timed sample, at least (the harness calibrates a sample to last
+            ``MIN_SAMPLE_NS`` and takes the larger count): a call of a few microseconds needs
+            many per sample for a narrow interval (the step suite's per-op rows, NOTE [ Per-op
+            timing ] there). A row's times stay per call.
     """
 
     suite: str
@@ -141,6 +145,7 @@ class Case:
     rtol: float = 1e-5
     atol: float = 1e-6
     extra: dict = field(default_factory=dict)
+    min_loops: int = 1
 
     @property
     def id(self) -> str:

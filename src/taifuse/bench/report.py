@@ -21,10 +21,12 @@ purpose and are not checked: they show how close the candidate comes to a floor.
 Each case runs in {processes} fresh worker processes, one after another. In each process every
 variant is called once (the first-call row: imports, JIT compile or cache load), warmed up until two
 calls in a row run within 1.5x of the fastest, and calibrated so one timed sample lasts at least
-{min_sample_ms:g} ms (`time.perf_counter_ns`). Then candidate A and baseline B are timed in {blocks}
-A-B-B-A blocks per process, each block giving one pair of mean times and one ratio B/A (the speedup;
-above 1 the candidate is faster). The value is the median ratio over all pairs; the 95% interval comes
-from a hierarchical bootstrap ({resamples} resamples, processes first, then pairs within each).
+{min_sample_ms:g} ms (`time.perf_counter_ns`), or longer where a case sets a floor of calls per
+sample (a call of a few microseconds: the step suite's per-op rows; a row's times are still per
+call). Then candidate A and baseline B are timed in {blocks} A-B-B-A blocks per process, each block
+giving one pair of mean times and one ratio B/A (the speedup; above 1 the candidate is faster). The
+value is the median ratio over all pairs; the 95% interval comes from a hierarchical bootstrap
+({resamples} resamples, processes first, then pairs within each).
 The first case also times its candidate against itself (the A/A control row, same run). Verdicts:
 "faster" when the interval's lower bound clears 1 + t, "slower" when its upper bound is below
 1/(1 + t), "no measurable difference" when the whole interval lies between those, "inconclusive"

@@ -72,9 +72,10 @@ def time_loops(fn: Callable[[], Any], loops: int) -> float:
     return (time.perf_counter_ns() - start) / loops
 
 
-def calibrate(fn: Callable[[], Any], min_sample_ns: int = MIN_SAMPLE_NS) -> int:
-    """The number of calls per sample that makes one sample last at least ``min_sample_ns``."""
-    loops = 1
+def calibrate(fn: Callable[[], Any], min_sample_ns: int = MIN_SAMPLE_NS, min_loops: int = 1) -> int:
+    """The number of calls per sample that makes one sample last at least ``min_sample_ns``, and
+    at least ``min_loops`` (a case's own floor: ``Case.min_loops``)."""
+    loops = max(1, min_loops)
     while True:
         per_call = time_loops(fn, loops)
         if per_call * loops >= min_sample_ns:

@@ -38,7 +38,8 @@ def measure_case(
         case: the case; its candidate is the reference output of the correctness check.
         comparisons: ``(a_label, b_label)`` pairs to time; ``(c, c)`` is an A/A control.
         blocks: ABBA blocks per comparison (one sample pair each).
-        min_sample_ns: each timed sample runs at least this long (loops calibrated per variant).
+        min_sample_ns: each timed sample runs at least this long (loops calibrated per variant;
+            at least ``case.min_loops`` calls).
         check_only: variants that are checked here but timed in processes of their own
             (isolated baselines, see :func:`measure_solo`).
 
@@ -65,7 +66,7 @@ def measure_case(
 
     timed = [label for label in labels if label not in failed and label not in check_only]
     warmup_calls = {label: timing.warm_up(calls[label]) for label in timed}
-    loops = {label: timing.calibrate(calls[label], min_sample_ns) for label in timed}
+    loops = {label: timing.calibrate(calls[label], min_sample_ns, case.min_loops) for label in timed}
     live = [(a, b) for a, b in comparisons if a not in failed and b not in failed]
     samples: dict[str, dict[str, list[float]]] = {f"{a}|{b}": {"a": [], "b": []} for a, b in live}
     for _ in range(blocks):
@@ -97,7 +98,7 @@ def measure_solo(
     call = case.variant(label).build(case.setup(case.seed))
     first_ns, _ = timing.first_call(call)
     warmup_calls = timing.warm_up(call)
-    loops = timing.calibrate(call, min_sample_ns)
+    loops = timing.calibrate(call, min_sample_ns, case.min_loops)
     samples = [(timing.time_loops(call, loops) + timing.time_loops(call, loops)) / 2.0 for _ in range(blocks)]
     return {
         "label": label,

@@ -18,6 +18,7 @@ from taifuse.backends._spec import activation_code, gelu_code
 from taifuse.backends.numba import _jit
 from taifuse.backends.numba._jit import (
     _BLOCK,
+    _FLOAT16,
     _FMA,
     _FMA_INLINE,
     _FMA_PARALLEL,
@@ -110,6 +111,25 @@ def _unary_inplace_block(x, op, param, lo, hi):
 @njit(**_FMA)
 def _unary_serial(x, out, op, param):
     _unary_block(x, out, op, param, 0, x.size)
+
+
+# Below this many elements a unary op is serial under every threading layer, transcendental or
+# not (NOTE [ Serial and parallel kernels ]): _unary then asks no thread count and leaves its
+# overlap test to the kernel.
+_SMALL_UNARY = _jit._SERIAL_BELOW // _jit._TRANSCENDENTAL_DISCOUNT
+
+
+@njit(**_FMA)
+def _unary_small(x, out, op, param):
+    # _unary's serial kernels with its overlap test done here, on the flat arrays' addresses, not
+    # by np.may_share_memory: a tiny op's fixed cost (the ``step`` bench suite's per-op rows).
+    xs, os = x.ctypes.data, out.ctypes.data
+    if xs == os:  # out is x: NOTE [ Spans, blocks and in-place kernels ]
+        _unary_inplace_block(out, op, param, 0, out.size)
+    elif xs < os + out.nbytes and os < xs + x.nbytes:  # a shifted view: x read from a copy
+        _unary_block(x.copy(), out, op, param, 0, x.size)
+    else:
+        _unary_block(x, out, op, param, 0, x.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -604,12 +624,20 @@ def _embedding_parallel(indices, weight, out):
 
 
 def _unary(x: np.ndarray, out: np.ndarray, op: int, param: float = 0.0) -> None:
-    # As _readable, with the one overlap test serving both questions (a small op's fixed cost).
+    if x.size < _SMALL_UNARY:
+        xf, of = x.ravel(), out.ravel()  # _flat, written out: a tiny op's fixed cost
+        if xf.dtype == _FLOAT16:
+            xf = xf.view(np.uint16)
+        if of.dtype == _FLOAT16:
+            of = of.view(np.uint16)
+        _unary_small(xf, of, op, float(param))
+        return
+    # As _readable, with the one overlap test serving both questions.
     shared = np.may_share_memory(x, out)
     if shared and not _same_data(x, out):
         x, shared = x.copy(), False
     xf, of = _flat(x), _flat(out)
-    par = xf.size >= _jit._SERIAL_BELOW and _jit._parallel(xf.size, transcendental=op in _TRANSCENDENTAL_OPS)
+    par = _jit._parallel(xf.size, transcendental=op in _TRANSCENDENTAL_OPS)
     if shared:  # then out is x: NOTE [ Spans, blocks and ... ]
         (_unary_inplace_parallel if par else _unary_inplace_serial)(of, op, float(param))
         return

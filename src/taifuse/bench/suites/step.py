@@ -6,6 +6,7 @@ CPU eager timed in processes of its own (NOTE [ Isolated baselines ] in taifuse.
   that requires grad, and ``F.linear`` at (8, 16) x (16, 16) with a bias, ``.sum()`` and
   ``backward()`` (the gradients of the weight and the bias reset to None each call, as
   ``zero_grad`` does). Issue 32's goal: at most 2x PyTorch's time, i.e. a speedup of at least 0.5.
+  Each timed sample is at least ``OP_CALLS`` calls (NOTE [ Per-op timing ]).
 * ``mlp step``: one AdamW step of examples/train_mlp.py's model (2-64-64-3, GELU hidden layers,
   batch 64, weight decay 1e-4): zero_grad, forward, cross entropy, backward, step; eager, and
   under ``taifuse.compile`` when the package has it (the compiled case is built only then). The
@@ -42,6 +43,16 @@ T the context), with N the parameters except the position embedding. It counts a
 the whole T x T square, not the causal half, as nanoGPT does; the transformer suite's
 ``gpt_step_flops`` counts the causal pairs and leaves the embedding out, 3.5% fewer at this size.
 MFU is that many FLOPs per step over the step's time, as a fraction of the GEMM rate.
+
+NOTE [ Per-op timing ]
+A per-op call takes a few microseconds (relu) to about a hundred (linear, sum and backward). The
+harness's calibration alone (a sample of at least 1 ms) times a few hundred relu calls a sample,
+and one scheduler tick, page fault or neighbour's burst inside a sample that short moves it
+whole: a quiet quick run read relu at 0.344x torch with the interval [0.169, 0.737], although its
+two medians (7.43 us and 4.36 us) stood at 0.587x. So the per-op cases set ``Case.min_loops``:
+every sample of either side is at least ``OP_CALLS`` back-to-back calls (5-10 ms of relu, about
+0.1 s of linear+sum+backward), which spreads such events over many calls; the rows' times are
+still per call.
 """
 
 from __future__ import annotations
@@ -63,8 +74,9 @@ from taifuse.bench.suites.transformer import AttentionMemoryCase, GPTSettings, S
 SUITE = "step"
 _SUITE_IMPORT = "taifuse.bench.suites.step as suite"
 
-# The per-op rows' sizes (issue 32's).
+# The per-op rows' sizes (issue 32's), and their calls per timed sample, at least (NOTE [ Per-op timing ]).
 OP_ROWS, OP_FEATURES = 8, 16
+OP_CALLS = 1000
 # examples/train_mlp.py's model and step: Linear(2, 64, gelu), Linear(64, 64, gelu), Linear(64, 3).
 MLP_SIZES = (2, 64, 64, 3)
 MLP_BATCH = 64
@@ -138,6 +150,7 @@ def _relu_case(compare_torch: bool) -> Case:
         dtype="float32",
         shape=f"x ({OP_ROWS}, {OP_FEATURES}); the per-op fixed cost (issue 32's goal: at most 2x torch's time)",
         bytes_moved=0,  # the fixed cost is the point: no roofline
+        min_loops=OP_CALLS,
     )
 
 
@@ -193,6 +206,7 @@ def _linear_case(compare_torch: bool) -> Case:
         shape=f"x ({OP_ROWS}, {OP_FEATURES}), weight ({OP_FEATURES}, {OP_FEATURES}), bias ({OP_FEATURES},); "
         "outputs: the loss, then the gradients of the weight and the bias (issue 32's goal: at most 2x torch's time)",
         bytes_moved=0,
+        min_loops=OP_CALLS,
     )
 
 
