@@ -30,6 +30,7 @@ from taifuse import pool
 from taifuse.backends._spec import activation_code
 from taifuse.backends.numba import _jit
 from taifuse.backends.numba._jit import (
+    _FMA,
     _FMA_INLINE,
     _FMA_PARALLEL,
     _GELU,
@@ -46,6 +47,7 @@ from taifuse.backends.numba._jit import (
     _silu,
     _widen,
 )
+from taifuse.backends.numba.attention import _run, _workers
 from taifuse.backends.numba.backward import _grad_pre_span
 from taifuse.backends.numba.batch_norm import (
     _backward_planes,
@@ -90,32 +92,59 @@ def _act(v, op):
 # ----------------------------------------------------------------------------- im2col / col2im
 
 
+@njit(**_FMA_INLINE)
+def _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, oh, ow, dst):
+    # dst[r * OW + q] = x[n, c, r * sh - ph + i * dh, q * sw - pw + j * dw], 0 outside the input:
+    # the valid columns of each row are one run (a contiguous copy at stride 1), without a branch.
+    h, w = x.shape[2], x.shape[3]
+    r0, r1 = _valid(oh, sh, i * dh - ph, h)
+    off = j * dw - pw
+    q0, q1 = _valid(ow, sw, off, w)
+    for r in range(oh):
+        o = r * ow
+        if r < r0 or r >= r1:
+            for q in range(ow):
+                dst[o + q] = 0
+            continue
+        src = x[n, c, r * sh - ph + i * dh]
+        for q in range(q0):
+            dst[o + q] = 0
+        if sw == 1:
+            for q in range(q0, q1):
+                dst[o + q] = _widen(src[q + off])
+        else:
+            for q in range(q0, q1):
+                dst[o + q] = _widen(src[q * sw + off])
+        for q in range(q1, ow):
+            dst[o + q] = 0
+
+
 @njit(**_FMA_PARALLEL)
 def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
     # cols[(c, i, j), (n - n0) * P + oh * OW + ow] = x[n, c, ih, iw], 0 outside the input.
-    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    c_dim = x.shape[1]
     p = oh * ow
     for row in prange(c_dim * kh * kw):
         c = row // (kh * kw)
         i = (row // kw) % kh
         j = row % kw
-        dst = cols[row]
         for n in range(n0, n1):
             base = (n - n0) * p
-            for r in range(oh):
-                ih = r * sh - ph + i * dh
-                o = base + r * ow
-                if ih < 0 or ih >= h:
-                    for q in range(ow):
-                        dst[o + q] = 0
-                    continue
-                src = x[n, c, ih]
-                for q in range(ow):
-                    iw = q * sw - pw + j * dw
-                    if 0 <= iw < w:
-                        dst[o + q] = _widen(src[iw])
-                    else:
-                        dst[o + q] = 0
+            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, oh, ow, cols[row, base : base + p])
+
+
+@njit(**_FMA)
+def _im2col_block(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
+    # _im2col on the calling thread (a forward worker's block of images).
+    c_dim = x.shape[1]
+    p = oh * ow
+    for row in range(c_dim * kh * kw):
+        c = row // (kh * kw)
+        i = (row // kw) % kh
+        j = row % kw
+        for n in range(n0, n1):
+            base = (n - n0) * p
+            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, oh, ow, cols[row, base : base + p])
 
 
 @njit(**_FMA_PARALLEL)
@@ -151,12 +180,13 @@ def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
 # ----------------------------------------------------------------------------- epilogues
 
 
-@njit(**_FMA_PARALLEL)
+@njit(**_FMA)
 def _epilogue(y, b, op, n0, out, pre):
-    # out[n, o] = act(y[o, (n - n0) * P + p] + b[o]) (pre keeps y + b, and out the act of it as stored).
+    # out[n, o] = act(y[o, (n - n0) * P + p] + b[o]) (pre keeps y + b, and out the act of it as
+    # stored), on the calling thread. y may be out[n0] or pre[n0] itself (one image, in place).
     nb = y.shape[1] // out.shape[2]
     oc, p = out.shape[1], out.shape[2]
-    for item in prange(nb * oc):
+    for item in range(nb * oc):
         n = item // oc
         o = item % oc
         src = y[o, n * p : (n + 1) * p]
@@ -193,14 +223,15 @@ def _grad_pre(pre, g, op, gp, gb):
             gb[o] = _narrow(acc, gb)
 
 
-@njit(**_FMA_PARALLEL)
+@njit(**_FMA)
 def _epilogue_stats(y, b, n0, out, shift, s1, s2):
     # out[n, o] = y[o, (n - n0) * P + p] + b[o] as stored, and that plane's shifted sums
     # sum(out - K[o]) and sum((out - K[o])^2) into s1[n, o], s2[n, o] (NOTE [ Batch norm statistics
-    # in one pass ] in batch_norm.py), while the block of y is still in cache.
+    # in one pass ] in batch_norm.py), while the block of y is still in cache; on the calling
+    # thread, y possibly out[n0] itself.
     nb = y.shape[1] // out.shape[2]
     oc, p = out.shape[1], out.shape[2]
-    for item in prange(nb * oc):
+    for item in range(nb * oc):
         n = item // oc
         o = item % oc
         src = y[o, n * p : (n + 1) * p]
@@ -302,36 +333,86 @@ def _images_per_block(rows: int, p: int, itemsize: int, n: int) -> int:
     return max(1, min(n, COLS_BLOCK_BYTES // max(1, rows * p * itemsize)))
 
 
+# A forward work item's product is at least this many columns wide (images of fewer output
+# pixels share an item): NOTE [ Convolution on the host: im2col in blocks ].
+ITEM_MIN_COLUMNS = 1024
+
+
+def _forward_items(n: int, p: int, workers: int) -> int:
+    """Images per forward work item: one from ITEM_MIN_COLUMNS output pixels up, at most a
+    worker's share of the batch."""
+    return max(1, min(-(-ITEM_MIN_COLUMNS // p), -(-n // workers)))
+
+
+def _product(w2, cols, y) -> None:
+    """y = w2 @ cols per group: w2 (G, OCg, K), cols (G * K, width), y (G * OCg, width)."""
+    groups, ocg, k = w2.shape
+    if groups == 1:
+        np.matmul(w2[0], cols, out=y)
+    else:
+        np.matmul(w2, cols.reshape(groups, k, -1), out=y.reshape(groups, ocg, -1))
+
+
+class _Forward:
+    """The forward's work items (NOTE [ Convolution on the host: im2col in blocks ]): images
+    ``[n0, n0 + nb)`` laid out as columns in the worker's scratch, one product per group (BLAS on
+    the worker's thread), then ``epilogue(worker, n0, y)``. ``y`` is ``into[n0]`` itself (NCHW,
+    no transposing pass) where an item is one image and ``into`` holds the compute dtype."""
+
+    def __init__(self, x, w, stride, padding, dilation, groups, oh, ow, into, epilogue, workers):
+        n, c, _, _ = x.shape
+        oc, cg, kh, kw = w.shape
+        scratch = pool.host_pool()
+        ct = _compute_dtype(x.dtype)
+        self.p = oh * ow
+        self.nb = _forward_items(n, self.p, workers)
+        self.geom = (kh, kw, *stride, *padding, *dilation, oh, ow)
+        self.x, self.n = _bits(x), n
+        self.w2 = _as_compute(w, scratch).reshape(groups, oc // groups, cg * kh * kw)
+        self.cols = scratch.acquire((workers, c * kh * kw, self.nb * self.p), ct)
+        self.into = into if self.nb == 1 and into is not None and into.dtype == ct else None
+        self.y = None if self.into is not None else scratch.acquire((workers, oc, self.nb * self.p), ct)
+        self.epilogue = epilogue
+
+    def items(self, start: int = 0) -> list[int]:
+        return list(range(start, self.n, self.nb))
+
+    def __call__(self, worker: int, n0: int) -> None:
+        n1 = min(self.n, n0 + self.nb)
+        width = (n1 - n0) * self.p
+        cols = self.cols[worker, :, :width]
+        _im2col_block(self.x, n0, n1, *self.geom, cols)
+        y = self.into[n0] if self.into is not None else self.y[worker, :, :width]
+        _product(self.w2, cols, y)
+        self.epilogue(worker, n0, y)
+
+
 def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
     """See the reference's conv2d; NOTE [ Convolution on the host: im2col in blocks ]."""
     op = int(activation_code(activation))
-    n, c, _, _ = x.shape
-    oc, cg, kh, kw = w.shape
+    n, c = x.shape[:2]
+    oc = w.shape[0]
     oh, ow = out.shape[2:]
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     bb = None if b is None else _bits(b)
     pb = None if pre is None else _bits(pre)
-    scratch = pool.host_pool()
-    ct = _compute_dtype(x.dtype)
     if _direct_wins(groups, c, oc):
-        planes = scratch.acquire((n * oc, oh, ow), ct)
+        planes = pool.host_pool().acquire((n * oc, oh, ow), _compute_dtype(x.dtype))
         _direct(_bits(x), _bits(w), bb, sh, sw, ph, pw, dh, dw, groups, op, planes, _bits(out), pb)
         return
     p = oh * ow
-    k = cg * kh * kw
-    ocg = oc // groups
-    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
-    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
-    cols = scratch.acquire((c * kh * kw, nb * p), ct)
-    y = scratch.acquire((oc, nb * p), ct)
-    for n0 in range(0, n, nb):
-        n1 = min(n, n0 + nb)
-        width = (n1 - n0) * p
-        cv, yv = cols[:, :width], y[:, :width]
-        _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
-        for g in range(groups):
-            np.matmul(w2[g], cv[g * k : (g + 1) * k], out=yv[g * ocg : (g + 1) * ocg])
-        _epilogue(yv, bb, op, n0, _bits(out).reshape(n, oc, p), None if pb is None else pb.reshape(n, oc, p))
+    o3 = _bits(out).reshape(n, oc, p)
+    p3 = None if pb is None else pb.reshape(n, oc, p)
+    into = o3 if p3 is None else p3  # the product lands in pre where it is kept (pre = y + b)
+    bare = bb is None and op == _IDENTITY and p3 is None  # out = y: nothing to add or apply
+
+    def epilogue(worker, n0, y):
+        if not (bare and fw.into is not None):
+            _epilogue(y, bb, op, n0, o3, p3)
+
+    workers = _workers(n)
+    fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, into, epilogue, workers)
+    _run(fw, fw.items(), workers)
 
 
 def conv2d_backward(
@@ -400,40 +481,32 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
     """See the reference's conv2d_stats (NOTE [ The fused Conv-BN-ReLU block in training ]): the
     im2col path's epilogue adds each plane's shifted sums while it stores the block; the direct
     path (depthwise) runs batch_norm_stats over its output after it, one more pass."""
-    n, c, _, _ = x.shape
-    oc, cg, kh, kw = w.shape
+    n, c = x.shape[:2]
+    oc = w.shape[0]
     oh, ow = out.shape[2:]
     if _direct_wins(groups, c, oc):
         conv2d(x, w, b, stride, padding, dilation, groups, None, out)
         batch_norm_stats(out.reshape(n, oc, oh * ow), mean, var)
         return
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     scratch = pool.host_pool()
-    ct = _compute_dtype(x.dtype)
     p = oh * ow
-    k = cg * kh * kw
-    ocg = oc // groups
-    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
-    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
-    cols = scratch.acquire((c * kh * kw, nb * p), ct)
-    y = scratch.acquire((oc, nb * p), ct)
     shift = scratch.acquire((oc,), np.float64)
     s1, s2 = scratch.acquire((n, oc), np.float64), scratch.acquire((n, oc), np.float64)
     bb = None if b is None else _bits(b)
     o3 = _bits(out).reshape(n, oc, p)
-    for n0 in range(0, n, nb):
-        n1 = min(n, n0 + nb)
-        width = (n1 - n0) * p
-        cv, yv = cols[:, :width], y[:, :width]
-        _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
-        for g in range(groups):
-            np.matmul(w2[g], cv[g * k : (g + 1) * k], out=yv[g * ocg : (g + 1) * ocg])
-        if n0 == 0:  # K[o]: the channel's first value as stored
-            first = yv[:, 0].copy()
+
+    def epilogue(worker, n0, y):
+        if n0 == 0:  # K[o]: the channel's first value as stored (the first item runs alone)
+            first = y[:, 0].copy()
             if b is not None:
-                first += b.astype(ct)
+                first += b.astype(y.dtype)
             np.copyto(shift, first.astype(out.dtype), casting="unsafe")
-        _epilogue_stats(yv, bb, n0, o3, shift, s1, s2)
+        _epilogue_stats(y, bb, n0, o3, shift, s1, s2)
+
+    workers = _workers(n)
+    fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, o3, epilogue, workers)
+    fw(0, 0)
+    _run(fw, fw.items(fw.nb), workers)
     _finish_stats(s1, s2, shift, n * p, mean, var)
 
 
