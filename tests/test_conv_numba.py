@@ -7,6 +7,8 @@ and a transposing epilogue, float16 storage always through float32 scratch, and 
 group through one stacked product per item. The geometries below reach each of those with one and
 two threads (the one-thread run keeps everything on the calling thread), at odd sizes: 1 x 1 and
 7 x 7 kernels, stride 2, dilation 2, groups, N = 1, H != W, a last item shorter than the others.
+``banded`` lowers ``ITEM_MAX_BYTES`` to 4 KiB so that every image is split into items of a few
+output rows each (an image's columns above the cap), the last band shorter where it does not divide.
 
 Tolerances: against the float64 reference kernels on the same (stored) values, relative to the
 dot products on magnitudes (``scale``): float32 sums of up to 98 products 1e-5 (98 * 2**-24 is
@@ -73,10 +75,17 @@ def _threads(count):
     return count
 
 
+@pytest.fixture(params=[False, True], ids=["whole-images", "banded"])
+def banded(request, monkeypatch):
+    if request.param:
+        monkeypatch.setattr(nb_conv, "ITEM_MAX_BYTES", 4096)
+    return request.param
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads):
+def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads, banded):
     x, wt, b, shape = _arrays(geometry, dtype)
     *_, stride, padding, dilation, groups, act, _bias = geometry
     keep = act in _SPLIT
@@ -100,7 +109,7 @@ def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, threads):
+def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, threads, banded):
     """The statistics' shift comes from the first item, which runs before the others start."""
     x, wt, b, shape = _arrays(geometry, dtype, seed=1)
     *_, stride, padding, dilation, groups, _act, _bias = geometry
@@ -123,3 +132,29 @@ def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, thre
     stored = out.astype(np.float64).transpose(1, 0, 2, 3).reshape(oc, -1)
     np.testing.assert_allclose(mean, stored.mean(axis=1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(var, stored.var(axis=1), rtol=1e-5, atol=1e-6)
+
+
+def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it():
+    """Regression, two defects: the reference's im2col masked the taps outside the input by
+    multiplying with 0, and an outside tap reads a clipped index, so an inf at the border gave
+    NaN in the padded outputs beside it; and numba's epilogue took its zero bias as ``first
+    product * 0``, so an infinite first product made the whole plane NaN. Only the outputs whose
+    taps read the inf are infinite (PyTorch's answer), in conv2d and conv2d_stats."""
+    x = np.random.default_rng(2).standard_normal((2, 2, 6, 5)).astype(np.float32)
+    x[0, 0, 0, 0] = np.inf
+    w = np.abs(np.random.default_rng(3).standard_normal((3, 2, 3, 3))).astype(np.float32) + 0.1
+    args = ((1, 1), (1, 1), (1, 1), 1)
+    expected = np.empty((2, 3, 6, 5))
+    ref.conv2d(_f64(x), _f64(w), None, *args, None, expected)
+    assert np.isinf(expected).sum() == 3 * 4 and not np.isnan(expected).any()  # the reference
+    torch = pytest.importorskip("torch")
+    theirs = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1)
+    np.testing.assert_allclose(expected, theirs.numpy(), rtol=1e-12)
+    for act in (None, "relu"):
+        out = np.empty((2, 3, 6, 5), np.float32)
+        nb_conv.conv2d(x, w, None, *args, act, out)
+        want = expected if act is None else np.maximum(expected, 0.0)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=act)
+    out = np.empty((2, 3, 6, 5), np.float32)
+    nb_conv.conv2d_stats(x, w, None, *args, out, np.empty(3, np.float32), np.empty(3, np.float32))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

@@ -33,6 +33,7 @@ from taifuse.backends.numba._jit import (
     _FMA,
     _FMA_INLINE,
     _FMA_PARALLEL,
+    _FMA_REDUCE,
     _GELU,
     _GELU_TANH,
     _IDENTITY,
@@ -93,15 +94,16 @@ def _act(v, op):
 
 
 @njit(**_FMA_INLINE)
-def _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, oh, ow, dst):
-    # dst[r * OW + q] = x[n, c, r * sh - ph + i * dh, q * sw - pw + j * dw], 0 outside the input:
-    # the valid columns of each row are one run (a contiguous copy at stride 1), without a branch.
+def _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, ra, rb, oh, ow, dst):
+    # dst[(r - ra) * OW + q] = x[n, c, r * sh - ph + i * dh, q * sw - pw + j * dw] for the output
+    # rows r in [ra, rb), 0 outside the input: the valid columns of a row are one run (a
+    # contiguous copy at stride 1), without a branch per element.
     h, w = x.shape[2], x.shape[3]
     r0, r1 = _valid(oh, sh, i * dh - ph, h)
     off = j * dw - pw
     q0, q1 = _valid(ow, sw, off, w)
-    for r in range(oh):
-        o = r * ow
+    for r in range(ra, rb):
+        o = (r - ra) * ow
         if r < r0 or r >= r1:
             for q in range(ow):
                 dst[o + q] = 0
@@ -130,21 +132,22 @@ def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
         j = row % kw
         for n in range(n0, n1):
             base = (n - n0) * p
-            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, oh, ow, cols[row, base : base + p])
+            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, 0, oh, oh, ow, cols[row, base : base + p])
 
 
 @njit(**_FMA)
-def _im2col_block(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
-    # _im2col on the calling thread (a forward worker's block of images).
+def _im2col_block(x, n0, n1, ra, rb, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
+    # _im2col of the output rows [ra, rb) of images [n0, n1) on the calling thread (a forward
+    # work item): cols[(c, i, j), (n - n0) * span + (r - ra) * OW + q], span = (rb - ra) * OW.
     c_dim = x.shape[1]
-    p = oh * ow
+    span = (rb - ra) * ow
     for row in range(c_dim * kh * kw):
         c = row // (kh * kw)
         i = (row // kw) % kh
         j = row % kw
         for n in range(n0, n1):
-            base = (n - n0) * p
-            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, oh, ow, cols[row, base : base + p])
+            base = (n - n0) * span
+            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, ra, rb, oh, ow, cols[row, base : base + span])
 
 
 @njit(**_FMA_PARALLEL)
@@ -181,26 +184,46 @@ def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
 
 
 @njit(**_FMA)
-def _epilogue(y, b, op, n0, out, pre):
-    # out[n, o] = act(y[o, (n - n0) * P + p] + b[o]) (pre keeps y + b, and out the act of it as
-    # stored), on the calling thread. y may be out[n0] or pre[n0] itself (one image, in place).
-    nb = y.shape[1] // out.shape[2]
-    oc, p = out.shape[1], out.shape[2]
+def _epilogue(y, b, op, n0, c0, span, out, pre):
+    # out[n0 + n, o, c0 : c0 + span] = act(y[o, n * span + q] + b[o]) for a work item's
+    # nb = y.shape[1] // span images (pre, where kept, y + b as stored, and out the act of that),
+    # on the calling thread.
+    oc = out.shape[1]
+    nb = y.shape[1] // span
     for item in range(nb * oc):
         n = item // oc
         o = item % oc
-        src = y[o, n * p : (n + 1) * p]
-        dst = out[n0 + n, o]
-        bias = _widen(b[o]) if b is not None else _widen(src[0]) * 0
+        src = y[o, n * span : (n + 1) * span]
+        dst = out[n0 + n, o, c0 : c0 + span]
+        bias = _widen(b[o]) if b is not None else _like(0.0, src[0])
         if pre is None:
-            for q in range(p):
+            for q in range(span):
                 dst[q] = _narrow(_act(src[q] + bias, op), out)
         else:
-            keep = pre[n0 + n, o]
-            for q in range(p):
+            keep = pre[n0 + n, o, c0 : c0 + span]
+            for q in range(span):
                 v = _narrow(src[q] + bias, keep)
                 keep[q] = v
                 dst[q] = _narrow(_act(_widen(v), op), out)
+
+
+@njit(**_FMA)
+def _epilogue_in_place(b, op, n, c0, span, out, pre):
+    # _epilogue for one image whose product is already in place: in pre where it is kept, else in
+    # out (the compute dtype, so nothing is narrowed). Each loop reads and writes through the same
+    # array, so LLVM vectorizes it without a runtime overlap check.
+    for o in range(out.shape[1]):
+        dst = out[n, o, c0 : c0 + span]
+        bias = _widen(b[o]) if b is not None else _like(0.0, dst[0])
+        if pre is None:
+            for q in range(span):
+                dst[q] = _act(dst[q] + bias, op)
+        else:
+            keep = pre[n, o, c0 : c0 + span]
+            for q in range(span):
+                v = keep[q] + bias
+                keep[q] = v
+                dst[q] = _act(v, op)
 
 
 @njit(**_FMA_PARALLEL)
@@ -223,31 +246,47 @@ def _grad_pre(pre, g, op, gp, gb):
             gb[o] = _narrow(acc, gb)
 
 
-@njit(**_FMA)
-def _epilogue_stats(y, b, n0, out, shift, s1, s2):
-    # out[n, o] = y[o, (n - n0) * P + p] + b[o] as stored, and that plane's shifted sums
-    # sum(out - K[o]) and sum((out - K[o])^2) into s1[n, o], s2[n, o] (NOTE [ Batch norm statistics
-    # in one pass ] in batch_norm.py), while the block of y is still in cache; on the calling
-    # thread, y possibly out[n0] itself.
-    nb = y.shape[1] // out.shape[2]
-    oc, p = out.shape[1], out.shape[2]
+@njit(**_FMA_INLINE)
+def _stats_span(src, bias, k, dst):
+    # dst = src + bias as stored, and the shifted sums sum(dst - k), sum((dst - k)^2) in float64.
+    a = 0.0
+    q2 = 0.0
+    for q in range(dst.size):
+        v = _narrow(_widen(src[q]) + bias, dst)
+        dst[q] = v
+        d = np.float64(_widen(v)) - k
+        a += d
+        q2 += d * d
+    return a, q2
+
+
+@njit(**_FMA_REDUCE)
+def _epilogue_stats(y, b, n0, c0, span, out, shift, s1, s2, part):
+    # out[n0 + n, o, c0 : c0 + span] = y[o, n * span + q] + b[o] as stored for a work item's
+    # nb = y.shape[1] // span images, and those values' shifted sums sum(out - K[o]) and
+    # sum((out - K[o])^2) into s1[part + n, o], s2[part + n, o] (NOTE [ Batch norm statistics in
+    # one pass ] in batch_norm.py), while the item is still in cache; on the calling thread.
+    oc = out.shape[1]
+    nb = y.shape[1] // span
     for item in range(nb * oc):
         n = item // oc
         o = item % oc
-        src = y[o, n * p : (n + 1) * p]
-        dst = out[n0 + n, o]
-        bias = _widen(b[o]) if b is not None else _widen(src[0]) * 0
-        k = shift[o]
-        a = 0.0
-        q2 = 0.0
-        for q in range(p):
-            v = _narrow(src[q] + bias, out)
-            dst[q] = v
-            d = np.float64(_widen(v)) - k
-            a += d
-            q2 += d * d
-        s1[n0 + n, o] = a
-        s2[n0 + n, o] = q2
+        src = y[o, n * span : (n + 1) * span]
+        bias = _widen(b[o]) if b is not None else _like(0.0, _widen(src[0]))
+        a, q2 = _stats_span(src, bias, shift[o], out[n0 + n, o, c0 : c0 + span])
+        s1[part + n, o] = a
+        s2[part + n, o] = q2
+
+
+@njit(**_FMA_REDUCE)
+def _epilogue_stats_in_place(b, n, c0, span, out, shift, s1, s2, part):
+    # _epilogue_stats for one image whose product is already in out (the compute dtype).
+    for o in range(out.shape[1]):
+        dst = out[n, o, c0 : c0 + span]
+        bias = _widen(b[o]) if b is not None else _like(0.0, dst[0])
+        a, q2 = _stats_span(dst, bias, shift[o], dst)
+        s1[part, o] = a
+        s2[part, o] = q2
 
 
 @njit(**_FMA_PARALLEL)
@@ -333,15 +372,11 @@ def _images_per_block(rows: int, p: int, itemsize: int, n: int) -> int:
     return max(1, min(n, COLS_BLOCK_BYTES // max(1, rows * p * itemsize)))
 
 
-# A forward work item's product is at least this many columns wide (images of fewer output
-# pixels share an item): NOTE [ Convolution on the host: im2col in blocks ].
+# A forward work item (NOTE [ Convolution on the host: im2col in blocks ]): its product is at
+# least ITEM_MIN_COLUMNS columns wide (images of fewer output pixels share an item), and its
+# columns take at most ITEM_MAX_BYTES (an image with more gives items of a band of output rows).
 ITEM_MIN_COLUMNS = 1024
-
-
-def _forward_items(n: int, p: int, workers: int) -> int:
-    """Images per forward work item: one from ITEM_MIN_COLUMNS output pixels up, at most a
-    worker's share of the batch."""
-    return max(1, min(-(-ITEM_MIN_COLUMNS // p), -(-n // workers)))
+ITEM_MAX_BYTES = 4 * 1024 * 1024
 
 
 def _product(w2, cols, y) -> None:
@@ -354,37 +389,55 @@ def _product(w2, cols, y) -> None:
 
 
 class _Forward:
-    """The forward's work items (NOTE [ Convolution on the host: im2col in blocks ]): images
-    ``[n0, n0 + nb)`` laid out as columns in the worker's scratch, one product per group (BLAS on
-    the worker's thread), then ``epilogue(worker, n0, y)``. ``y`` is ``into[n0]`` itself (NCHW,
-    no transposing pass) where an item is one image and ``into`` holds the compute dtype."""
+    """The forward's work items (NOTE [ Convolution on the host: im2col in blocks ]): output rows
+    ``[ra, rb)`` of images ``[n0, n0 + nb)`` laid out as columns in the worker's scratch, one
+    product per group (BLAS on the worker's thread), then ``epilogue(worker, n0, part, c0, span,
+    y)`` for the ``span`` output pixels from ``c0`` of each image. An item of one image whose
+    output ``into`` holds the compute dtype takes the product in place (``y`` None: no
+    transposing pass); others go through channel-major scratch ``y (OC, nb * span)``. ``part``
+    numbers the items' (image, band) pairs: ``n * bands + band``."""
 
     def __init__(self, x, w, stride, padding, dilation, groups, oh, ow, into, epilogue, workers):
         n, c, _, _ = x.shape
         oc, cg, kh, kw = w.shape
         scratch = pool.host_pool()
         ct = _compute_dtype(x.dtype)
-        self.p = oh * ow
-        self.nb = _forward_items(n, self.p, workers)
+        rows, p = c * kh * kw, oh * ow
+        self.band = (
+            oh
+            if rows * p * ct.itemsize <= ITEM_MAX_BYTES
+            else max(1, ITEM_MAX_BYTES // (rows * ow * ct.itemsize))
+        )
+        self.bands = -(-oh // self.band)
+        self.nb = 1 if self.bands > 1 else max(1, min(-(-ITEM_MIN_COLUMNS // p), -(-n // workers)))
+        self.n, self.oh, self.ow = n, oh, ow
         self.geom = (kh, kw, *stride, *padding, *dilation, oh, ow)
-        self.x, self.n = _bits(x), n
+        self.x = _bits(x)
         self.w2 = _as_compute(w, scratch).reshape(groups, oc // groups, cg * kh * kw)
-        self.cols = scratch.acquire((workers, c * kh * kw, self.nb * self.p), ct)
-        self.into = into if self.nb == 1 and into is not None and into.dtype == ct else None
-        self.y = None if self.into is not None else scratch.acquire((workers, oc, self.nb * self.p), ct)
+        width = self.nb * self.band * ow
+        self.cols = scratch.acquire((workers, rows, width), ct)
+        self.into = into if self.nb == 1 and into.dtype == ct else None
+        self.y = None if self.into is not None else scratch.acquire((workers, oc, width), ct)
         self.epilogue = epilogue
 
-    def items(self, start: int = 0) -> list[int]:
-        return list(range(start, self.n, self.nb))
+    def items(self) -> list[tuple[int, int]]:
+        return [(n0, band) for n0 in range(0, self.n, self.nb) for band in range(self.bands)]
 
-    def __call__(self, worker: int, n0: int) -> None:
+    def __call__(self, worker: int, item: tuple[int, int]) -> None:
+        n0, band = item
         n1 = min(self.n, n0 + self.nb)
-        width = (n1 - n0) * self.p
-        cols = self.cols[worker, :, :width]
-        _im2col_block(self.x, n0, n1, *self.geom, cols)
-        y = self.into[n0] if self.into is not None else self.y[worker, :, :width]
-        _product(self.w2, cols, y)
-        self.epilogue(worker, n0, y)
+        ra = band * self.band
+        rb = min(self.oh, ra + self.band)
+        c0, span = ra * self.ow, (rb - ra) * self.ow
+        cols = self.cols[worker, :, : (n1 - n0) * span]
+        _im2col_block(self.x, n0, n1, ra, rb, *self.geom, cols)
+        if self.into is not None:
+            _product(self.w2, cols, self.into[n0, :, c0 : c0 + span])
+            y = None
+        else:
+            y = self.y[worker, :, : (n1 - n0) * span]
+            _product(self.w2, cols, y)
+        self.epilogue(n0, n0 * self.bands + band, c0, span, y)
 
 
 def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
@@ -403,15 +456,19 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
     p = oh * ow
     o3 = _bits(out).reshape(n, oc, p)
     p3 = None if pb is None else pb.reshape(n, oc, p)
-    into = o3 if p3 is None else p3  # the product lands in pre where it is kept (pre = y + b)
-    bare = bb is None and op == _IDENTITY and p3 is None  # out = y: nothing to add or apply
+    bare = bb is None and op == _IDENTITY and p3 is None  # out = the product: nothing to add or apply
 
-    def epilogue(worker, n0, y):
-        if not (bare and fw.into is not None):
-            _epilogue(y, bb, op, n0, o3, p3)
+    def epilogue(n0, part, c0, span, y):
+        if y is not None:
+            _epilogue(y, bb, op, n0, c0, span, o3, p3)
+        elif not bare:
+            _epilogue_in_place(bb, op, n0, c0, span, o3, p3)
 
-    workers = _workers(n)
-    fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, into, epilogue, workers)
+    workers = _workers(n * oh)
+    # The product lands in pre where it is kept (pre = y + b, out = act(pre)).
+    fw = _Forward(
+        x, w, stride, padding, dilation, groups, oh, ow, o3 if p3 is None else p3, epilogue, workers
+    )
     _run(fw, fw.items(), workers)
 
 
@@ -490,23 +547,27 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
         return
     scratch = pool.host_pool()
     p = oh * ow
-    shift = scratch.acquire((oc,), np.float64)
-    s1, s2 = scratch.acquire((n, oc), np.float64), scratch.acquire((n, oc), np.float64)
     bb = None if b is None else _bits(b)
     o3 = _bits(out).reshape(n, oc, p)
+    shift = scratch.acquire((oc,), np.float64)
 
-    def epilogue(worker, n0, y):
-        if n0 == 0:  # K[o]: the channel's first value as stored (the first item runs alone)
-            first = y[:, 0].copy()
+    def epilogue(n0, part, c0, span, y):
+        if part == 0:  # K[o]: the channel's first value as stored (the first item runs alone)
+            first = (o3[0, :, 0] if y is None else y[:, 0]).copy()
             if b is not None:
-                first += b.astype(y.dtype)
+                first += b.astype(first.dtype)
             np.copyto(shift, first.astype(out.dtype), casting="unsafe")
-        _epilogue_stats(y, bb, n0, o3, shift, s1, s2)
+        if y is None:
+            _epilogue_stats_in_place(bb, n0, c0, span, o3, shift, s1, s2, part)
+        else:
+            _epilogue_stats(y, bb, n0, c0, span, o3, shift, s1, s2, part)
 
-    workers = _workers(n)
+    workers = _workers(n * oh)
     fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, o3, epilogue, workers)
-    fw(0, 0)
-    _run(fw, fw.items(fw.nb), workers)
+    s1, s2 = (scratch.acquire((n * fw.bands, oc), np.float64) for _ in range(2))
+    items = fw.items()
+    fw(0, items[0])
+    _run(fw, items[1:], workers)
     _finish_stats(s1, s2, shift, n * p, mean, var)
 
 
