@@ -2,18 +2,41 @@
 
 NOTE [ Convolution on the host: im2col in blocks ]
 A convolution is a matrix product per group once the input under every tap is laid out as
-columns: ``cols[(c, i, j), (n, oh, ow)]``. The product runs in BLAS (NumPy's matmul, as
-``linear_act``), on blocks of images whose columns take about ``COLS_BLOCK_BYTES`` of scratch
-from the host pool, never the columns of the whole batch. The layout puts a block's images side
-by side in the columns, ``(C * KH * KW, nb * OH * OW)``, so that each group is ONE product per
-block, ``w_g (OCg, K) @ cols_g (K, nb * P)``, into a channel-major scratch ``(OC, nb * P)``; one
-pass then adds the bias, applies the activation (keeping ``pre``) and stores NCHW. The backward
-forms grad_pre = grad_out * act'(pre) channel-major for the whole batch in one pass that also
-sums grad_b, then per block: grad_w_g += grad_pre_g @ cols_g.T and the columns' gradient
-``w_g.T @ grad_pre_g``, which col2im adds back into grad_x one (image, channel) plane per work
-item (so no two threads write one element). A depthwise forward (one input channel per group)
-runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns;
-everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded machine's ratios). float16 is storage only: the columns, the weight and the sums are float32.
+columns: ``cols[(c, i, j), (n, oh, ow)]``. The products run in BLAS (NumPy's matmul), on blocks
+of the batch whose columns sit in scratch from the host pool, never the columns of the whole batch.
+
+The forward shares the batch out between ``numba.get_num_threads()`` Python threads as work
+items (attention's ``_run``: each worker takes the next item as it finishes one), BLAS held to
+one thread per call for the duration (NOTE [ Numba attention threads ]). An item is one image,
+or as many small images as make its product ``ITEM_MIN_COLUMNS`` wide, or a band of output rows
+of an image whose columns would pass ``ITEM_MAX_BYTES``. Its worker lays out the item's columns
+in its own scratch (288 x 1024 float32, 1.2 MB, at the CIFAR-like 32 -> 64 layer: in L2), runs
+one product per group (one stacked matmul for several groups), ``w_g (OCg, K) @ cols_g (K,
+width)``, and the epilogue adds the bias and applies the activation (keeping ``pre``) while the
+item is in cache. For one image that product IS the image's NCHW output ``(OC, OH * OW)``: it
+lands in ``out`` (or ``pre``, where kept) and the epilogue runs in place, with no transposing
+pass; items of several images and float16 storage go through channel-major scratch and a
+transposing epilogue. At stride 1 each row of an item's columns is ONE contiguous run of the
+image's zero-padded planes (``_im2col_padded``), at the padded width, whose extra columns the
+epilogue drops (so those items always take the scratch): the per-element layout copies runs of
+OW (32) elements, under the vectorized loop's minimum trip count, and cost as much as the
+product at 32 -> 64; the padded runs took the 3 -> 32 columns from 8.0 to 1.6 ms (docs/cnn.md).
+``conv2d_stats`` runs the same items, its epilogue adding each plane's
+shifted sums, with the first item run alone first (it fixes the shift). The design it replaced
+ran im2col and the epilogue as Numba parallel regions around products on OpenBLAS's threads, on
+blocks of ``COLS_BLOCK_BYTES``: each phase found the other runtime's workers still spinning
+(NOTE [ Serial epilogue between BLAS calls ] in _jit.py), and the conv ran at 9-25% of the GEMM
+rate; per-phase figures in docs/cnn.md. Every output element is written by one item, so the
+result does not depend on which thread runs it.
+
+The backward forms grad_pre = grad_out * act'(pre) channel-major for the whole batch in one pass
+that also sums grad_b, then per block of ``COLS_BLOCK_BYTES``: grad_w_g += grad_pre_g @ cols_g.T
+and the columns' gradient ``w_g.T @ grad_pre_g``, which col2im adds back into grad_x one (image,
+channel) plane per work item (so no two threads write one element). A depthwise forward (one
+input channel per group) runs a direct kernel instead (``_direct_wins``): it ties with im2col
+there and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a
+loaded machine's ratios, taken before the work items). float16 is storage only: the columns, the
+weight and the sums are float32.
 
 Pooling runs one (image, channel) plane per work item: the max-pool backward scatters each
 window's gradient to its recorded index inside its own plane, the averages add the window sums.
@@ -180,31 +203,80 @@ def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
                 dst[a, b] = _narrow(plane[a, b], gx)
 
 
+@njit(**_FMA)
+def _im2col_padded(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xpad, cols):
+    # Stride 1: the columns of output rows [ra, rb) of images [n0, n1) at the padded width
+    # WP = OW + (kw - 1) * dw, cols[(c, i, j), (n - n0) * span + (r - ra) * WP + q], span =
+    # (rb - ra) * WP: each row of cols is ONE contiguous run of the image's zero-padded planes,
+    # built once per image in xpad (C, rows * WP + (kw - 1) * dw, the compute dtype). Columns
+    # q >= OW of each output row are junk (they read the next padded row), dropped by the
+    # epilogue.
+    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    wp = ow + (kw - 1) * dw
+    rows = rb - ra + (kh - 1) * dh
+    span = (rb - ra) * wp
+    lo, hi = min(pw, wp), min(wp, pw + w)
+    for n in range(n0, n1):
+        for c in range(c_dim):
+            plane = xpad[c]
+            for pr in range(rows):
+                ih = ra + pr - ph
+                o = pr * wp
+                if ih < 0 or ih >= h:
+                    for q in range(wp):
+                        plane[o + q] = 0
+                    continue
+                src = x[n, c, ih]
+                for q in range(lo):
+                    plane[o + q] = 0
+                for q in range(lo, hi):
+                    plane[o + q] = _widen(src[q - pw])
+                for q in range(hi, wp):
+                    plane[o + q] = 0
+            for q in range(rows * wp, plane.size):
+                plane[q] = 0
+        base = (n - n0) * span
+        for c in range(c_dim):
+            plane = xpad[c]
+            for i in range(kh):
+                for j in range(kw):
+                    dst = cols[(c * kh + i) * kw + j, base : base + span]
+                    off = i * dh * wp + j * dw
+                    for e in range(span):
+                        dst[e] = plane[off + e]
+
+
 # ----------------------------------------------------------------------------- epilogues
 
 
 @njit(**_FMA)
-def _epilogue(y, b, op, n0, c0, span, out, pre):
-    # out[n0 + n, o, c0 : c0 + span] = act(y[o, n * span + q] + b[o]) for a work item's
-    # nb = y.shape[1] // span images (pre, where kept, y + b as stored, and out the act of that),
-    # on the calling thread.
+def _epilogue(y, b, op, n0, c0, span, pitch, ow, out, pre):
+    # out[n0 + n, o, c0 + r * OW + q] = act(y[o, n * span' + r * pitch + q] + b[o]) for a work
+    # item's nb = y.shape[1] // span' images, span' = span // OW * pitch (pitch > OW: the padded
+    # width of _im2col_padded, whose junk columns are dropped here); pre, where kept, y + b as
+    # stored and out the act of that; on the calling thread.
     oc = out.shape[1]
-    nb = y.shape[1] // span
+    rows = span // ow
+    ys = rows * pitch
+    nb = y.shape[1] // ys
+    width = span if pitch == ow else ow  # one run per plane where nothing is dropped
+    runs = span // width
     for item in range(nb * oc):
         n = item // oc
         o = item % oc
-        src = y[o, n * span : (n + 1) * span]
-        dst = out[n0 + n, o, c0 : c0 + span]
-        bias = _widen(b[o]) if b is not None else _like(0.0, src[0])
-        if pre is None:
-            for q in range(span):
-                dst[q] = _narrow(_act(src[q] + bias, op), out)
-        else:
-            keep = pre[n0 + n, o, c0 : c0 + span]
-            for q in range(span):
-                v = _narrow(src[q] + bias, keep)
-                keep[q] = v
-                dst[q] = _narrow(_act(_widen(v), op), out)
+        bias = _widen(b[o]) if b is not None else _like(0.0, y[o, 0])
+        for r in range(runs):
+            src = y[o, n * ys + r * pitch : n * ys + r * pitch + width]
+            dst = out[n0 + n, o, c0 + r * width : c0 + (r + 1) * width]
+            if pre is None:
+                for q in range(width):
+                    dst[q] = _narrow(_act(src[q] + bias, op), out)
+            else:
+                keep = pre[n0 + n, o, c0 + r * width : c0 + (r + 1) * width]
+                for q in range(width):
+                    v = _narrow(src[q] + bias, keep)
+                    keep[q] = v
+                    dst[q] = _narrow(_act(_widen(v), op), out)
 
 
 @njit(**_FMA)
@@ -261,19 +333,28 @@ def _stats_span(src, bias, k, dst):
 
 
 @njit(**_FMA_REDUCE)
-def _epilogue_stats(y, b, n0, c0, span, out, shift, s1, s2, part):
-    # out[n0 + n, o, c0 : c0 + span] = y[o, n * span + q] + b[o] as stored for a work item's
-    # nb = y.shape[1] // span images, and those values' shifted sums sum(out - K[o]) and
-    # sum((out - K[o])^2) into s1[part + n, o], s2[part + n, o] (NOTE [ Batch norm statistics in
-    # one pass ] in batch_norm.py), while the item is still in cache; on the calling thread.
+def _epilogue_stats(y, b, n0, c0, span, pitch, ow, out, shift, s1, s2, part):
+    # out[n0 + n, o, c0 + r * OW + q] = y[o, n * span' + r * pitch + q] + b[o] as stored, laid out
+    # as _epilogue's, and those values' shifted sums sum(out - K[o]) and sum((out - K[o])^2) into
+    # s1[part + n, o], s2[part + n, o] (NOTE [ Batch norm statistics in one pass ] in
+    # batch_norm.py), while the item is still in cache; on the calling thread.
     oc = out.shape[1]
-    nb = y.shape[1] // span
+    rows = span // ow
+    ys = rows * pitch
+    nb = y.shape[1] // ys
+    width = span if pitch == ow else ow
+    runs = span // width
     for item in range(nb * oc):
         n = item // oc
         o = item % oc
-        src = y[o, n * span : (n + 1) * span]
-        bias = _widen(b[o]) if b is not None else _like(0.0, _widen(src[0]))
-        a, q2 = _stats_span(src, bias, shift[o], out[n0 + n, o, c0 : c0 + span])
+        bias = _widen(b[o]) if b is not None else _like(0.0, _widen(y[o, 0]))
+        a = 0.0
+        q2 = 0.0
+        for r in range(runs):
+            src = y[o, n * ys + r * pitch : n * ys + r * pitch + width]
+            ra, rq = _stats_span(src, bias, shift[o], out[n0 + n, o, c0 + r * width : c0 + (r + 1) * width])
+            a += ra
+            q2 += rq
         s1[part + n, o] = a
         s2[part + n, o] = q2
 
@@ -391,33 +472,38 @@ def _product(w2, cols, y) -> None:
 class _Forward:
     """The forward's work items (NOTE [ Convolution on the host: im2col in blocks ]): output rows
     ``[ra, rb)`` of images ``[n0, n0 + nb)`` laid out as columns in the worker's scratch, one
-    product per group (BLAS on the worker's thread), then ``epilogue(worker, n0, part, c0, span,
-    y)`` for the ``span`` output pixels from ``c0`` of each image. An item of one image whose
-    output ``into`` holds the compute dtype takes the product in place (``y`` None: no
-    transposing pass); others go through channel-major scratch ``y (OC, nb * span)``. ``part``
-    numbers the items' (image, band) pairs: ``n * bands + band``."""
+    product per group (BLAS on the worker's thread), then ``epilogue(n0, part, c0, span, y)`` for
+    the ``span`` output pixels from ``c0`` of each image. At stride 1 the columns come from the
+    image's padded planes at the padded width ``pitch`` (``_im2col_padded``). An item of one image
+    at ``pitch == OW`` whose output ``into`` holds the compute dtype takes the product in place
+    (``y`` None: no epilogue's copy); others go through channel-major scratch ``y (OC, nb * rows *
+    pitch)``. ``part`` numbers the items' (image, band) pairs: ``n * bands + band``."""
 
     def __init__(self, x, w, stride, padding, dilation, groups, oh, ow, into, epilogue, workers):
         n, c, _, _ = x.shape
         oc, cg, kh, kw = w.shape
         scratch = pool.host_pool()
         ct = _compute_dtype(x.dtype)
-        rows, p = c * kh * kw, oh * ow
-        self.band = (
-            oh
-            if rows * p * ct.itemsize <= ITEM_MAX_BYTES
-            else max(1, ITEM_MAX_BYTES // (rows * ow * ct.itemsize))
-        )
+        self.padded = tuple(stride) == (1, 1)
+        self.pitch = ow + (kw - 1) * dilation[1] if self.padded else ow
+        rows, p = c * kh * kw, oh * self.pitch
+        row_bytes = rows * self.pitch * ct.itemsize
+        self.band = oh if rows * p * ct.itemsize <= ITEM_MAX_BYTES else max(1, ITEM_MAX_BYTES // row_bytes)
         self.bands = -(-oh // self.band)
         self.nb = 1 if self.bands > 1 else max(1, min(-(-ITEM_MIN_COLUMNS // p), -(-n // workers)))
         self.n, self.oh, self.ow = n, oh, ow
         self.geom = (kh, kw, *stride, *padding, *dilation, oh, ow)
         self.x = _bits(x)
         self.w2 = _as_compute(w, scratch).reshape(groups, oc // groups, cg * kh * kw)
-        width = self.nb * self.band * ow
+        width = self.nb * self.band * self.pitch
         self.cols = scratch.acquire((workers, rows, width), ct)
-        self.into = into if self.nb == 1 and into.dtype == ct else None
-        self.y = None if self.into is not None else scratch.acquire((workers, oc, width), ct)
+        self.xpad = None
+        if self.padded:
+            plane = (self.band + (kh - 1) * dilation[0]) * self.pitch + (kw - 1) * dilation[1]
+            self.xpad = scratch.acquire((workers, c, plane), ct)
+        in_place = self.nb == 1 and self.pitch == ow and into.dtype == ct
+        self.into = into if in_place else None
+        self.y = None if in_place else scratch.acquire((workers, oc, width), ct)
         self.epilogue = epilogue
 
     def items(self) -> list[tuple[int, int]]:
@@ -429,13 +515,17 @@ class _Forward:
         ra = band * self.band
         rb = min(self.oh, ra + self.band)
         c0, span = ra * self.ow, (rb - ra) * self.ow
-        cols = self.cols[worker, :, : (n1 - n0) * span]
-        _im2col_block(self.x, n0, n1, ra, rb, *self.geom, cols)
+        cols = self.cols[worker, :, : (n1 - n0) * (rb - ra) * self.pitch]
+        if self.padded:
+            kh, kw, _, _, ph, pw, dh, dw, _, ow = self.geom
+            _im2col_padded(self.x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols)
+        else:
+            _im2col_block(self.x, n0, n1, ra, rb, *self.geom, cols)
         if self.into is not None:
             _product(self.w2, cols, self.into[n0, :, c0 : c0 + span])
             y = None
         else:
-            y = self.y[worker, :, : (n1 - n0) * span]
+            y = self.y[worker, :, : cols.shape[1]]
             _product(self.w2, cols, y)
         self.epilogue(n0, n0 * self.bands + band, c0, span, y)
 
@@ -460,7 +550,7 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
 
     def epilogue(n0, part, c0, span, y):
         if y is not None:
-            _epilogue(y, bb, op, n0, c0, span, o3, p3)
+            _epilogue(y, bb, op, n0, c0, span, fw.pitch, ow, o3, p3)
         elif not bare:
             _epilogue_in_place(bb, op, n0, c0, span, o3, p3)
 
@@ -560,7 +650,7 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
         if y is None:
             _epilogue_stats_in_place(bb, n0, c0, span, o3, shift, s1, s2, part)
         else:
-            _epilogue_stats(y, bb, n0, c0, span, o3, shift, s1, s2, part)
+            _epilogue_stats(y, bb, n0, c0, span, fw.pitch, ow, o3, shift, s1, s2, part)
 
     workers = _workers(n * oh)
     fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, o3, epilogue, workers)
