@@ -2,29 +2,51 @@
 
 NOTE [ Convolution on the host: im2col in blocks ]
 A convolution is a matrix product per group once the input under every tap is laid out as
-columns: ``cols[(c, i, j), (n, oh, ow)]``. The product runs in BLAS (NumPy's matmul, as
-``linear_act``), on blocks of images whose columns take about ``COLS_BLOCK_BYTES`` of scratch
-from the host pool, never the columns of the whole batch. The layout puts a block's images side
-by side in the columns, ``(C * KH * KW, nb * OH * OW)``, so that each group is ONE product per
-block, ``w_g (OCg, K) @ cols_g (K, nb * P)``, into a channel-major scratch ``(OC, nb * P)``; one
-pass then adds the bias, applies the activation (keeping ``pre``) and stores NCHW. The backward
-runs per block too: one pass writes the block's grad_pre = grad_out * act'(pre) channel-major
-into scratch ``(OC, nb * P)`` (and each plane's float64 sum, for grad_b), so that both products
-read it while it is in cache; the columns are recomputed; ``grad_w_g += cols_g @ grad_pre_g.T``
-(transposed) when a group has at least as many taps K as outputs, else ``grad_pre_g @ cols_g.T``:
-the product whose output has more rows than columns. On a loaded 2-core machine, with a Numba
-kernel before each call, the other order stalled: medians of 2.8 s against 17 ms a call at
-3 -> 32 (K = 27, 32 outputs), 558 ms against 18.5 ms at 32 -> 64 (K = 288, 64 outputs);
-OpenBLAS alone ran both orders in 3-5 ms (docs/cnn.md). The columns' gradient
-``w_g.T @ grad_pre_g`` is written over the columns and col2im adds it back into grad_x one
-(image, channel) plane per work item (no two threads write one element), each tap one shifted
-add over the rows and columns whose input is inside (no branch in the inner loop). Scratch rows
-carry 16 elements of padding: at 32 x 32 outputs every row stride is a multiple of 4 KiB, which
-puts all rows of a BLAS operand in one L1 set. An input that needs no gradient (a network's
-first layer) skips the columns' gradient and col2im (the autograd passes ``grad_x=None``, as
-PyTorch). A depthwise forward (one input channel per group)
-runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns;
-everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded machine's ratios). float16 is storage only: the columns, the weight and the sums are float32.
+columns: ``cols[(c, i, j), (n, oh, ow)]``. The products run in BLAS (NumPy's matmul), on blocks
+of the batch whose columns sit in scratch from the host pool, never the columns of the whole batch.
+
+The forward shares the batch out between ``numba.get_num_threads()`` Python threads as work
+items (attention's ``_run``: each worker takes the next item as it finishes one), BLAS held to
+one thread per call for the duration (NOTE [ Numba attention threads ]). An item is one image,
+or as many small images as make its product ``ITEM_MIN_COLUMNS`` wide, or a band of output rows
+of an image whose columns would pass ``ITEM_MAX_BYTES``. Its worker lays out the item's columns
+in its own scratch (288 x 1024 float32, 1.2 MB, at the CIFAR-like 32 -> 64 layer: in L2), runs
+one product per group (one stacked matmul for several groups), ``w_g (OCg, K) @ cols_g (K,
+width)``, and the epilogue adds the bias and applies the activation (keeping ``pre``) while the
+item is in cache. For one image that product IS the image's NCHW output ``(OC, OH * OW)``: it
+lands in ``out`` (or ``pre``, where kept) and the epilogue runs in place, with no transposing
+pass; items of several images and float16 storage go through channel-major scratch and a
+transposing epilogue. At stride 1 each row of an item's columns is ONE contiguous run of the
+image's zero-padded planes (``_im2col_padded``), at the padded width, whose extra columns the
+epilogue drops (so those items always take the scratch): the per-element layout copies runs of
+OW (32) elements, under the vectorized loop's minimum trip count, and cost as much as the
+product at 32 -> 64; the padded runs took the 3 -> 32 columns from 8.0 to 1.6 ms (docs/cnn.md).
+``conv2d_stats`` runs the same items, its epilogue adding each plane's
+shifted sums, with the first item run alone first (it fixes the shift). The design it replaced
+ran im2col and the epilogue as Numba parallel regions around products on OpenBLAS's threads, on
+blocks of ``COLS_BLOCK_BYTES``: each phase found the other runtime's workers still spinning
+(NOTE [ Serial epilogue between BLAS calls ] in _jit.py), and the conv ran at 9-25% of the GEMM
+rate; per-phase figures in docs/cnn.md. Every output element is written by one item, so the
+result does not depend on which thread runs it.
+
+The backward runs per block of ``COLS_BLOCK_BYTES``: one pass writes the block's grad_pre =
+grad_out * act'(pre) channel-major into scratch ``(OC, nb * P)`` (and each plane's float64 sum, for
+grad_b), so that both products read it while it is in cache; the columns are recomputed; ``grad_w_g
++= cols_g @ grad_pre_g.T`` (transposed) when a group has at least as many taps K as outputs, else
+``grad_pre_g @ cols_g.T``: the product whose output has more rows than columns. On a loaded 2-core
+machine, with a Numba kernel before each call, the other order stalled: medians of 2.8 s against 17
+ms a call at 3 -> 32 (K = 27, 32 outputs), 558 ms against 18.5 ms at 32 -> 64 (K = 288, 64
+outputs); OpenBLAS alone ran both orders in 3-5 ms (docs/cnn.md). The columns' gradient ``w_g.T @
+grad_pre_g`` is written over the columns and col2im adds it back into grad_x one (image, channel)
+plane per work item (no two threads write one element), each tap one shifted add over the rows and
+columns whose input is inside (no branch in the inner loop). Scratch rows carry 16 elements of
+padding: at 32 x 32 outputs every row stride is a multiple of 4 KiB, which puts all rows of a BLAS
+operand in one L1 set. An input that needs no gradient (a network's first layer) skips the columns'
+gradient and col2im (the autograd passes ``grad_x=None``, as PyTorch). A depthwise forward (one
+input channel per group) runs a direct kernel instead (``_direct_wins``): it ties with im2col there
+and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded
+machine's ratios, taken before the work items). float16 is storage only: the columns, the weight
+and the sums are float32.
 
 Pooling runs one (image, channel) plane per work item: the max-pool backward scatters each
 window's gradient to its recorded index inside its own plane, the averages add the window sums.
@@ -55,6 +77,7 @@ from taifuse import pool
 from taifuse.backends._spec import activation_code
 from taifuse.backends.numba import _jit
 from taifuse.backends.numba._jit import (
+    _FMA,
     _FMA_INLINE,
     _FMA_PARALLEL,
     _FMA_REDUCE,
@@ -72,6 +95,7 @@ from taifuse.backends.numba._jit import (
     _silu,
     _widen,
 )
+from taifuse.backends.numba.attention import _run, _workers
 from taifuse.backends.numba.backward import _grad_pre_span
 from taifuse.backends.numba.batch_norm import (
     _backward_planes,
@@ -118,32 +142,61 @@ def _act(v, op):
 # ----------------------------------------------------------------------------- im2col / col2im
 
 
+@njit(**_FMA_INLINE)
+def _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, ra, rb, oh, ow, dst):
+    # dst[(r - ra) * OW + q] = x[n, c, r * sh - ph + i * dh, q * sw - pw + j * dw] for the output
+    # rows r in [ra, rb), 0 outside the input: the valid columns of a row are one run (a
+    # contiguous copy at stride 1), without a branch per element.
+    h, w = x.shape[2], x.shape[3]
+    r0, r1 = _valid(oh, sh, i * dh - ph, h)
+    off = j * dw - pw
+    q0, q1 = _valid(ow, sw, off, w)
+    for r in range(ra, rb):
+        o = (r - ra) * ow
+        if r < r0 or r >= r1:
+            for q in range(ow):
+                dst[o + q] = 0
+            continue
+        src = x[n, c, r * sh - ph + i * dh]
+        for q in range(q0):
+            dst[o + q] = 0
+        if sw == 1:
+            for q in range(q0, q1):
+                dst[o + q] = _widen(src[q + off])
+        else:
+            for q in range(q0, q1):
+                dst[o + q] = _widen(src[q * sw + off])
+        for q in range(q1, ow):
+            dst[o + q] = 0
+
+
 @njit(**_FMA_PARALLEL)
 def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
     # cols[(c, i, j), (n - n0) * P + oh * OW + ow] = x[n, c, ih, iw], 0 outside the input.
-    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    c_dim = x.shape[1]
     p = oh * ow
     for row in prange(c_dim * kh * kw):
         c = row // (kh * kw)
         i = (row // kw) % kh
         j = row % kw
-        dst = cols[row]
         for n in range(n0, n1):
             base = (n - n0) * p
-            for r in range(oh):
-                ih = r * sh - ph + i * dh
-                o = base + r * ow
-                if ih < 0 or ih >= h:
-                    for q in range(ow):
-                        dst[o + q] = 0
-                    continue
-                src = x[n, c, ih]
-                for q in range(ow):
-                    iw = q * sw - pw + j * dw
-                    if 0 <= iw < w:
-                        dst[o + q] = _widen(src[iw])
-                    else:
-                        dst[o + q] = 0
+            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, 0, oh, oh, ow, cols[row, base : base + p])
+
+
+@njit(**_FMA)
+def _im2col_block(x, n0, n1, ra, rb, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
+    # _im2col of the output rows [ra, rb) of images [n0, n1) on the calling thread (a forward
+    # work item): cols[(c, i, j), (n - n0) * span + (r - ra) * OW + q], span = (rb - ra) * OW.
+    c_dim = x.shape[1]
+    span = (rb - ra) * ow
+    for row in range(c_dim * kh * kw):
+        c = row // (kh * kw)
+        i = (row // kw) % kh
+        j = row % kw
+        for n in range(n0, n1):
+            base = (n - n0) * span
+            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, ra, rb, oh, ow, cols[row, base : base + span])
 
 
 @njit(**_FMA_PARALLEL)
@@ -182,29 +235,99 @@ def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
                 dst[a, b] = _narrow(plane[a, b], gx)
 
 
+@njit(**_FMA)
+def _im2col_padded(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xpad, cols):
+    # Stride 1: the columns of output rows [ra, rb) of images [n0, n1) at the padded width
+    # WP = OW + (kw - 1) * dw, cols[(c, i, j), (n - n0) * span + (r - ra) * WP + q], span =
+    # (rb - ra) * WP: each row of cols is ONE contiguous run of the image's zero-padded planes,
+    # built once per image in xpad (C, rows * WP + (kw - 1) * dw, the compute dtype). Columns
+    # q >= OW of each output row are junk (they read the next padded row), dropped by the
+    # epilogue.
+    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    wp = ow + (kw - 1) * dw
+    rows = rb - ra + (kh - 1) * dh
+    span = (rb - ra) * wp
+    lo, hi = min(pw, wp), min(wp, pw + w)
+    for n in range(n0, n1):
+        for c in range(c_dim):
+            plane = xpad[c]
+            for pr in range(rows):
+                ih = ra + pr - ph
+                o = pr * wp
+                if ih < 0 or ih >= h:
+                    for q in range(wp):
+                        plane[o + q] = 0
+                    continue
+                src = x[n, c, ih]
+                for q in range(lo):
+                    plane[o + q] = 0
+                for q in range(lo, hi):
+                    plane[o + q] = _widen(src[q - pw])
+                for q in range(hi, wp):
+                    plane[o + q] = 0
+            for q in range(rows * wp, plane.size):
+                plane[q] = 0
+        base = (n - n0) * span
+        for c in range(c_dim):
+            plane = xpad[c]
+            for i in range(kh):
+                for j in range(kw):
+                    dst = cols[(c * kh + i) * kw + j, base : base + span]
+                    off = i * dh * wp + j * dw
+                    for e in range(span):
+                        dst[e] = plane[off + e]
+
+
 # ----------------------------------------------------------------------------- epilogues
 
 
-@njit(**_FMA_PARALLEL)
-def _epilogue(y, b, op, n0, out, pre):
-    # out[n, o] = act(y[o, (n - n0) * P + p] + b[o]) (pre keeps y + b, and out the act of it as stored).
-    nb = y.shape[1] // out.shape[2]
-    oc, p = out.shape[1], out.shape[2]
-    for item in prange(nb * oc):
+@njit(**_FMA)
+def _epilogue(y, b, op, n0, c0, span, pitch, ow, out, pre):
+    # out[n0 + n, o, c0 + r * OW + q] = act(y[o, n * span' + r * pitch + q] + b[o]) for a work
+    # item's nb = y.shape[1] // span' images, span' = span // OW * pitch (pitch > OW: the padded
+    # width of _im2col_padded, whose junk columns are dropped here); pre, where kept, y + b as
+    # stored and out the act of that; on the calling thread.
+    oc = out.shape[1]
+    rows = span // ow
+    ys = rows * pitch
+    nb = y.shape[1] // ys
+    width = span if pitch == ow else ow  # one run per plane where nothing is dropped
+    runs = span // width
+    for item in range(nb * oc):
         n = item // oc
         o = item % oc
-        src = y[o, n * p : (n + 1) * p]
-        dst = out[n0 + n, o]
-        bias = _widen(b[o]) if b is not None else _widen(src[0]) * 0
+        bias = _widen(b[o]) if b is not None else _like(0.0, y[o, 0])
+        for r in range(runs):
+            src = y[o, n * ys + r * pitch : n * ys + r * pitch + width]
+            dst = out[n0 + n, o, c0 + r * width : c0 + (r + 1) * width]
+            if pre is None:
+                for q in range(width):
+                    dst[q] = _narrow(_act(src[q] + bias, op), out)
+            else:
+                keep = pre[n0 + n, o, c0 + r * width : c0 + (r + 1) * width]
+                for q in range(width):
+                    v = _narrow(src[q] + bias, keep)
+                    keep[q] = v
+                    dst[q] = _narrow(_act(_widen(v), op), out)
+
+
+@njit(**_FMA)
+def _epilogue_in_place(b, op, n, c0, span, out, pre):
+    # _epilogue for one image whose product is already in place: in pre where it is kept, else in
+    # out (the compute dtype, so nothing is narrowed). Each loop reads and writes through the same
+    # array, so LLVM vectorizes it without a runtime overlap check.
+    for o in range(out.shape[1]):
+        dst = out[n, o, c0 : c0 + span]
+        bias = _widen(b[o]) if b is not None else _like(0.0, dst[0])
         if pre is None:
-            for q in range(p):
-                dst[q] = _narrow(_act(src[q] + bias, op), out)
+            for q in range(span):
+                dst[q] = _act(dst[q] + bias, op)
         else:
-            keep = pre[n0 + n, o]
-            for q in range(p):
-                v = _narrow(src[q] + bias, keep)
+            keep = pre[n, o, c0 : c0 + span]
+            for q in range(span):
+                v = keep[q] + bias
                 keep[q] = v
-                dst[q] = _narrow(_act(_widen(v), op), out)
+                dst[q] = _act(v, op)
 
 
 @njit(**_FMA_PARALLEL)
@@ -236,30 +359,56 @@ def _span_sum(a):
     return s
 
 
-@njit(**_FMA_PARALLEL)
-def _epilogue_stats(y, b, n0, out, shift, s1, s2):
-    # out[n, o] = y[o, (n - n0) * P + p] + b[o] as stored, and that plane's shifted sums
-    # sum(out - K[o]) and sum((out - K[o])^2) into s1[n, o], s2[n, o] (NOTE [ Batch norm statistics
-    # in one pass ] in batch_norm.py), while the block of y is still in cache.
-    nb = y.shape[1] // out.shape[2]
-    oc, p = out.shape[1], out.shape[2]
-    for item in prange(nb * oc):
+@njit(**_FMA_INLINE)
+def _stats_span(src, bias, k, dst):
+    # dst = src + bias as stored, and the shifted sums sum(dst - k), sum((dst - k)^2) in float64.
+    a = 0.0
+    q2 = 0.0
+    for q in range(dst.size):
+        v = _narrow(_widen(src[q]) + bias, dst)
+        dst[q] = v
+        d = np.float64(_widen(v)) - k
+        a += d
+        q2 += d * d
+    return a, q2
+
+
+@njit(**_FMA_REDUCE)
+def _epilogue_stats(y, b, n0, c0, span, pitch, ow, out, shift, s1, s2, part):
+    # out[n0 + n, o, c0 + r * OW + q] = y[o, n * span' + r * pitch + q] + b[o] as stored, laid out
+    # as _epilogue's, and those values' shifted sums sum(out - K[o]) and sum((out - K[o])^2) into
+    # s1[part + n, o], s2[part + n, o] (NOTE [ Batch norm statistics in one pass ] in
+    # batch_norm.py), while the item is still in cache; on the calling thread.
+    oc = out.shape[1]
+    rows = span // ow
+    ys = rows * pitch
+    nb = y.shape[1] // ys
+    width = span if pitch == ow else ow
+    runs = span // width
+    for item in range(nb * oc):
         n = item // oc
         o = item % oc
-        src = y[o, n * p : (n + 1) * p]
-        dst = out[n0 + n, o]
-        bias = _widen(b[o]) if b is not None else _widen(src[0]) * 0
-        k = shift[o]
+        bias = _widen(b[o]) if b is not None else _like(0.0, _widen(y[o, 0]))
         a = 0.0
         q2 = 0.0
-        for q in range(p):
-            v = _narrow(src[q] + bias, out)
-            dst[q] = v
-            d = np.float64(_widen(v)) - k
-            a += d
-            q2 += d * d
-        s1[n0 + n, o] = a
-        s2[n0 + n, o] = q2
+        for r in range(runs):
+            src = y[o, n * ys + r * pitch : n * ys + r * pitch + width]
+            ra, rq = _stats_span(src, bias, shift[o], out[n0 + n, o, c0 + r * width : c0 + (r + 1) * width])
+            a += ra
+            q2 += rq
+        s1[part + n, o] = a
+        s2[part + n, o] = q2
+
+
+@njit(**_FMA_REDUCE)
+def _epilogue_stats_in_place(b, n, c0, span, out, shift, s1, s2, part):
+    # _epilogue_stats for one image whose product is already in out (the compute dtype).
+    for o in range(out.shape[1]):
+        dst = out[n, o, c0 : c0 + span]
+        bias = _widen(b[o]) if b is not None else _like(0.0, dst[0])
+        a, q2 = _stats_span(dst, bias, shift[o], dst)
+        s1[part, o] = a
+        s2[part, o] = q2
 
 
 @njit(**_FMA_PARALLEL)
@@ -346,36 +495,113 @@ def _images_per_block(rows: int, p: int, itemsize: int, n: int) -> int:
     return max(1, min(n, COLS_BLOCK_BYTES // max(1, rows * p * itemsize)))
 
 
+# A forward work item (NOTE [ Convolution on the host: im2col in blocks ]): its product is at
+# least ITEM_MIN_COLUMNS columns wide (images of fewer output pixels share an item), and its
+# columns take at most ITEM_MAX_BYTES (an image with more gives items of a band of output rows).
+ITEM_MIN_COLUMNS = 1024
+ITEM_MAX_BYTES = 4 * 1024 * 1024
+
+
+def _product(w2, cols, y) -> None:
+    """y = w2 @ cols per group: w2 (G, OCg, K), cols (G * K, width), y (G * OCg, width)."""
+    groups, ocg, k = w2.shape
+    if groups == 1:
+        np.matmul(w2[0], cols, out=y)
+    else:
+        np.matmul(w2, cols.reshape(groups, k, -1), out=y.reshape(groups, ocg, -1))
+
+
+class _Forward:
+    """The forward's work items (NOTE [ Convolution on the host: im2col in blocks ]): output rows
+    ``[ra, rb)`` of images ``[n0, n0 + nb)`` laid out as columns in the worker's scratch, one
+    product per group (BLAS on the worker's thread), then ``epilogue(n0, part, c0, span, y)`` for
+    the ``span`` output pixels from ``c0`` of each image. At stride 1 the columns come from the
+    image's padded planes at the padded width ``pitch`` (``_im2col_padded``). An item of one image
+    at ``pitch == OW`` whose output ``into`` holds the compute dtype takes the product in place
+    (``y`` None: no epilogue's copy); others go through channel-major scratch ``y (OC, nb * rows *
+    pitch)``. ``part`` numbers the items' (image, band) pairs: ``n * bands + band``."""
+
+    def __init__(self, x, w, stride, padding, dilation, groups, oh, ow, into, epilogue, workers):
+        n, c, _, _ = x.shape
+        oc, cg, kh, kw = w.shape
+        scratch = pool.host_pool()
+        ct = _compute_dtype(x.dtype)
+        self.padded = tuple(stride) == (1, 1)
+        self.pitch = ow + (kw - 1) * dilation[1] if self.padded else ow
+        rows, p = c * kh * kw, oh * self.pitch
+        row_bytes = rows * self.pitch * ct.itemsize
+        self.band = oh if rows * p * ct.itemsize <= ITEM_MAX_BYTES else max(1, ITEM_MAX_BYTES // row_bytes)
+        self.bands = -(-oh // self.band)
+        self.nb = 1 if self.bands > 1 else max(1, min(-(-ITEM_MIN_COLUMNS // p), -(-n // workers)))
+        self.n, self.oh, self.ow = n, oh, ow
+        self.geom = (kh, kw, *stride, *padding, *dilation, oh, ow)
+        self.x = _bits(x)
+        self.w2 = _as_compute(w, scratch).reshape(groups, oc // groups, cg * kh * kw)
+        width = self.nb * self.band * self.pitch
+        self.cols = scratch.acquire((workers, rows, width), ct)
+        self.xpad = None
+        if self.padded:
+            plane = (self.band + (kh - 1) * dilation[0]) * self.pitch + (kw - 1) * dilation[1]
+            self.xpad = scratch.acquire((workers, c, plane), ct)
+        in_place = self.nb == 1 and self.pitch == ow and into.dtype == ct
+        self.into = into if in_place else None
+        self.y = None if in_place else scratch.acquire((workers, oc, width), ct)
+        self.epilogue = epilogue
+
+    def items(self) -> list[tuple[int, int]]:
+        return [(n0, band) for n0 in range(0, self.n, self.nb) for band in range(self.bands)]
+
+    def __call__(self, worker: int, item: tuple[int, int]) -> None:
+        n0, band = item
+        n1 = min(self.n, n0 + self.nb)
+        ra = band * self.band
+        rb = min(self.oh, ra + self.band)
+        c0, span = ra * self.ow, (rb - ra) * self.ow
+        cols = self.cols[worker, :, : (n1 - n0) * (rb - ra) * self.pitch]
+        if self.padded:
+            kh, kw, _, _, ph, pw, dh, dw, _, ow = self.geom
+            _im2col_padded(self.x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols)
+        else:
+            _im2col_block(self.x, n0, n1, ra, rb, *self.geom, cols)
+        if self.into is not None:
+            _product(self.w2, cols, self.into[n0, :, c0 : c0 + span])
+            y = None
+        else:
+            y = self.y[worker, :, : cols.shape[1]]
+            _product(self.w2, cols, y)
+        self.epilogue(n0, n0 * self.bands + band, c0, span, y)
+
+
 def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
     """See the reference's conv2d; NOTE [ Convolution on the host: im2col in blocks ]."""
     op = int(activation_code(activation))
-    n, c, _, _ = x.shape
-    oc, cg, kh, kw = w.shape
+    n, c = x.shape[:2]
+    oc = w.shape[0]
     oh, ow = out.shape[2:]
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     bb = None if b is None else _bits(b)
     pb = None if pre is None else _bits(pre)
-    scratch = pool.host_pool()
-    ct = _compute_dtype(x.dtype)
     if _direct_wins(groups, c, oc):
-        planes = scratch.acquire((n * oc, oh, ow), ct)
+        planes = pool.host_pool().acquire((n * oc, oh, ow), _compute_dtype(x.dtype))
         _direct(_bits(x), _bits(w), bb, sh, sw, ph, pw, dh, dw, groups, op, planes, _bits(out), pb)
         return
     p = oh * ow
-    k = cg * kh * kw
-    ocg = oc // groups
-    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
-    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
-    cols = scratch.acquire((c * kh * kw, nb * p), ct)
-    y = scratch.acquire((oc, nb * p), ct)
-    for n0 in range(0, n, nb):
-        n1 = min(n, n0 + nb)
-        width = (n1 - n0) * p
-        cv, yv = cols[:, :width], y[:, :width]
-        _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
-        for g in range(groups):
-            np.matmul(w2[g], cv[g * k : (g + 1) * k], out=yv[g * ocg : (g + 1) * ocg])
-        _epilogue(yv, bb, op, n0, _bits(out).reshape(n, oc, p), None if pb is None else pb.reshape(n, oc, p))
+    o3 = _bits(out).reshape(n, oc, p)
+    p3 = None if pb is None else pb.reshape(n, oc, p)
+    bare = bb is None and op == _IDENTITY and p3 is None  # out = the product: nothing to add or apply
+
+    def epilogue(n0, part, c0, span, y):
+        if y is not None:
+            _epilogue(y, bb, op, n0, c0, span, fw.pitch, ow, o3, p3)
+        elif not bare:
+            _epilogue_in_place(bb, op, n0, c0, span, o3, p3)
+
+    workers = _workers(n * oh)
+    # The product lands in pre where it is kept (pre = y + b, out = act(pre)).
+    fw = _Forward(
+        x, w, stride, padding, dilation, groups, oh, ow, o3 if p3 is None else p3, epilogue, workers
+    )
+    _run(fw, fw.items(), workers)
 
 
 def conv2d_backward(
@@ -466,40 +692,36 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
     """See the reference's conv2d_stats (NOTE [ The fused Conv-BN-ReLU block in training ]): the
     im2col path's epilogue adds each plane's shifted sums while it stores the block; the direct
     path (depthwise) runs batch_norm_stats over its output after it, one more pass."""
-    n, c, _, _ = x.shape
-    oc, cg, kh, kw = w.shape
+    n, c = x.shape[:2]
+    oc = w.shape[0]
     oh, ow = out.shape[2:]
     if _direct_wins(groups, c, oc):
         conv2d(x, w, b, stride, padding, dilation, groups, None, out)
         batch_norm_stats(out.reshape(n, oc, oh * ow), mean, var)
         return
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     scratch = pool.host_pool()
-    ct = _compute_dtype(x.dtype)
     p = oh * ow
-    k = cg * kh * kw
-    ocg = oc // groups
-    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
-    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
-    cols = scratch.acquire((c * kh * kw, nb * p), ct)
-    y = scratch.acquire((oc, nb * p), ct)
-    shift = scratch.acquire((oc,), np.float64)
-    s1, s2 = scratch.acquire((n, oc), np.float64), scratch.acquire((n, oc), np.float64)
     bb = None if b is None else _bits(b)
     o3 = _bits(out).reshape(n, oc, p)
-    for n0 in range(0, n, nb):
-        n1 = min(n, n0 + nb)
-        width = (n1 - n0) * p
-        cv, yv = cols[:, :width], y[:, :width]
-        _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
-        for g in range(groups):
-            np.matmul(w2[g], cv[g * k : (g + 1) * k], out=yv[g * ocg : (g + 1) * ocg])
-        if n0 == 0:  # K[o]: the channel's first value as stored
-            first = yv[:, 0].copy()
+    shift = scratch.acquire((oc,), np.float64)
+
+    def epilogue(n0, part, c0, span, y):
+        if part == 0:  # K[o]: the channel's first value as stored (the first item runs alone)
+            first = (o3[0, :, 0] if y is None else y[:, 0]).copy()
             if b is not None:
-                first += b.astype(ct)
+                first += b.astype(first.dtype)
             np.copyto(shift, first.astype(out.dtype), casting="unsafe")
-        _epilogue_stats(yv, bb, n0, o3, shift, s1, s2)
+        if y is None:
+            _epilogue_stats_in_place(bb, n0, c0, span, o3, shift, s1, s2, part)
+        else:
+            _epilogue_stats(y, bb, n0, c0, span, fw.pitch, ow, o3, shift, s1, s2, part)
+
+    workers = _workers(n * oh)
+    fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, o3, epilogue, workers)
+    s1, s2 = (scratch.acquire((n * fw.bands, oc), np.float64) for _ in range(2))
+    items = fw.items()
+    fw(0, items[0])
+    _run(fw, items[1:], workers)
     _finish_stats(s1, s2, shift, n * p, mean, var)
 
 

@@ -47,7 +47,9 @@ def _im2col(x: np.ndarray, kh: int, kw: int, stride, padding, dilation, oh: int,
     hi, hv = _taps(oh, x.shape[2], kh, stride[0], padding[0], dilation[0])
     wi, wv = _taps(ow, x.shape[3], kw, stride[1], padding[1], dilation[1])
     cols = x[:, :, hi[:, None, :, None], wi[None, :, None, :]]
-    return cols * (hv[:, None, :, None] & wv[None, :, None, :])
+    # A select, not a product with the mask: an outside tap reads a clipped index, whose inf or
+    # NaN times 0 would be NaN.
+    return np.where(hv[:, None, :, None] & wv[None, :, None, :], cols, 0.0)
 
 
 def _col2im(cols: np.ndarray, shape, stride, padding, dilation) -> np.ndarray:

@@ -1,0 +1,160 @@
+"""The Numba convolution forward's work items (NOTE [ Convolution on the host: im2col in blocks ]).
+
+``conv2d`` and ``conv2d_stats`` share a batch out between threads in items of whole images: an
+item of one image lands its product in the output (or ``pre``) in place, an item of several
+images (small ones, under ``ITEM_MIN_COLUMNS`` output pixels) goes through channel-major scratch
+and a transposing epilogue, float16 storage always through float32 scratch, and more than one
+group through one stacked product per item. The geometries below reach each of those with one and
+two threads (the one-thread run keeps everything on the calling thread), at odd sizes: 1 x 1 and
+7 x 7 kernels, stride 2, dilation 2, groups, N = 1, H != W, a last item shorter than the others.
+``banded`` lowers ``ITEM_MAX_BYTES`` to 4 KiB so that every image is split into items of a few
+output rows each (an image's columns above the cap), the last band shorter where it does not divide.
+
+Tolerances: against the float64 reference kernels on the same (stored) values, relative to the
+dot products on magnitudes (``scale``): float32 sums of up to 98 products 1e-5 (98 * 2**-24 is
+6e-6); float16 storage 2e-3 (the stored pre-activation may round one ulp, 2**-10, the other way
+than the reference's, times an activation's slope of at most 1.13, then half an ulp for the
+output); float64 1e-12.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+from taifuse.backends import reference as ref
+from taifuse.backends.numba import conv as nb_conv
+
+# (N, C, H, W, OC, (kh, kw), stride, padding, dilation, groups, activation, bias)
+GEOMETRIES = {
+    # 99 output pixels: several images an item, the last item shorter
+    "small-images": (7, 3, 9, 11, 5, (3, 3), (1, 1), (1, 1), (1, 1), 1, "relu", True),
+    # 1,056 output pixels: one image an item, the product in place
+    "one-image-items": (3, 4, 33, 32, 6, (3, 3), (1, 1), (1, 1), (1, 1), 1, "gelu", True),
+    "1x1-stride2-groups2": (5, 4, 9, 9, 6, (1, 1), (2, 2), (0, 0), (1, 1), 2, "silu", True),
+    "7x7-dilation2-H!=W": (3, 2, 40, 37, 3, (7, 7), (2, 1), (3, 3), (2, 2), 1, None, False),
+    "N1": (1, 3, 32, 33, 4, (3, 3), (1, 1), (1, 1), (1, 1), 1, "gelu_tanh", False),
+    "groups3-in-place": (4, 6, 34, 35, 9, (3, 2), (1, 1), (0, 0), (1, 1), 3, None, True),
+}
+TOLERANCE = {np.float32: 1e-5, np.float16: 2e-3, np.float64: 1e-12}
+_SPLIT = ("gelu", "gelu_tanh", "silu")  # the activations whose pre-activation the forward keeps
+
+
+def _out_size(size, k, s, p, d):
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _arrays(geometry, dtype, seed=0):
+    n, c, h, w, oc, (kh, kw), stride, padding, dilation, groups, _act, bias = geometry
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, c, h, w)).astype(dtype)
+    wt = (rng.standard_normal((oc, c // groups, kh, kw)) / np.sqrt(c // groups * kh * kw)).astype(dtype)
+    b = rng.standard_normal(oc).astype(dtype) if bias else None
+    oh = _out_size(h, kh, stride[0], padding[0], dilation[0])
+    ow = _out_size(w, kw, stride[1], padding[1], dilation[1])
+    return x, wt, b, (n, oc, oh, ow)
+
+
+def _f64(a):
+    return None if a is None else a.astype(np.float64)
+
+
+def _scale(x, wt, b, geometry, shape):
+    *_, stride, padding, dilation, groups, _act, _bias = geometry
+    s = np.empty(shape)
+    ref.conv2d(np.abs(_f64(x)), np.abs(_f64(wt)), None if b is None else np.abs(_f64(b)), stride, padding,
+               dilation, groups, None, s)  # fmt: skip
+    return np.maximum(1.0, s)
+
+
+def _threads(count):
+    if count > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"needs {count} Numba threads")
+    return count
+
+
+@pytest.fixture(params=[False, True], ids=["whole-images", "banded"])
+def banded(request, monkeypatch):
+    if request.param:
+        monkeypatch.setattr(nb_conv, "ITEM_MAX_BYTES", 4096)
+    return request.param
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads, banded):
+    x, wt, b, shape = _arrays(geometry, dtype)
+    *_, stride, padding, dilation, groups, act, _bias = geometry
+    keep = act in _SPLIT
+    out = np.empty(shape, dtype)
+    pre = np.empty(shape, dtype) if keep else None
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(_threads(threads))
+        nb_conv.conv2d(x, wt, b, stride, padding, dilation, groups, act, out, pre)
+    finally:
+        numba.set_num_threads(before)
+    expected, expected_pre = np.empty(shape), np.empty(shape, dtype)  # pre rounded as stored
+    ref.conv2d(_f64(x), _f64(wt), _f64(b), stride, padding, dilation, groups, act, expected, expected_pre)
+    scale = _scale(x, wt, b, geometry, shape)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_array_less(np.abs(out.astype(np.float64) - expected), tol * scale)
+    if keep:
+        np.testing.assert_array_less(np.abs(pre.astype(np.float64) - expected_pre), tol * scale)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, threads, banded):
+    """The statistics' shift comes from the first item, which runs before the others start."""
+    x, wt, b, shape = _arrays(geometry, dtype, seed=1)
+    *_, stride, padding, dilation, groups, _act, _bias = geometry
+    oc = shape[1]
+    out = np.empty(shape, dtype)
+    mean, var = np.empty(oc, np.float32), np.empty(oc, np.float32)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(_threads(threads))
+        nb_conv.conv2d_stats(x, wt, b, stride, padding, dilation, groups, out, mean, var)
+    finally:
+        numba.set_num_threads(before)
+    expected = np.empty(shape)
+    ref.conv2d(_f64(x), _f64(wt), _f64(b), stride, padding, dilation, groups, None, expected)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_array_less(
+        np.abs(out.astype(np.float64) - expected), tol * _scale(x, wt, b, geometry, shape)
+    )
+    # The statistics of the output as stored, against NumPy's float64 ones of the same values.
+    stored = out.astype(np.float64).transpose(1, 0, 2, 3).reshape(oc, -1)
+    np.testing.assert_allclose(mean, stored.mean(axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var, stored.var(axis=1), rtol=1e-5, atol=1e-6)
+
+
+def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it():
+    """Regression, two defects: the reference's im2col masked the taps outside the input by
+    multiplying with 0, and an outside tap reads a clipped index, so an inf at the border gave
+    NaN in the padded outputs beside it; and numba's epilogue took its zero bias as ``first
+    product * 0``, so an infinite first product made the whole plane NaN. Only the outputs whose
+    taps read the inf are infinite (PyTorch's answer), in conv2d and conv2d_stats."""
+    x = np.random.default_rng(2).standard_normal((2, 2, 6, 5)).astype(np.float32)
+    x[0, 0, 0, 0] = np.inf
+    w = np.abs(np.random.default_rng(3).standard_normal((3, 2, 3, 3))).astype(np.float32) + 0.1
+    args = ((1, 1), (1, 1), (1, 1), 1)
+    expected = np.empty((2, 3, 6, 5))
+    ref.conv2d(_f64(x), _f64(w), None, *args, None, expected)
+    assert np.isinf(expected).sum() == 3 * 4 and not np.isnan(expected).any()  # the reference
+    torch = pytest.importorskip("torch")
+    theirs = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1)
+    np.testing.assert_allclose(expected, theirs.numpy(), rtol=1e-12)
+    for act in (None, "relu"):
+        out = np.empty((2, 3, 6, 5), np.float32)
+        nb_conv.conv2d(x, w, None, *args, act, out)
+        want = expected if act is None else np.maximum(expected, 0.0)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=act)
+    out = np.empty((2, 3, 6, 5), np.float32)
+    nb_conv.conv2d_stats(x, w, None, *args, out, np.empty(3, np.float32), np.empty(3, np.float32))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
