@@ -283,7 +283,7 @@ def _contiguous_inputs(values: tuple) -> tuple:
     out = []
     for v in values:
         if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
-            v = np.ascontiguousarray(v) if v.ndim else v.copy()
+            v = np.ascontiguousarray(v)  # (a 0-d array is always C-contiguous)
         elif isinstance(v, (list, tuple)) and _needs_copy(v):
             v = (
                 type(v)(_contiguous_inputs(tuple(v)))
