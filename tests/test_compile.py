@@ -392,3 +392,106 @@ def test_the_confirming_trace_leaves_the_gradients_in_the_optimizers_slots(grad_
     assert (compiled.traces, compiled.replays) == (2, 1)
     plan = compiled.plan(*(taifuse.tensor(a) for a in batches[0]))
     assert plan.kept == 0, plan
+
+
+# ----------------------------------------------------------------------------- NumPy inputs (issue 32)
+
+
+def _run_numpy(make, batches, compiled: bool, inside: bool = False, **kwargs):
+    """``cases.run`` with the batches passed as NumPy arrays, a fresh copy each step, as a data
+    loader gives them; ``inside``: the step converts them itself (``taifuse.tensor``)."""
+    params, step = make(**kwargs)
+    if inside:
+        inner = step
+
+        def step(x, y):
+            return inner(taifuse.tensor(x), taifuse.tensor(y))
+
+    fn = taifuse.compile(step) if compiled else step
+    losses = []
+    for x, y in batches:
+        losses.append(fn(x.copy(), y.copy()).numpy().copy())
+    return losses, [p.numpy().copy() for p in params], fn
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["arrays", "tensor_inside"])
+def test_fresh_numpy_batches_trace_once_then_replay(grad_backend, inside):
+    """NOTE [ Compiled inputs ]: a NumPy argument is keyed by its shape and dtype, not its identity,
+    so a new batch each step replays (it traced every call, keeping every plan)."""
+    grad_backend.activate()
+    batches = cases.mlp_batches(STEPS)
+    eager = _run_numpy(cases.mlp_step, batches, False, inside)
+    compiled = _run_numpy(cases.mlp_step, batches, True, inside)
+    _assert_same(eager, compiled)
+    fn = compiled[2]
+    assert (fn.traces, fn.replays, len(fn._steps)) == (1, STEPS - 1, 1)
+
+
+def test_fresh_numpy_token_batches_replay_the_gpt_step(grad_backend):
+    """The language-model loop: inputs and targets are the two shifted slices of one token array,
+    not C-contiguous; the step sees C-contiguous copies (NOTE [ Compiled inputs ]). Two traces: the
+    positions (np.arange in the forward) are confirmed constant."""
+    if grad_backend.arch in ("vulkan", "metal"):
+        pytest.skip(SUBSET + "lavapipe runs the MLP's small case only")
+    grad_backend.activate()
+    rng = np.random.default_rng(3)
+    chunks = [rng.integers(0, 32, (4, 17)) for _ in range(STEPS)]
+    batches = [(c[:, :-1], c[:, 1:]) for c in chunks]
+    eager = _run_numpy(cases.gpt_step, batches, False)
+    compiled = _run_numpy(cases.gpt_step, batches, True)
+    _assert_same(eager, compiled)
+    assert (compiled[2].traces, compiled[2].replays) == (2, STEPS - 2)
+
+
+def test_a_new_numpy_shape_traces_again(grad_backend):
+    grad_backend.activate()
+    short, long = cases.mlp_batches(3, batch=32), cases.mlp_batches(3, batch=64, seed=2)
+    batches = [short[0], long[0], short[1], long[1], short[2], long[2]]
+    eager = _run_numpy(cases.mlp_step, batches, False)
+    compiled = _run_numpy(cases.mlp_step, batches, True)
+    _assert_same(eager, compiled)
+    assert (compiled[2].traces, compiled[2].replays) == (2, 4)
+
+
+def test_past_the_cache_limit_a_new_signature_runs_eagerly_with_a_warning():
+    """NOTE [ The signature cache ]: as torch.compile's cache_size_limit, new signatures past the
+    limit run eagerly (one warning); the cached ones still replay; results stay eager's."""
+    with taifuse.backends.preserved_choice():
+        taifuse.set_backend("numpy")
+        sizes = [8, 16, 24, 8, 16, 24, 32]
+        batches = [cases.mlp_batches(1, batch=n, seed=i)[0] for i, n in enumerate(sizes)]
+        eager = _run_numpy(cases.mlp_step, batches, False)
+        params, step = cases.mlp_step()
+        fn = taifuse.compile(step, cache_size_limit=2)
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in batches:
+                losses.append(fn(x.copy(), y.copy()).numpy().copy())
+        warned = [str(w.message) for w in caught if "cache_size_limit" in str(w.message)]
+        assert len(warned) == 1, warned  # once, at the third shape
+        _assert_same(eager, (losses, [p.numpy().copy() for p in params], fn))
+        assert (fn.traces, fn.replays, len(fn._steps)) == (2, 2, 2)
+        with pytest.raises(ValueError, match="cache_size_limit"):
+            taifuse.compile(step, cache_size_limit=0)
+
+
+def test_a_non_contiguous_tensor_input_runs_eagerly_with_a_warning(grad_backend):
+    """A transposed Tensor argument: the replay bound the recorded views to a contiguous copy of
+    the next call's tensor with the trace's strides (wrong values); its signature now runs eagerly."""
+    grad_backend.activate()
+    if grad_backend.name == "taichi":
+        pytest.skip(SUBSET + "device arrays are always contiguous")
+    taifuse.manual_seed(0)
+    model = nn.Linear(3, 2)
+    fn = taifuse.compile(lambda x: model(x).sum())
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        a = rng.standard_normal((3, 4)).astype(np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            got = fn(taifuse.tensor(a).t()).numpy()
+        with taifuse.no_grad():
+            want = model(taifuse.tensor(np.ascontiguousarray(a.T))).sum().numpy()
+        np.testing.assert_array_equal(got, want)
+    assert fn.replays == 0

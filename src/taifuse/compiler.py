@@ -55,6 +55,8 @@ __all__ = ["CompiledFunction", "compile"]
 _TRACE_LOCK = threading.RLock()
 _ALIGN = 64  # bytes: every planned host buffer starts on a cache line
 _TRACES_KEPT = 4  # traces kept per signature (differing in their guards)
+# Signatures a compiled function traces before new ones run eagerly (NOTE [ The signature cache ]).
+CACHE_SIZE_LIMIT = 8
 
 # Methods run whole at replay (NOTE [ What a compiled step records ]).
 _HOST_SEGMENTS: tuple[tuple[type, str], ...] = (
@@ -84,11 +86,13 @@ class CompileError(RuntimeError):
     """A step that ``taifuse.compile`` cannot replay faithfully (a value read inside it)."""
 
 
-def compile(fn: Callable | None = None, *, fallback: bool = False) -> Any:
+def compile(
+    fn: Callable | None = None, *, fallback: bool = False, cache_size_limit: int = CACHE_SIZE_LIMIT
+) -> Any:
     """Compile a training step: trace ``fn`` once per signature, then replay its kernel calls.
 
     ``fn`` runs eagerly on its first call with a signature (the shapes, dtypes and backend of its
-    Tensor arguments, the other arguments' values, grad mode, autocast's state); that run is
+    Tensor and NumPy array arguments, the other arguments' values, grad mode, autocast's state); that run is
     recorded (NOTE [ What a compiled step records ]) and each later call with the same signature
     replays the recorded kernel calls on the new inputs' values, with buffers planned ahead. A
     parameter whose storage changed, or a ``GradScaler`` whose scale changed since the trace,
@@ -98,6 +102,8 @@ def compile(fn: Callable | None = None, *, fallback: bool = False) -> Any:
         fn: the step, a function of Tensors and other values. Usable as ``@taifuse.compile``.
         fallback: when the step reads a value (``.item()``, ``.numpy()``) inside,
             run it eagerly from then on with a warning, instead of raising ``CompileError``.
+        cache_size_limit: how many signatures are traced; a call with a new signature past them
+            runs eagerly, with a warning (``torch._dynamo.config.cache_size_limit``'s rule).
 
     Example::
 
@@ -119,19 +125,25 @@ def compile(fn: Callable | None = None, *, fallback: bool = False) -> Any:
         >>> step.traces
         1
     """
+    if isinstance(cache_size_limit, bool) or not isinstance(cache_size_limit, int) or cache_size_limit < 1:
+        raise ValueError(f"compile: cache_size_limit should be a positive int, got {cache_size_limit!r}")
     if fn is None:
-        return functools.partial(compile, fallback=fallback)
+        return functools.partial(compile, fallback=fallback, cache_size_limit=cache_size_limit)
     if not callable(fn):
         raise TypeError(f"compile: fn should be callable, got {type(fn).__name__}")
-    return CompiledFunction(fn, fallback=fallback)
+    return CompiledFunction(fn, fallback=fallback, cache_size_limit=cache_size_limit)
 
 
 class CompiledFunction:
     """What :func:`compile` returns: ``fn`` with a cache of compiled steps by signature."""
 
-    def __init__(self, fn: Callable, fallback: bool = False) -> None:
+    def __init__(
+        self, fn: Callable, fallback: bool = False, cache_size_limit: int = CACHE_SIZE_LIMIT
+    ) -> None:
         self.fn = fn
         self.fallback = fallback
+        self.cache_size_limit = cache_size_limit
+        self._full = False  # warned that the cache is full
         # Per signature, the traces whose guards held when they were made, newest first: a
         # GradScaler's scale that backs off and grows back finds its trace again.
         self._steps: dict[Any, list[_Replay]] = {}
@@ -144,7 +156,27 @@ class CompiledFunction:
         key = _signature(args, kwargs)
         if key in self._eager:
             return self.fn(*args, **kwargs)
-        steps = self._steps.setdefault(key, [])
+        steps = self._steps.get(key)
+        if steps is None:  # NOTE [ The signature cache ]
+            if len(self._steps) + len(self._eager) >= self.cache_size_limit:
+                if not self._full:
+                    self._full = True
+                    warnings.warn(
+                        f"taifuse.compile: {_name(self.fn)} was traced for {self.cache_size_limit} "
+                        "signatures (cache_size_limit); calls with a new one run eagerly",
+                        stacklevel=2,
+                    )
+                return self.fn(*args, **kwargs)
+            strided = _strided_input(args, kwargs)
+            if strided is not None:
+                warnings.warn(
+                    f"taifuse.compile: {_name(self.fn)} runs eagerly for this signature: {strided}",
+                    stacklevel=2,
+                )
+                self._eager.add(key)
+                return self.fn(*args, **kwargs)
+            steps = self._steps[key] = []
+        args, kwargs = _contiguous_inputs(args), dict(zip(kwargs, _contiguous_inputs(tuple(kwargs.values()))))
         step = next((s for s in steps if s.guards_hold()), None)
         if step is not None and step.confirmed:
             self.replays += 1
@@ -194,7 +226,9 @@ def _arg_key(value: Any) -> Any:
     if is_tensor(value):
         if value.requires_grad:  # state, not data: bound by identity (NOTE [ Compiled inputs ])
             return ("state", id(value))
-        return ("T", value.shape, value.dtype, backend(value))
+        return ("T", value.shape, value.dtype, backend(value), value.is_contiguous())
+    if isinstance(value, np.ndarray):  # data, bound anew at each call (NOTE [ Compiled inputs ])
+        return ("A", type(value), value.shape, value.dtype)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_arg_key(v) for v in value))
     try:
@@ -207,10 +241,65 @@ def _arg_key(value: Any) -> Any:
 # ----------------------------------------------------------------------------- recording
 
 # NOTE [ Compiled inputs ]
-# A Tensor argument that does not require grad is data: the calls that read it (or a view of it)
-# are bound to each call's array anew, as TinyJit swaps its input buffers; nothing is copied. One
-# that requires grad is state (a parameter passed in): it is used itself, and the signature holds
-# its identity.
+# A Tensor argument that does not require grad, and a NumPy array argument, are data: the
+# signature holds their type, shape, dtype (and a Tensor's backend and contiguity), never their
+# identity, and the calls that read them (or a view of them) are bound to each call's arrays anew,
+# as TinyJit swaps its input buffers and mx.compile keys array inputs by shape and dtype. A NumPy
+# array that is not C-contiguous (``tokens[:, :-1]``) reaches the step as a C-contiguous copy, at
+# the trace and at each replay, so the recorded views of it hold for any call's array; a
+# non-contiguous Tensor would need its own strides bound, so its signature runs eagerly (warned).
+# What host code makes from an input is not recorded (NOTE [ Constants made by host code ]), but
+# the two conversions every path from a NumPy input to the backend takes are: ``taifuse.tensor``
+# (``Tensor(array)``) and the backend's ``from_numpy`` (the upload on Taichi), recorded as calls
+# when their argument is a buffer the trace knows, so a replay converts (uploads) each call's
+# batch as the eager step does. A Tensor argument that requires grad is state (a parameter passed
+# in): it is used itself, and the signature holds its identity.
+#
+# NOTE [ The signature cache ]
+# Each signature keeps its plan (an arena, device arrays), so the cache is bounded, as
+# torch.compile bounds its recompiles (``cache_size_limit``, 8): past ``cache_size_limit``
+# signatures (traced or refused) a call with a new one runs eagerly, with one warning, and the
+# cached ones still replay. Python scalars are part of the signature by value (a trace reads them
+# as constants), so a float argument that changes every call (a learning rate passed in) reaches
+# the limit; make it a Tensor, or set it on the optimizer, which a host segment reads.
+
+
+def _strided_input(args: tuple, kwargs: dict) -> str | None:
+    """Why a data Tensor among the arguments cannot be compiled (it is not contiguous), or None."""
+    for t in _data_inputs(args) + _data_inputs(tuple(kwargs.values())):
+        if is_tensor(t) and not t.is_contiguous():
+            return (
+                f"a Tensor argument of shape {t.shape} is not contiguous (strides {t.stride()}); pass "
+                "t.contiguous() to compile the step"
+            )
+    return None
+
+
+def _contiguous_inputs(values: tuple) -> tuple:
+    """``values`` with each NumPy array not C-contiguous (nested in lists and tuples too) as a
+    C-contiguous copy (NOTE [ Compiled inputs ])."""
+    if not any(_needs_copy(v) for v in values):
+        return values
+    out = []
+    for v in values:
+        if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
+            v = np.ascontiguousarray(v)  # (a 0-d array is always C-contiguous)
+        elif isinstance(v, (list, tuple)) and _needs_copy(v):
+            v = (
+                type(v)(_contiguous_inputs(tuple(v)))
+                if not hasattr(v, "_fields")
+                else type(v)(*_contiguous_inputs(tuple(v)))
+            )
+        out.append(v)
+    return tuple(out)
+
+
+def _needs_copy(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return not value.flags.c_contiguous
+    if isinstance(value, (list, tuple)):
+        return any(_needs_copy(v) for v in value)
+    return False
 
 
 class _Seed(int):
@@ -577,9 +666,8 @@ def _record(
 ) -> tuple[_Replay | None, Any, str | None]:
     """``_trace``'s recording run, under its lock."""
     tracer = _Tracer(fallback)
-    inputs = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
-    for t in inputs:
-        tracer._add(data(t), 0, False, fresh=True)
+    for arr in _input_arrays(args, kwargs):  # NOTE [ Compiled inputs ]
+        tracer._add(arr, 0, False, fresh=True)
     objects = _step_objects(fn, args, kwargs)
     before = _storage_guard(objects)
     undo = _install(tracer)
@@ -630,6 +718,20 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
 
         return call
 
+    def converting(name: str, fn: Callable) -> Callable:
+        # NOTE [ Compiled inputs ]: recorded when it converts an array the trace knows (an input).
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if (
+                not tracer.depth
+                and tracer.refused is None
+                and tracer.owns()
+                and any(isinstance(a, np.ndarray) and tracer._find(a) is not None for a in args)
+            ):
+                return tracer.record(name, fn, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return call
+
     def refusing(name: str, fn: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
             if not tracer.depth and tracer.owns():
@@ -645,6 +747,11 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
     for kernel in _spec.KERNELS:
         if be.NAME in kernel.backends and hasattr(be, kernel.name):
             patch(be, kernel.name, recording(kernel.name, getattr(be, kernel.name)))
+    for name in ("from_numpy", "from_numpy_pooled"):
+        if hasattr(be, name):
+            patch(be, name, converting(f"{be.NAME}.{name}", getattr(be, name)))
+    module = sys.modules[Tensor.__module__]  # taifuse.tensor (the package's `tensor` is the function)
+    patch(module, "_from_host", converting("taifuse.tensor", module._from_host))
     for name in _TENSOR_VALUE_READS:
         if name in vars(Tensor):
             patch(Tensor, name, refusing(f"Tensor.{name}", vars(Tensor)[name]))
@@ -921,10 +1028,7 @@ class _Replay:
     def run(self, args: tuple, kwargs: dict) -> Any:
         for p, g in self.grads:  # NOTE [ Gradients a replay leaves ]
             set_grad(p, g)
-        sources = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
-        fresh: dict[Any, Any] = {
-            i: _contiguous(data(t)) for i, t in enumerate(sources)
-        }  # NOTE [ Compiled inputs ]
+        fresh: dict[Any, Any] = dict(enumerate(_input_arrays(args, kwargs)))  # NOTE [ Compiled inputs ]
         for i in range(self.seeds):
             fresh[("seed", i)] = _random.next_seed()
         zero = iter(self.zero_fills)
@@ -1017,13 +1121,6 @@ def _over(owner: Any, b: _Buffer) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)[: b.nbytes].view(b.dtype).reshape(b.shape)
 
 
-def _contiguous(arr: Any) -> Any:
-    """A data input as the trace's calls read it: C-contiguous (a device array always is)."""
-    if isinstance(arr, np.ndarray) and not arr.flags.c_contiguous:
-        return np.ascontiguousarray(arr)
-    return arr
-
-
 def _positions(args: Any, buffers: list[_Buffer]) -> list[tuple[int, Any]] | None:
     """For a call whose dynamic arguments are all top-level seeds or whole fresh arrays (a data
     input, a fresh result, as they are): ``[(position, key in the replay's fresh values)]``; None
@@ -1072,13 +1169,21 @@ def _is_dynamic(template: Any, fresh: set[int]) -> bool:
 
 
 def _data_inputs(values: tuple) -> list[Any]:
+    """The data inputs among ``values`` (NOTE [ Compiled inputs ]): Tensors that do not require
+    grad and NumPy arrays, in lists and tuples too, in order."""
     out = []
     for v in values:
-        if is_tensor(v) and not v.requires_grad:
+        if (is_tensor(v) and not v.requires_grad) or isinstance(v, np.ndarray):
             out.append(v)
         elif isinstance(v, (list, tuple)):
             out.extend(_data_inputs(tuple(v)))
     return out
+
+
+def _input_arrays(args: tuple, kwargs: dict) -> list[Any]:
+    """The arrays of a call's data inputs, in the order a trace numbers them."""
+    inputs = _data_inputs(args) + _data_inputs(tuple(kwargs[k] for k in sorted(kwargs)))
+    return [data(v) if is_tensor(v) else v for v in inputs]
 
 
 def _host_copy(arr: Any) -> np.ndarray:
