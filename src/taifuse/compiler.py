@@ -751,7 +751,7 @@ def _install(tracer: _Tracer) -> Callable[[], None]:
         if hasattr(be, name):
             patch(be, name, converting(f"{be.NAME}.{name}", getattr(be, name)))
     module = sys.modules[Tensor.__module__]  # taifuse.tensor (the package's `tensor` is the function)
-    patch(module, "_from_host", converting("taifuse.tensor", module._from_host))
+    patch(module, "from_host", converting("taifuse.tensor", module.from_host))
     for name in _TENSOR_VALUE_READS:
         if name in vars(Tensor):
             patch(Tensor, name, refusing(f"Tensor.{name}", vars(Tensor)[name]))

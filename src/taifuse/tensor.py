@@ -125,7 +125,7 @@ class Tensor(TensorCore):
         if be.is_array(data) and not isinstance(data, np.ndarray):
             arr = m.copy(data) if dtype is None else be.from_numpy(_host_array(be.to_numpy(data), dtype))
         else:
-            arr = _from_host(be, data, dtype)
+            arr = from_host(be, data, dtype)
         self._data = arr
         self._be = be
         self._ctx: Function | None = None
@@ -1100,7 +1100,7 @@ def _host_array(data: Any, dtype: Any) -> np.ndarray:
     return np.array(arr, order="C", copy=True)
 
 
-def _from_host(be: ModuleType, data: Any, dtype: Any) -> Any:
+def from_host(be: ModuleType, data: Any, dtype: Any) -> Any:
     """A copy of host ``data`` on backend ``be``: what ``Tensor(data)`` holds. One function, which
     ``taifuse.compile`` records when ``data`` is a step's input (NOTE [ Compiled inputs ])."""
     return be.from_numpy(_host_array(data, dtype))
