@@ -33,6 +33,7 @@ import numpy as np
 import taifuse
 from taifuse import _costs
 from taifuse.bench.case import Case, Variant
+from taifuse.bench.suites.step import COMPILED_CLASSIFIER_STEP
 from taifuse.bench.suites.training import StepOutput
 
 __all__ = ["StepOutput", "cases", "cnn_inputs", "taifuse_cnn", "torch_cnn"]
@@ -401,19 +402,7 @@ opt.step()
 """
 # The same step as a function under taifuse.compile (traced on the first call, replayed after), as
 # the step suite's MLP row: batch norm's num_batches_tracked and AdamW's step are host segments.
-_TAIFUSE_COMPILED_PREPARE = (
-    _TAIFUSE_STEP_PREPARE
-    + """
-def train_step(xb, yb):
-    opt.zero_grad()
-    out = F.cross_entropy(model(xb), yb)
-    out.backward()
-    opt.step()
-    return out
-
-compiled_step = taifuse.compile(train_step)
-"""
-)
+_TAIFUSE_COMPILED_PREPARE = _TAIFUSE_STEP_PREPARE + COMPILED_CLASSIFIER_STEP
 _TAIFUSE_COMPILED = """
 loss = compiled_step(xt, y)
 """

@@ -226,10 +226,9 @@ loss = F.cross_entropy(model(xt), y)
 loss.backward()
 opt.step()
 """
-# The same step as a function, under taifuse.compile (traced on the first call, replayed after).
-_MLP_COMPILED_PREPARE = (
-    _MLP_TAIFUSE_PREPARE
-    + """
+# A classifier's step (model, opt, F in the prepare's namespace) as a function under
+# taifuse.compile (traced on the first call, replayed after); the cnn suite's compiled row too.
+COMPILED_CLASSIFIER_STEP = """
 def train_step(xb, yb):
     opt.zero_grad()
     out = F.cross_entropy(model(xb), yb)
@@ -239,7 +238,7 @@ def train_step(xb, yb):
 
 compiled_step = taifuse.compile(train_step)
 """
-)
+_MLP_COMPILED_PREPARE = _MLP_TAIFUSE_PREPARE + COMPILED_CLASSIFIER_STEP
 _MLP_TORCH_PREPARE = f"""
 l1, l2, l3 = (torch.nn.Linear(n_in, n_out) for n_in, n_out in {list(itertools.pairwise(MLP_SIZES))})
 with torch.no_grad():
