@@ -354,10 +354,12 @@ def test_conv2d_input_without_grad_gets_no_input_gradient(backend, monkeypatch):
         assert_close(got.numpy(), ref[i], scales[i], TOLERANCES[F32], f"conv2d {what} on {backend.param}")
 
 
+@pytest.mark.parametrize("step", [1, 2], ids=["one-image-steps", "two-image-steps"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_numba_backward_in_several_blocks_of_images_matches_the_reference(monkeypatch, name):
-    """numba's backward runs per block of images (NOTE [ Convolution on the host: im2col in blocks ]):
-    five images in blocks of two (the last one partial) give the one-block results, every
+def test_numba_backward_in_several_parts_matches_the_reference(monkeypatch, name, step):
+    """numba's backward shares the images out in parts, each summing its own grad_w (NOTE
+    [ Convolution on the host: im2col in blocks ]): five images in two parts (3 + 2 in steps of
+    one image, 4 + 1 in steps of two, the last step short) give the reference's results, every
     geometry of CASES (1x1 and 7x7 kernels, stride 2, dilation 2, groups, H != W)."""
     if "numba" not in taifuse.available_backends():
         pytest.skip("numba is not installed")
@@ -365,11 +367,11 @@ def test_numba_backward_in_several_blocks_of_images_matches_the_reference(monkey
 
     case = (5,) + CASES[name][1:]
     x, w, b, g, args = _case_arrays(case, F32, seed=4, bias=name != "depthwise_multiplier")
-    rows, (oh, ow) = x.shape[1] * w.shape[2] * w.shape[3], g.shape[2:]
-    monkeypatch.setattr(numba_conv, "COLS_BLOCK_BYTES", 2 * rows * oh * ow * 4)
+    monkeypatch.setattr(numba_conv, "BACKWARD_PARTS", 2)
+    monkeypatch.setattr(numba_conv, "ITEM_MIN_COLUMNS", step * g.shape[2] * g.shape[3])
     with taifuse.use_backend("numba"):
         got = _run(None, x, w, b, g, *args)
     ref, scales = _reference(x, w, b, g, *args)
     for what, gv, rv, sv in zip(("out", "grad input", "grad weight", "grad bias"), got, ref, scales):
         if gv is not None:
-            assert_close(gv, rv, sv, TOLERANCES[F32], f"conv2d {name} {what} on numba, blocks of 2 images")
+            assert_close(gv, rv, sv, TOLERANCES[F32], f"conv2d {name} {what} on numba, two parts")

@@ -29,22 +29,34 @@ blocks of ``COLS_BLOCK_BYTES``: each phase found the other runtime's workers sti
 rate; per-phase figures in docs/cnn.md. Every output element is written by one item, so the
 result does not depend on which thread runs it.
 
-The backward runs per block of ``COLS_BLOCK_BYTES``: one pass writes the block's grad_pre =
-grad_out * act'(pre) channel-major into scratch ``(OC, nb * P)`` (and each plane's float64 sum, for
-grad_b), so that both products read it while it is in cache; the columns are recomputed; ``grad_w_g
-+= cols_g @ grad_pre_g.T`` (transposed) when a group has at least as many taps K as outputs, else
-``grad_pre_g @ cols_g.T``: the product whose output has more rows than columns. On a loaded 2-core
-machine, with a Numba kernel before each call, the other order stalled: medians of 2.8 s against 17
-ms a call at 3 -> 32 (K = 27, 32 outputs), 558 ms against 18.5 ms at 32 -> 64 (K = 288, 64
-outputs); OpenBLAS alone ran both orders in 3-5 ms (docs/cnn.md). The columns' gradient ``w_g.T @
-grad_pre_g`` is written over the columns and col2im adds it back into grad_x one (image, channel)
-plane per work item (no two threads write one element), each tap one shifted add over the rows and
-columns whose input is inside (no branch in the inner loop). Scratch rows carry 16 elements of
-padding: at 32 x 32 outputs every row stride is a multiple of 4 KiB, which puts all rows of a BLAS
-operand in one L1 set. An input that needs no gradient (a network's first layer) skips the columns'
-gradient and col2im (the autograd passes ``grad_x=None``, as PyTorch). A depthwise forward (one
-input channel per group) runs a direct kernel instead (``_direct_wins``): it ties with im2col there
-and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded
+The backward runs as the forward does, on the same Python threads with BLAS on one thread per
+call (``_Backward``). Its items are parts of consecutive images, at most ``BACKWARD_PARTS`` (more
+only where Numba has more threads), each taken a step of whole images at a time: one image, or as
+many small ones as make ``ITEM_MIN_COLUMNS`` output pixels (never a band of an image: two bands'
+col2im would add into the same input rows). A step writes its grad_pre = grad_out * act'(pre) (or batch norm's input
+gradient, ``conv2d_batch_norm_backward``) channel-major into the worker's scratch at the columns'
+pitch, with each plane's float64 sum for grad_b; rebuilds the step's columns as the forward's;
+adds ``grad_pre_g @ cols_g.T`` into the part's own grad_w sum; and writes ``w_g.T @ grad_pre_g``
+over the columns, which col2im adds into the step's images of grad_x (no other item writes them).
+The parts' sums are added in their order at the end: the result does not depend on which worker
+took a part, nor on the thread count up to ``BACKWARD_PARTS`` threads (tested bit for bit). At
+stride 1 the columns are ``_im2col_padded``'s, at the padded width, and col2im is its adjoint:
+each tap's row one contiguous shifted add into the image's zero-padded planes, whose inside is
+then grad_x (elsewhere, one shifted add per output row over the columns whose input is inside).
+grad_pre's junk columns are zero, and the columns' junk is zeroed before each product, so that
+no inf or NaN in x or w meets a junk column (0 * inf is NaN). With one image a step, one group
+and stride 1, grad_w needs no columns: it is one product per tap, ``grad_pre @ xpad[:, off : off
++ span].T`` over a strided view of the image's padded planes (saving the columns' copy, which
+cost as much as a product at 32 -> 64); those views' junk columns are real values, so an image
+holding an inf or NaN takes the columns instead. A dot-product kernel for grad_w at the first
+layer's K = 27 taps ran about 3x slower than BLAS's product there (a loaded machine's ratio), so
+every layer takes BLAS. The per-block design this replaced ran each phase as a Numba parallel
+region around products on OpenBLAS's threads, which met each other's spinning workers as the
+forward's phases did, and one order of the weight gradient's product stalled (docs/cnn.md); with
+one BLAS thread per call both orders ran alike. An input that needs no gradient (a network's
+first layer) skips the columns' gradient and col2im (the autograd passes ``grad_x=None``, as
+PyTorch). A depthwise forward (one input channel per group) runs a direct kernel instead
+(``_direct_wins``): it ties with im2col there and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded
 machine's ratios, taken before the work items). float16 is storage only: the columns, the weight
 and the sums are float32.
 
@@ -107,8 +119,6 @@ from taifuse.backends.numba.batch_norm import (
     batch_norm_stats,
 )
 
-# Scratch for one block of columns (NOTE [ Convolution on the host: im2col in blocks ]).
-COLS_BLOCK_BYTES = 16 * 1024 * 1024
 # The global average's sum reassociates so that it vectorizes.
 _REDUCE_PARALLEL = dict(_FMA_REDUCE, parallel=True)
 
@@ -170,20 +180,6 @@ def _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, ra, rb, oh, ow, dst):
             dst[o + q] = 0
 
 
-@njit(**_FMA_PARALLEL)
-def _im2col(x, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
-    # cols[(c, i, j), (n - n0) * P + oh * OW + ow] = x[n, c, ih, iw], 0 outside the input.
-    c_dim = x.shape[1]
-    p = oh * ow
-    for row in prange(c_dim * kh * kw):
-        c = row // (kh * kw)
-        i = (row // kw) % kh
-        j = row % kw
-        for n in range(n0, n1):
-            base = (n - n0) * p
-            _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, 0, oh, oh, ow, cols[row, base : base + p])
-
-
 @njit(**_FMA)
 def _im2col_block(x, n0, n1, ra, rb, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cols):
     # _im2col of the output rows [ra, rb) of images [n0, n1) on the calling thread (a forward
@@ -197,42 +193,6 @@ def _im2col_block(x, n0, n1, ra, rb, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, col
         for n in range(n0, n1):
             base = (n - n0) * span
             _im2col_row(x, n, c, i, j, sh, sw, ph, pw, dh, dw, ra, rb, oh, ow, cols[row, base : base + span])
-
-
-@njit(**_FMA_PARALLEL)
-def _col2im(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
-    # gx[n, c] = the sum of every column entry that read it; one (n, c) plane per work item,
-    # summed in acc (the columns' dtype, pool scratch of nb * C planes). Each tap adds its column
-    # row to the plane over the output rows and columns whose input lies inside (``_valid``), so
-    # the inner loop has no branch; at stride 1 it is a shifted contiguous add that vectorizes.
-    c_dim, h, w = gx.shape[1], gx.shape[2], gx.shape[3]
-    p = oh * ow
-    nb = n1 - n0
-    for item in prange(nb * c_dim):
-        n = n0 + item // c_dim
-        c = item % c_dim
-        plane = acc[item]
-        plane[:] = 0
-        base = (n - n0) * p
-        for i in range(kh):
-            r0, r1 = _valid(oh, sh, i * dh - ph, h)
-            for j in range(kw):
-                off = j * dw - pw
-                q0, q1 = _valid(ow, sw, off, w)
-                src = gcols[(c * kh + i) * kw + j]
-                for r in range(r0, r1):
-                    row = plane[r * sh - ph + i * dh]
-                    s = base + r * ow
-                    if sw == 1:
-                        for q in range(q0, q1):
-                            row[q + off] += src[s + q]
-                    else:
-                        for q in range(q0, q1):
-                            row[q * sw + off] += src[s + q]
-        dst = gx[n, c]
-        for a in range(h):
-            for b in range(w):
-                dst[a, b] = _narrow(plane[a, b], gx)
 
 
 @njit(**_FMA)
@@ -330,25 +290,6 @@ def _epilogue_in_place(b, op, n, c0, span, out, pre):
                 dst[q] = _act(v, op)
 
 
-@njit(**_FMA_PARALLEL)
-def _grad_pre(pre, g, op, n0, n1, gp, sums):
-    # Images [n0, n1): gp[o, (n - n0) * P + p] = g[n, o, p] * act'(pre[n, o, p]) (channel-major),
-    # sums[n, o] = the plane's float64 sum (for grad_b). One (n, o) plane per work item.
-    oc, p = g.shape[1], g.shape[2]
-    for item in prange((n1 - n0) * oc):
-        n = n0 + item // oc
-        o = item % oc
-        dst = gp[o, (n - n0) * p : (n - n0 + 1) * p]
-        if op == _IDENTITY:
-            src = g[n, o]
-            for q in range(p):
-                dst[q] = _widen(src[q])
-        else:
-            _grad_pre_span(pre[n, o], g[n, o], op, dst)
-        if sums is not None:
-            sums[n, o] = _span_sum(dst)
-
-
 @njit(**_FMA_REDUCE)
 def _span_sum(a):
     # The float64 sum of a span, reassociated so that it vectorizes (a sequential float64 sum
@@ -411,31 +352,6 @@ def _epilogue_stats_in_place(b, n, c0, span, out, shift, s1, s2, part):
         s2[part, o] = q2
 
 
-@njit(**_FMA_PARALLEL)
-def _bn_grad_pre(y, g, mean, scale, shift, relu, k1, k2, k3, n0, n1, gp):
-    # Batch norm's input gradient in training for images [n0, n1), written channel-major for the
-    # convolution's products: gp[o, (n - n0) * P + p] = k1 * (g' - k2 - (y - mean) * k3), g' = g
-    # masked by the forward's ReLU (NOTE [ The ReLU mask in the backward ] in batch_norm.py).
-    oc, p = g.shape[1], g.shape[2]
-    for item in prange((n1 - n0) * oc):
-        n = n0 + item // oc
-        o = item % oc
-        m, a, b = mean[o], scale[o], shift[o]
-        f1, f2, f3 = k1[o], k2[o], k3[o]
-        dst = gp[o, (n - n0) * p : (n - n0 + 1) * p]
-        ys, gs = y[n, o], g[n, o]
-        if relu:
-            for q in range(p):
-                yv = _widen(ys[q])
-                pre = _widen(_narrow((yv - m) * a + b, g))
-                gv = _like(0.0, yv) if pre <= 0 else _widen(gs[q])
-                dst[q] = f1 * (gv - f2 - (yv - m) * f3)
-        else:
-            for q in range(p):
-                yv = _widen(ys[q])
-                dst[q] = f1 * (_widen(gs[q]) - f2 - (yv - m) * f3)
-
-
 # ----------------------------------------------------------------------------- direct kernels
 
 
@@ -489,10 +405,6 @@ def _direct_wins(groups: int, c: int, oc: int) -> bool:
     """The direct forward for depthwise-like convolutions (a group of one input channel and at most
     a few outputs): a tie in time with im2col there, without the columns (docs/cnn.md)."""
     return c // groups == 1 and oc // groups <= 4
-
-
-def _images_per_block(rows: int, p: int, itemsize: int, n: int) -> int:
-    return max(1, min(n, COLS_BLOCK_BYTES // max(1, rows * p * itemsize)))
 
 
 # A forward work item (NOTE [ Convolution on the host: im2col in blocks ]): its product is at
@@ -616,73 +528,320 @@ def conv2d_backward(
     p3 = g3 if pre is None else _bits(pre).reshape(n, oc, p)
     sums = None if grad_b is None else pool.host_pool().acquire((n, oc), np.float64)
 
-    def fill(n0, n1, gp):
-        _grad_pre(p3, g3, op, n0, n1, gp, sums)
+    def fill(n0, n1, pitch, gp):
+        _grad_pre_item(p3, g3, op, n0, n1, pitch, ow, gp, sums)
 
-    _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
+    _Backward(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w).run()
     if grad_b is not None:  # the planes' sums, image by image in a fixed order
         np.copyto(grad_b, sums.sum(axis=0), casting="unsafe")
 
 
-# Pool scratch rows get this many elements of padding: a row stride of N * 4 KiB (the columns'
-# and grad_pre's rows at 32 x 32 outputs) puts every row of a BLAS operand in one cache set.
+# ----------------------------------------------------------------------------- backward work items
+
+
+@njit(**_FMA)
+def _grad_pre_item(pre, g, op, n0, n1, pitch, ow, gp, sums):
+    # Images [n0, n1) on the calling thread (a backward work item): gp[o, (n - n0) * OH * pitch +
+    # r * pitch + q] = g[n, o, r * OW + q] * act'(pre[n, o, r * OW + q]), channel-major at the
+    # item's pitch (the columns q >= OW are left alone), and sums[n, o] = the plane's float64 sum
+    # (for grad_b).
+    oc, p = g.shape[1], g.shape[2]
+    width = p if pitch == ow else ow  # one run per plane where the pitch adds no columns
+    runs = p // width
+    for n in range(n0, n1):
+        base = (n - n0) * (p // ow) * pitch
+        for o in range(oc):
+            s = 0.0
+            for r in range(runs):
+                dst = gp[o, base + r * pitch : base + r * pitch + width]
+                src = g[n, o, r * width : (r + 1) * width]
+                if op == _IDENTITY:
+                    for q in range(width):
+                        dst[q] = _widen(src[q])
+                else:
+                    _grad_pre_span(pre[n, o, r * width : (r + 1) * width], src, op, dst)
+                if sums is not None:
+                    s += _span_sum(dst)
+            if sums is not None:
+                sums[n, o] = s
+
+
+@njit(**_FMA_INLINE)
+def _bn_grad_pre_span(ys, gs, m, a, b, relu, f1, f2, f3, dst):
+    # dst = f1 * (g' - f2 - (y - mean) * f3), g' = g masked by the forward's ReLU (NOTE [ The ReLU
+    # mask in the backward ] in batch_norm.py).
+    if relu:
+        for q in range(dst.size):
+            yv = _widen(ys[q])
+            pre = _widen(_narrow((yv - m) * a + b, gs))
+            gv = _like(0.0, yv) if pre <= 0 else _widen(gs[q])
+            dst[q] = f1 * (gv - f2 - (yv - m) * f3)
+    else:
+        for q in range(dst.size):
+            yv = _widen(ys[q])
+            dst[q] = f1 * (_widen(gs[q]) - f2 - (yv - m) * f3)
+
+
+@njit(**_FMA)
+def _bn_grad_pre_item(y, g, mean, scale, shift, relu, k1, k2, k3, n0, n1, pitch, ow, gp):
+    # Batch norm's input gradient in training for images [n0, n1), written as _grad_pre_item's
+    # grad_pre for the convolution's products: k1 * (g' - k2 - (y - mean) * k3).
+    oc, p = g.shape[1], g.shape[2]
+    width = p if pitch == ow else ow
+    runs = p // width
+    for n in range(n0, n1):
+        base = (n - n0) * (p // ow) * pitch
+        for o in range(oc):
+            for r in range(runs):
+                _bn_grad_pre_span(
+                    y[n, o, r * width : (r + 1) * width], g[n, o, r * width : (r + 1) * width],
+                    mean[o], scale[o], shift[o], relu, k1[o], k2[o], k3[o],
+                    gp[o, base + r * pitch : base + r * pitch + width],
+                )  # fmt: skip
+
+
+@njit(**_FMA)
+def _zero_junk(a, ow, pitch):
+    # a[:, s + OW : s + pitch] = 0 at every output row start s of a layout at the padded width
+    # (_im2col_padded's): the columns that read the next padded row.
+    for row in range(a.shape[0]):
+        dst = a[row]
+        for s in range(0, dst.size, pitch):
+            for q in range(s + ow, s + pitch):
+                dst[q] = 0
+
+
+@njit(**_FMA)
+def _pad_image(x, n, kh, kw, ph, pw, dh, dw, oh, ow, xpad):
+    # Image n's zero-padded planes at stride 1, as _im2col_padded lays them out in xpad (C, (OH +
+    # (kh - 1) * dh) * WP + (kw - 1) * dw), WP = OW + (kw - 1) * dw), and whether every value is
+    # finite (the tap products read junk columns against zeros: NOTE [ Convolution on the host:
+    # im2col in blocks ]).
+    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    wp = ow + (kw - 1) * dw
+    rows = oh + (kh - 1) * dh
+    lo, hi = min(pw, wp), min(wp, pw + w)
+    finite = True
+    for c in range(c_dim):
+        plane = xpad[c]
+        for e in range(plane.size):
+            plane[e] = 0
+        for ih in range(max(0, -ph), min(h, rows - ph)):
+            src = x[n, c, ih]
+            dst = plane[(ih + ph) * wp : (ih + ph + 1) * wp]
+            for q in range(lo, hi):
+                v = _widen(src[q - pw])
+                finite &= math.isfinite(v)
+                dst[q] = v
+    return finite
+
+
+@njit(**_FMA)
+def _col2im_padded(gcols, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, xpad, gx):
+    # The adjoint of _im2col_padded for whole images [n0, n1) (stride 1), on the calling thread:
+    # each tap's row of gcols (junk columns zeroed) is added into the image's zero-padded plane
+    # at the tap's offset, one contiguous shifted add, and the plane's inside lands in gx[n, c]
+    # (what fell on the padding is dropped).
+    c_dim, h, w = gx.shape[1], gx.shape[2], gx.shape[3]
+    wp = ow + (kw - 1) * dw
+    span = oh * wp
+    for n in range(n0, n1):
+        base = (n - n0) * span
+        for c in range(c_dim):
+            plane = xpad[c]
+            for e in range(plane.size):
+                plane[e] = 0
+            for i in range(kh):
+                for j in range(kw):
+                    src = gcols[(c * kh + i) * kw + j, base : base + span]
+                    dst = plane[i * dh * wp + j * dw : i * dh * wp + j * dw + span]
+                    for e in range(span):
+                        dst[e] += src[e]
+            for a in range(h):
+                row = plane[(a + ph) * wp + pw : (a + ph) * wp + pw + w]
+                out = gx[n, c, a]
+                for b in range(w):
+                    out[b] = _narrow(row[b], gx)
+
+
+@njit(**_FMA)
+def _col2im_item(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
+    # The adjoint of _im2col_block for whole images [n0, n1) (any stride), on the calling thread:
+    # each (n, c) plane is summed in acc (C, H, W; the columns' dtype), each tap adding its
+    # column row over the output rows and columns whose input lies inside (``_valid``: no branch
+    # in the inner loop), then stored into gx[n, c].
+    c_dim, h, w = gx.shape[1], gx.shape[2], gx.shape[3]
+    p = oh * ow
+    for n in range(n0, n1):
+        base = (n - n0) * p
+        for c in range(c_dim):
+            plane = acc[c]
+            plane[:] = 0
+            for i in range(kh):
+                r0, r1 = _valid(oh, sh, i * dh - ph, h)
+                for j in range(kw):
+                    off = j * dw - pw
+                    q0, q1 = _valid(ow, sw, off, w)
+                    src = gcols[(c * kh + i) * kw + j]
+                    for r in range(r0, r1):
+                        row = plane[r * sh - ph + i * dh]
+                        s = base + r * ow
+                        if sw == 1:
+                            for q in range(q0, q1):
+                                row[q + off] += src[s + q]
+                        else:
+                            for q in range(q0, q1):
+                                row[q * sw + off] += src[s + q]
+            dst = gx[n, c]
+            for a in range(h):
+                for b in range(w):
+                    dst[a, b] = _narrow(plane[a, b], gx)
+
+
+# The backward's images are shared out as at most BACKWARD_PARTS runs of consecutive images (more
+# where Numba has more threads), each summing grad_w in scratch of its own (at most
+# PARTS_MAX_BYTES for all parts); the parts are added in their order at the end.
+BACKWARD_PARTS = 8
+PARTS_MAX_BYTES = 16 * 1024 * 1024
+# Pool scratch rows get this many elements of padding: a row stride of N * 4 KiB puts every row
+# of a BLAS operand in one cache set.
 _ROW_PAD = 16
 
 
-def _padded(scratch, rows: int, width: int, dtype) -> np.ndarray:
-    return scratch.acquire((rows, width + _ROW_PAD), dtype)[:, :width]
+class _Backward:
+    """The backward's work items (NOTE [ Convolution on the host: im2col in blocks ]): a part of
+    consecutive images, taken ``nb`` images a step (as the forward's items: at least
+    ``ITEM_MIN_COLUMNS`` output pixels). A step's ``fill(n0, n1, pitch, gp)`` writes its grad_pre
+    channel-major into the worker's scratch ``gp (OC, nb * OH * pitch)``; the step's columns,
+    rebuilt as the forward's, give ``grad_w_g += gp_g @ cols_g.T`` into the part's own sum, then
+    ``cols_g = w_g.T @ gp_g`` over them, which col2im adds into the step's images of grad_x."""
+
+    def __init__(self, x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w):
+        n, c, h, wd = x.shape
+        _, cg, kh, kw = w.shape
+        scratch = pool.host_pool()
+        ct = _compute_dtype(x.dtype)
+        self.ct, self.fill, self.grad_x, self.grad_w = ct, fill, grad_x, grad_w
+        self.padded = tuple(stride) == (1, 1)
+        self.pitch = ow + (kw - 1) * dilation[1] if self.padded else ow
+        self.ow, self.span = ow, oh * self.pitch
+        self.geom = (kh, kw, *stride, *padding, *dilation, oh, ow)
+        self.x = _bits(x)
+        k, ocg = cg * kh * kw, oc // groups
+        self.nb = max(1, min(n, -(-ITEM_MIN_COLUMNS // (oh * ow))))
+        # One image a step, one group, stride 1: grad_w as one product per tap, straight from the
+        # image's padded planes (no columns).
+        self.taps = self.padded and groups == 1 and self.nb == 1
+        self.offsets = [i * dilation[0] * self.pitch + j * dilation[1] for i in range(kh) for j in range(kw)]
+        steps = -(-n // self.nb)
+        self.workers = _workers(steps)
+        gw_bytes = oc * k * ct.itemsize
+        parts = min(steps, max(self.workers, min(BACKWARD_PARTS, PARTS_MAX_BYTES // max(1, gw_bytes))))
+        per = -(-steps // parts) * self.nb  # images a part
+        self.items = [(i, n0, min(n, n0 + per)) for i, n0 in enumerate(range(0, n, per))]
+        width = self.nb * self.span
+        workers = self.workers
+        self.gp = scratch.acquire((workers, oc, width + _ROW_PAD), ct)[:, :, :width]
+        if self.pitch != ow:  # fill never writes the junk columns: zero them once
+            for gp in self.gp:
+                _zero_junk(gp, ow, self.pitch)
+        products = grad_x is not None or grad_w is not None
+        self.cols = (
+            scratch.acquire((workers, c * kh * kw, width + _ROW_PAD), ct)[:, :, :width] if products else None
+        )
+        self.xpad = self.acc = None
+        if products and self.padded:
+            plane = (oh + (kh - 1) * dilation[0]) * self.pitch + (kw - 1) * dilation[1]
+            self.xpad = scratch.acquire((workers, c, plane), ct)
+        elif grad_x is not None:
+            self.acc = scratch.acquire((workers, c, h, wd), ct)
+        self.w2 = _as_compute(w, scratch).reshape(groups, ocg, k) if grad_x is not None else None
+        self.gw = self.tmp = None
+        if grad_w is not None:
+            self.gw = scratch.acquire((len(self.items), groups, ocg, k), ct)
+            self.tmp = scratch.acquire((workers, groups, ocg, k), ct)
+
+    def run(self) -> None:
+        _run(self, self.items, self.workers)
+        if self.grad_w is None:
+            return
+        gw = self.grad_w.reshape(self.gw.shape[1:])
+        total = gw if gw.dtype == self.ct else pool.host_pool().acquire(gw.shape, self.ct)
+        np.sum(self.gw, axis=0, out=total)  # the parts in their order: the same bits every run
+        if total is not gw:
+            _jit._convert(gw, total)
+
+    def __call__(self, worker: int, item: tuple[int, int, int]) -> None:
+        part, n0, n1 = item
+        for s0 in range(n0, n1, self.nb):
+            self._step(worker, part, s0, min(n1, s0 + self.nb), s0 > n0)
+
+    def _step(self, worker: int, part: int, n0: int, n1: int, add: bool) -> None:
+        kh, kw, _, _, ph, pw, dh, dw, oh, ow = self.geom
+        width = (n1 - n0) * self.span
+        gp = self.gp[worker, :, :width]
+        self.fill(n0, n1, self.pitch, gp)
+        if self.cols is None:
+            return
+        cols = self.cols[worker, :, :width]
+        junk = self.pitch != ow
+        if self.grad_w is not None and not (self.taps and self._grad_w_taps(worker, part, n0, gp, add)):
+            if self.padded:
+                _im2col_padded(self.x, n0, n1, 0, oh, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols)
+            else:
+                _im2col_block(self.x, n0, n1, 0, oh, *self.geom, cols)
+            if junk:
+                _zero_junk(cols, ow, self.pitch)
+            acc = self.gw[part]
+            if add:
+                tmp = self.tmp[worker]
+                _grad_w_product(gp, cols, tmp)
+                acc += tmp
+            else:
+                _grad_w_product(gp, cols, acc)
+        if self.grad_x is not None:
+            groups, ocg, k = self.w2.shape
+            if groups == 1:
+                np.matmul(self.w2[0].T, gp, out=cols)
+            else:
+                np.matmul(
+                    self.w2.transpose(0, 2, 1), gp.reshape(groups, ocg, -1), out=cols.reshape(groups, k, -1)
+                )
+            gx = _bits(self.grad_x)
+            if self.padded:
+                if junk:
+                    _zero_junk(cols, ow, self.pitch)
+                _col2im_padded(cols, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, self.xpad[worker], gx)
+            else:
+                _col2im_item(cols, n0, n1, *self.geom, self.acc[worker], gx)
+
+    def _grad_w_taps(self, worker: int, part: int, n: int, gp, add: bool) -> bool:
+        """The part's grad_w (+)= one product per tap, ``gp @ xpad[:, off : off + span].T``, where
+        image ``n`` is finite (else False: the junk columns would multiply an inf by 0)."""
+        kh, kw, _, _, ph, pw, dh, dw, oh, ow = self.geom
+        xpad = self.xpad[worker]
+        if not _pad_image(self.x, n, kh, kw, ph, pw, dh, dw, oh, ow, xpad):
+            return False
+        oc = self.gw.shape[2]
+        c, taps = xpad.shape[0], len(self.offsets)
+        tap = self.tmp[worker].reshape(taps, oc, c)
+        for t, off in enumerate(self.offsets):
+            np.matmul(gp, xpad[:, off : off + self.span].T, out=tap[t])
+        acc = self.gw[part].reshape(oc, c, taps)
+        if add:
+            acc += tap.transpose(1, 2, 0)
+        else:
+            np.copyto(acc, tap.transpose(1, 2, 0))
+        return True
 
 
-def _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w) -> None:
-    """grad_w and grad_x per block of images (NOTE [ Convolution on the host: im2col in blocks ]):
-    ``fill(n0, n1, gp)`` writes the block's grad_pre channel-major into ``gp (OC, nb * P)`` (the
-    compute dtype), then the block's products read it while it is in cache."""
-    n, c, _, _ = x.shape
-    _, cg, kh, kw = w.shape
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    scratch = pool.host_pool()
-    ct = _compute_dtype(x.dtype)
-    p = oh * ow
-    k = cg * kh * kw
-    ocg = oc // groups
-    w2 = _as_compute(w, scratch).reshape(groups, ocg, k)
-    nb = _images_per_block(c * kh * kw, p, ct.itemsize, n)
-    gp = _padded(scratch, oc, nb * p, ct)
-    cols = None if grad_x is None and grad_w is None else _padded(scratch, c * kh * kw, nb * p, ct)
-    planes = None if grad_x is None else scratch.acquire((nb * c,) + tuple(grad_x.shape[2:]), ct)
-    gw = None
-    if grad_w is not None:
-        gw = grad_w.reshape(groups, ocg, k) if grad_w.dtype == ct else scratch.acquire((groups, ocg, k), ct)
-        # A block's grad_w_g as the product whose output has more rows than columns: (K, OCg), or
-        # (OCg, K) when a group has more outputs than taps (NOTE above: the other order stalled).
-        tall = k >= ocg
-        gw_blk = scratch.acquire((k, ocg) if tall else (ocg, k), ct)
-    for n0 in range(0, n, nb):
-        n1 = min(n, n0 + nb)
-        width = (n1 - n0) * p
-        gpv = gp[:, :width]
-        fill(n0, n1, gpv)
-        if cols is None:
-            continue
-        cv = cols[:, :width]
-        if gw is not None:
-            _im2col(_bits(x), n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, cv)
-            for g in range(groups):
-                cg_, gp_ = cv[g * k : (g + 1) * k], gpv[g * ocg : (g + 1) * ocg]
-                if tall:
-                    part = np.matmul(cg_, gp_.T, out=gw_blk).T
-                else:
-                    part = np.matmul(gp_, cg_.T, out=gw_blk)
-                if n0:
-                    gw[g] += part
-                else:
-                    np.copyto(gw[g], part)
-        if grad_x is not None:
-            for g in range(groups):
-                np.matmul(w2[g].T, gpv[g * ocg : (g + 1) * ocg], out=cv[g * k : (g + 1) * k])
-            _col2im(cv, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, planes, _bits(grad_x))
-    if grad_w is not None and gw.dtype != grad_w.dtype:
-        _jit._convert(grad_w, gw.reshape(grad_w.shape))
+def _grad_w_product(gp, cols, out) -> None:
+    """out = gp_g @ cols_g.T per group: gp (G * OCg, width), cols (G * K, width), out (G, OCg, K)."""
+    groups, ocg, k = out.shape
+    if groups == 1:
+        np.matmul(gp, cols.T, out=out[0])
+    else:
+        np.matmul(gp.reshape(groups, ocg, -1), cols.reshape(groups, k, -1).transpose(0, 2, 1), out=out)
 
 
 # ----------------------------------------------------------------------------- Conv2d -> BatchNorm -> ReLU
@@ -763,10 +922,10 @@ def conv2d_batch_norm_backward(
     np.multiply(sum_gx, invstd, out=k3, casting="unsafe")
     np.divide(k3, count, out=k3)
 
-    def fill(n0, n1, gp):
-        _bn_grad_pre(y3, g3, m, a, bsh, relu, k1, k2, k3, n0, n1, gp)
+    def fill(n0, n1, pitch, gp):
+        _bn_grad_pre_item(y3, g3, m, a, bsh, relu, k1, k2, k3, n0, n1, pitch, ow, gp)
 
-    _products(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
+    _Backward(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w).run()
 
 
 # ----------------------------------------------------------------------------- pooling
