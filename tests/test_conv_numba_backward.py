@@ -3,7 +3,8 @@
 ``conv2d_backward`` and ``conv2d_batch_norm_backward`` share the images out between threads in
 parts of consecutive images, each part summing its own grad_w, taken a step of whole images at a
 time: one image a step where it has at least ``ITEM_MIN_COLUMNS`` output pixels (at stride 1 with
-one group, grad_w as one product per tap from the image's padded planes, no columns), several
+one group of ``TAPS_MIN_CHANNELS`` or more, grad_w as one product per tap from the image's
+padded planes, no columns; the N = 1 case with fewer channels takes the columns), several
 small ones a step otherwise (the columns). The geometries below reach each with one and two
 threads, at odd sizes: 1 x 1 and 7 x 7 kernels, stride 2, dilation 2, groups (depthwise too),
 N = 1, H != W, a last part and a last step shorter than the others; every subset of the three
@@ -34,11 +35,12 @@ GEOMETRIES = {
     # 256 output pixels: four images a step, three parts, the last step of one image
     "steps-of-several": (9, 4, 16, 16, 6, (3, 3), (1, 1), (1, 1), (1, 1), 1, None),
     # 1,056 output pixels: one image a step, grad_w from the padded planes per tap
-    "one-image-taps": (3, 4, 33, 32, 6, (3, 3), (1, 1), (1, 1), (1, 1), 1, "gelu"),
+    "one-image-taps": (3, 8, 33, 32, 6, (3, 3), (1, 1), (1, 1), (1, 1), 1, "gelu"),
     "1x1-stride2-groups2": (5, 4, 9, 9, 6, (1, 1), (2, 2), (0, 0), (1, 1), 2, "silu"),
     "7x7-dilation2-H!=W": (3, 2, 40, 37, 3, (7, 7), (2, 1), (3, 3), (2, 2), 1, None),
-    "dilation2-taps": (2, 3, 34, 33, 4, (3, 3), (1, 1), (2, 2), (2, 2), 1, "gelu_tanh"),
+    "dilation2-taps": (2, 8, 34, 33, 4, (3, 3), (1, 1), (2, 2), (2, 2), 1, "gelu_tanh"),
     "N1-depthwise": (1, 4, 32, 33, 8, (3, 3), (1, 1), (1, 1), (1, 1), 4, "relu"),
+    "N1-few-channels": (1, 3, 32, 32, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, None),
 }
 TOLERANCE = {np.float32: 2e-5, np.float16: 1e-3, np.float64: 1e-12}
 WANTS = {

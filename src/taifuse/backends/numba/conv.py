@@ -48,8 +48,9 @@ no inf or NaN in x or w meets a junk column (0 * inf is NaN). With one image a s
 and stride 1, grad_w needs no columns: it is one product per tap, ``grad_pre @ xpad[:, off : off
 + span].T`` over a strided view of the image's padded planes (saving the columns' copy, which
 cost as much as a product at 32 -> 64); those views' junk columns are real values, so an image
-holding an inf or NaN takes the columns instead. A dot-product kernel for grad_w at the first
-layer's K = 27 taps ran about 3x slower than BLAS's product there (a loaded machine's ratio), so
+holding an inf or NaN takes the columns instead. Under ``TAPS_MIN_CHANNELS`` input channels
+(the first layer's 3) the nine thin products lose to the columns' one. A dot-product kernel for grad_w at the first
+layer's K = 27 taps ran 2-3x slower than BLAS's product there (a loaded machine's ratio), so
 every layer takes BLAS. The per-block design this replaced ran each phase as a Numba parallel
 region around products on OpenBLAS's threads, which met each other's spinning workers as the
 forward's phases did, and one order of the weight gradient's product stalled (docs/cnn.md); with
@@ -703,6 +704,11 @@ def _col2im_item(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx)
 # PARTS_MAX_BYTES for all parts); the parts are added in their order at the end.
 BACKWARD_PARTS = 8
 PARTS_MAX_BYTES = 16 * 1024 * 1024
+# grad_w takes one product per tap, without the columns, from this many input channels: per image
+# at 32 x 32, the columns' copy and one product took 0.05 ms against 0.07-0.16 ms for the nine
+# products at 3 channels, 0.24 against 0.11-0.12 ms at 8, 1.1-1.3 against 0.8-0.9 ms at 32 (one
+# thread, CPU time, a loaded machine's figures: an ordering only).
+TAPS_MIN_CHANNELS = 8
 # Pool scratch rows get this many elements of padding: a row stride of N * 4 KiB puts every row
 # of a BLAS operand in one cache set.
 _ROW_PAD = 16
@@ -729,9 +735,9 @@ class _Backward:
         self.x = _bits(x)
         k, ocg = cg * kh * kw, oc // groups
         self.nb = max(1, min(n, -(-ITEM_MIN_COLUMNS // (oh * ow))))
-        # One image a step, one group, stride 1: grad_w as one product per tap, straight from the
-        # image's padded planes (no columns).
-        self.taps = self.padded and groups == 1 and self.nb == 1
+        # One image a step, one group of TAPS_MIN_CHANNELS or more, stride 1: grad_w as one product
+        # per tap, straight from the image's padded planes (no columns).
+        self.taps = self.padded and groups == 1 and self.nb == 1 and c >= TAPS_MIN_CHANNELS
         self.offsets = [i * dilation[0] * self.pitch + j * dilation[1] for i in range(kh) for j in range(kw)]
         steps = -(-n // self.nb)
         self.workers = _workers(steps)
