@@ -602,12 +602,12 @@ def _bn_grad_pre_item(y, g, mean, scale, shift, relu, k1, k2, k3, n0, n1, pitch,
 
 
 @njit(**_FMA)
-def _zero_junk(a, ow, pitch):
-    # a[:, s + OW : s + pitch] = 0 at every output row start s of a layout at the padded width
-    # (_im2col_padded's): the columns that read the next padded row.
+def _zero_junk(a, width, ow, pitch):
+    # a[:, s + OW : s + pitch] = 0 at every output row start s < width of a layout at the padded
+    # width (_im2col_padded's): the columns that read the next padded row.
     for row in range(a.shape[0]):
         dst = a[row]
-        for s in range(0, dst.size, pitch):
+        for s in range(0, width, pitch):
             for q in range(s + ow, s + pitch):
                 dst[q] = 0
 
@@ -719,8 +719,9 @@ class _Backward:
     consecutive images, taken ``nb`` images a step (as the forward's items: at least
     ``ITEM_MIN_COLUMNS`` output pixels). A step's ``fill(n0, n1, pitch, gp)`` writes its grad_pre
     channel-major into the worker's scratch ``gp (OC, nb * OH * pitch)``; the step's columns,
-    rebuilt as the forward's, give ``grad_w_g += gp_g @ cols_g.T`` into the part's own sum, then
-    ``cols_g = w_g.T @ gp_g`` over them, which col2im adds into the step's images of grad_x."""
+    rebuilt as the forward's, give ``grad_w_g += gp_g @ cols_g.T`` into the part's own sum (or one
+    product per tap from the image's padded planes: ``taps``), then ``cols_g = w_g.T @ gp_g`` over
+    them, which col2im adds into the step's images of grad_x."""
 
     def __init__(self, x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w):
         n, c, h, wd = x.shape
@@ -747,14 +748,14 @@ class _Backward:
         self.items = [(i, n0, min(n, n0 + per)) for i, n0 in enumerate(range(0, n, per))]
         width = self.nb * self.span
         workers = self.workers
-        self.gp = scratch.acquire((workers, oc, width + _ROW_PAD), ct)[:, :, :width]
+        # The kernels take whole rows of scratch (C-contiguous, so that their loops vectorize: a
+        # view of the first ``width`` columns ran col2im 2.5-4x slower), BLAS the views.
+        self.gp = scratch.acquire((workers, oc, width + _ROW_PAD), ct)
         if self.pitch != ow:  # fill never writes the junk columns: zero them once
             for gp in self.gp:
-                _zero_junk(gp, ow, self.pitch)
+                _zero_junk(gp, width, ow, self.pitch)
         products = grad_x is not None or grad_w is not None
-        self.cols = (
-            scratch.acquire((workers, c * kh * kw, width + _ROW_PAD), ct)[:, :, :width] if products else None
-        )
+        self.cols = scratch.acquire((workers, c * kh * kw, width + _ROW_PAD), ct) if products else None
         self.xpad = self.acc = None
         if products and self.padded:
             plane = (oh + (kh - 1) * dilation[0]) * self.pitch + (kw - 1) * dilation[1]
@@ -785,19 +786,22 @@ class _Backward:
     def _step(self, worker: int, part: int, n0: int, n1: int, add: bool) -> None:
         kh, kw, _, _, ph, pw, dh, dw, oh, ow = self.geom
         width = (n1 - n0) * self.span
-        gp = self.gp[worker, :, :width]
-        self.fill(n0, n1, self.pitch, gp)
+        gp_rows = self.gp[worker]
+        self.fill(n0, n1, self.pitch, gp_rows)
         if self.cols is None:
             return
-        cols = self.cols[worker, :, :width]
+        gp, cols_rows = gp_rows[:, :width], self.cols[worker]
+        cols = cols_rows[:, :width]
         junk = self.pitch != ow
         if self.grad_w is not None and not (self.taps and self._grad_w_taps(worker, part, n0, gp, add)):
             if self.padded:
-                _im2col_padded(self.x, n0, n1, 0, oh, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols)
+                _im2col_padded(
+                    self.x, n0, n1, 0, oh, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols_rows
+                )
             else:
-                _im2col_block(self.x, n0, n1, 0, oh, *self.geom, cols)
+                _im2col_block(self.x, n0, n1, 0, oh, *self.geom, cols_rows)
             if junk:
-                _zero_junk(cols, ow, self.pitch)
+                _zero_junk(cols_rows, width, ow, self.pitch)
             acc = self.gw[part]
             if add:
                 tmp = self.tmp[worker]
@@ -816,10 +820,10 @@ class _Backward:
             gx = _bits(self.grad_x)
             if self.padded:
                 if junk:
-                    _zero_junk(cols, ow, self.pitch)
-                _col2im_padded(cols, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, self.xpad[worker], gx)
+                    _zero_junk(cols_rows, width, ow, self.pitch)
+                _col2im_padded(cols_rows, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, self.xpad[worker], gx)
             else:
-                _col2im_item(cols, n0, n1, *self.geom, self.acc[worker], gx)
+                _col2im_item(cols_rows, n0, n1, *self.geom, self.acc[worker], gx)
 
     def _grad_w_taps(self, worker: int, part: int, n: int, gp, add: bool) -> bool:
         """The part's grad_w (+)= one product per tap, ``gp @ xpad[:, off : off + span].T``, where
