@@ -881,9 +881,10 @@ def attention_forward(
     be: ModuleType, q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: float, p: float
 ) -> tuple[Any, Any, int]:
     """The attention kernel on validated ``(BH, L, E)``, ``(BH, S, E)``, ``(BH, S, Ev)`` backend
-    arrays: ``(out (BH, L, Ev), lse (BH, L), dropout seed)``."""
-    bh, L, _ = q.shape
-    S, ev = k.shape[1], v.shape[2]
+    arrays (or, for a backend that takes them, (B, H, n, d) views: ``_autograd_ops``): ``(out
+    (BH, L, Ev), lse (BH, L), dropout seed)``."""
+    bh, L = math.prod(q.shape[:-2]), q.shape[-2]
+    S, ev = k.shape[-2], v.shape[-1]
     seed = _random.next_seed() if p > 0.0 else 0
     out = pool.empty(be, (bh, L, ev), q.dtype)
     lse = pool.empty(be, (bh, L), _stats_dtype(q.dtype))
