@@ -446,8 +446,8 @@ def _split_heads(x, heads):
 @pytest.mark.parametrize("heads_per_group", [1, 3, 6, 12])
 def test_numba_takes_the_heads_of_c_attn_as_views(dtype, causal, p, heads_per_group, monkeypatch):
     """NOTE [ Numba attention views ]: q, k, v split from a (B, T, 3C) array reach the kernels as
-    strided (B, H, T, D) views (not copied), and so does the output's gradient coming back through
-    the heads' merge; groups of 1 head, of 3 (cut to 2, a part of a batch row), 6 (cut to 4, one
+    strided (B, H, T, D) views (not copied), the output and the gradients are made in (B, T, H, D)
+    layout, so the heads' merge and the backward through it and the split copy nothing; groups of 1 head, of 3 (cut to 2, a part of a batch row), 6 (cut to 4, one
     whole row) and all 12 give the float64 reference's forward and gradient of the (B, T, 3C)
     input, the same bits on one thread and two."""
     numba = pytest.importorskip("numba")
@@ -469,6 +469,19 @@ def test_numba_takes_the_heads_of_c_attn_as_views(dtype, causal, p, heads_per_gr
         return real(q, k, v, *rest)
 
     monkeypatch.setattr(NB, "attention", spy)
+    from taifuse import _tensor_math
+
+    copies = []
+    for name in ("reshape", "contiguous"):
+        method = getattr(_tensor_math.HostMath, name)
+
+        def counted(a, *rest, _m=method, _n=name):
+            r = _m(a, *rest)
+            if not np.shares_memory(r, a):
+                copies.append(_n)
+            return r
+
+        monkeypatch.setattr(_tensor_math.HostMath, name, staticmethod(counted))
     runs = []
     with taifuse.use_backend("numba"):
         for threads in (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,):
@@ -487,6 +500,7 @@ def test_numba_takes_the_heads_of_c_attn_as_views(dtype, causal, p, heads_per_gr
             finally:
                 numba.set_num_threads(before)
     assert seen and all(s == ((B, H, T, D), False, True) for s in seen), seen
+    assert copies == [], copies  # the heads' merge and every backward step are views too
     for a, b in zip(runs[0], runs[-1]):
         np.testing.assert_array_equal(a, b)
     qr, kr, vr = (base[..., i * C : (i + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))

@@ -575,39 +575,64 @@ def _attention_views(be: ModuleType, arrays: tuple, batch: tuple) -> bool:
 
 class _Attention(Op):
     """``scaled_dot_product_attention``: keeps the inputs, the output and one log-sum-exp per
-    query row; the backward kernel recomputes the probabilities from them. On a backend whose
-    kernels take (B, H, n, d) views (``ATTENTION_VIEWS``), the strided q, k, v that
-    ``CausalSelfAttention`` splits from c_attn's output, and the output's gradient, go to the
-    kernels without a contiguous copy; elsewhere views are copied, as for every other op."""
+    query row; the backward kernel recomputes the probabilities from them.
+
+    With ``views`` (a backend whose kernels take (B, H, n, d) views, ``ATTENTION_VIEWS``, and 4-D
+    inputs of one batch shape: ``_attention_views``) the inputs and the output's gradient go to
+    the kernels as they are, strided or not, and the output and the gradients are made in (B, n,
+    H, d) layout: the output is returned so (the caller transposes it back as a view), the
+    gradients as (B, H, n, d) views of it. So ``CausalSelfAttention``'s split of c_attn's output,
+    its heads' merge and their backwards copy nothing (NOTE [ Numba attention views ]), as with
+    PyTorch's CPU flash attention, whose output has these strides. Elsewhere views are copied,
+    as for every other op."""
 
     owns_grads = True  # gq, gk and gv are new arrays (or sums of them), one per input
     strided = True  # views are copied here where the kernels need it (_attention_views)
 
     def forward(
-        self, q: Any, k: Any, v: Any, mask: Any, batch: tuple, causal: bool, scale: float, p: float
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        batch: tuple,
+        causal: bool,
+        scale: float,
+        p: float,
+        views: bool,
     ) -> Any:
         be = self.be
         self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        self.batch = batch
-        self.views = _attention_views(be, (q, k, v), batch)
-        if self.views:
+        self.batch, self.views = batch, views
+        if views:
             self.q, self.k, self.v = q, k, v
         else:
             q, k, v = (_contiguous(self.m, a) for a in (q, k, v))
             self.q, self.k, self.v = (A.attention_broadcast(be, a, batch) for a in (q, k, v))
         self.mask, self.causal, self.scale, self.p = mask, causal, scale, p
         self.out, self.lse, self.seed = A.attention_forward(
-            be, self.q, self.k, self.v, mask, causal, scale, p
+            be, self.q, self.k, self.v, mask, causal, scale, p, heads_last=views
         )
-        return self.out.reshape(batch + (q.shape[-2], v.shape[-1]))
+        return self.out if views else self.out.reshape(batch + (q.shape[-2], v.shape[-1]))
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         be, q, k, v = self.be, self.q, self.k, self.v
-        if not (self.views and _attention_views(be, (g,), self.batch)):
+        if self.views:  # g is (B, L, H, Ev), as the output
+            if not _attention_views(be, (g.transpose(0, 2, 1, 3),), self.batch):
+                g = _contiguous(self.m, g)
+            g = g.transpose(0, 2, 1, 3)
+            grads = [
+                new_array(be, (a.shape[0], a.shape[2], a.shape[1], a.shape[3]), a.dtype).transpose(0, 2, 1, 3)
+                if need
+                else None
+                for a, need in zip((q, k, v), self.needs_grad)
+            ]
+        else:
             g = _contiguous(self.m, g).reshape(self.out.shape)
-        grads = [
-            new_array(be, a.shape, a.dtype) if need else None for a, need in zip((q, k, v), self.needs_grad)
-        ]
+            grads = [
+                new_array(be, a.shape, a.dtype) if need else None
+                for a, need in zip((q, k, v), self.needs_grad)
+            ]
         if q.shape[-2] * k.shape[-2] * v.shape[-1] * math.prod(q.shape[:-2]):
             kernels(be).attention_backward(
                 q,
@@ -630,7 +655,7 @@ class _Attention(Op):
             if gr is not None:
                 gr = sum_to_shape(self.m, gr.reshape(self.batch + tuple(gr.shape[-2:])), shape)
             result.append(gr)
-        return (*result, None, None, None, None, None)
+        return (*result, None, None, None, None, None, None)
 
 
 def scaled_dot_product_attention(
@@ -655,7 +680,9 @@ def scaled_dot_product_attention(
     if isinstance(attn_mask, Tensor):
         attn_mask = data(attn_mask)
     mask = A.attention_mask(backend(q), attn_mask, q.dtype, batch, L, S)
-    return _Attention.apply(q, k, v, mask, batch, causal, scale, p)
+    views = _attention_views(backend(q), (data(q), data(k), data(v)), batch)
+    out = _Attention.apply(q, k, v, mask, batch, causal, scale, p, views)
+    return out.transpose(1, 2) if views else out  # (B, L, H, Ev) made: a view as (B, H, L, Ev)
 
 
 # ----------------------------------------------------------------------------- losses

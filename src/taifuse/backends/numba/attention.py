@@ -354,8 +354,16 @@ def _like_stack(a: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
 
 
 def _heads(a: np.ndarray | None, bh: int) -> np.ndarray | None:
-    """A C-contiguous (B, H, n, d) or (BH, n, d) array as (BH, n, d) (a view)."""
-    return None if a is None else a.reshape((bh,) + a.shape[-2:])
+    """An output array as (BH, n, d) (a view) when C-contiguous; a strided one stays the (B, H, n,
+    d) view it is (NOTE [ Numba attention views ])."""
+    if a is None or not a.flags.c_contiguous:
+        return a
+    return a.reshape((bh,) + a.shape[-2:])
+
+
+def _rows_of(a: np.ndarray, h0: int, h1: int, lead: tuple[int, ...]) -> np.ndarray:
+    """Heads ``h0 .. h1`` of a (BH, n, d) or (B, H, n, d) array, shaped as the stack ``lead``."""
+    return _stack(a, h0, h1) if a.ndim == 4 else _like_stack(a[h0:h1], lead)
 
 
 def attention(
@@ -389,8 +397,10 @@ def attention(
     # blocks read the most keys, and taking them first evens out the workers' shares.
     items = [(h0, q0) for q0 in range(0, L, rows)[::-1] for h0 in range(0, bh, gs)]
     workers = _workers(len(items))
-    wide = (gs * rows * e, gs * S * e, gs * S * ev, gs * rows * ev) if half else (0, 0, 0, 0)
-    scratch = _scratch(workers, ct, gs * rows * S, gs * rows, *wide)
+    # The output's block goes through scratch when widened or when out is a strided view.
+    direct = not half and out.ndim == 3
+    wide = (gs * rows * e, gs * S * e, gs * S * ev) if half else (0, 0, 0)
+    scratch = _scratch(workers, ct, gs * rows * S, gs * rows, *wide, 0 if direct else gs * rows * ev)
 
     def task(w: int, item: tuple[int, int]) -> None:
         buf, binv, bq, bk, bv, bo = scratch[w]
@@ -409,11 +419,11 @@ def attention(
         _softmax_rows(
             sc, m, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc, inv
         )  # fmt: skip
-        o = _block(bo, h1 - h0, q1 - q0, ev) if half else out[h0:h1, q0:q1]
+        o = out[h0:h1, q0:q1] if direct else _block(bo, h1 - h0, q1 - q0, ev)
         np.matmul(_like_stack(sc, lead), vb, out=_like_stack(o, lead))
         _scale_rows(o, inv)
-        if half:
-            _convert(out[h0:h1, q0:q1], o)
+        if not direct:
+            _convert(_rows_of(out, h0, h1, lead)[..., q0:q1, :], _like_stack(o, lead))
 
     _run(task, items, workers, rows * S * max(e, ev) > _BLAS_THREADED_MNK)
     if lc is not lse:
@@ -474,13 +484,15 @@ def attention_backward(
             _widened(_stack(a, h0, h1), ct, b) for a, b in ((q, bq), (k, bk), (v, bv), (grad_out, bg))
         )
         lead = qh.shape[:-2]
-        dq = _block(bdq, gn, L, e) if own[0] else grad_q[h0:h1]
-        dk = _block(bdk, gn, S, e) if own[1] else grad_k[h0:h1]
-        dv = _block(bdv, gn, S, ev) if own[2] else grad_v[h0:h1]
-        dq4, dk4, dv4 = (_like_stack(a, lead) for a in (dq, dk, dv))
+        dq4, dk4, dv4 = (
+            _like_stack(_block(buf, gn, n, d), lead) if o else _rows_of(grad, h0, h1, lead)
+            for grad, buf, n, d, o in zip(
+                (grad_q, grad_k, grad_v), (bdq, bdk, bdv), (L, S, S), (e, e, ev), own
+            )
+        )
         if not whole:
-            dk[...] = 0
-            dv[...] = 0
+            dk4[...] = 0
+            dv4[...] = 0
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if is_causal else S
@@ -505,8 +517,8 @@ def attention_backward(
             t = _like_stack(_block(buf_t, gn, sn, e), lead)
             np.matmul(dp4.swapaxes(-1, -2), qb, out=t)
             dk4[..., :sn, :] += t
-        for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq, dk, dv), own):
+        for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq4, dk4, dv4), own):
             if grad is not None and o:
-                _convert(grad[h0:h1], acc)
+                _convert(_rows_of(grad, h0, h1, lead), acc)
 
     _run(task, groups, workers, rows * S * max(e, ev) > _BLAS_THREADED_MNK)
