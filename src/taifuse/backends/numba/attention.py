@@ -54,9 +54,13 @@ kernel's strided input gets (``_Attention`` in _autograd_ops.py; ``ATTENTION_VIE
 backend's package). BLAS reads a matrix of any row stride, so a group of heads is one strided
 stack for ``np.matmul``: ``_group`` then keeps a group to whole batch rows (a (b, H, n, d)
 stack) or a part of one row that divides H (an (h, n, d) stack), ``_stack`` slices it, and the
-scratch blocks are reshaped to the stack's leading dims. out, lse and the gradients are
-C-contiguous, indexed by the flat head as before; a float16 view is widened into the worker's
-scratch as a contiguous array would be.
+scratch blocks are reshaped to the stack's leading dims. out and the gradients may be such views
+too: ``_Attention`` makes them in (B, L, H, d) layout and passes them transposed, so that the
+heads' merge ``y.transpose(1, 2).reshape(B, L, C)`` is a view and the gradients reach c_attn's
+split as views; the gradient products write them through their row strides, and a forward block
+goes through the worker's scratch (where its rows are scaled) into them. lse stays (BH, L),
+indexed by the flat head. A float16 view is widened into the worker's scratch as a contiguous
+array would be.
 """
 
 from __future__ import annotations
