@@ -434,6 +434,127 @@ def test_numba_backward_writes_only_the_gradients_asked_for():
                 assert got is None
 
 
+def _split_heads(x, heads):
+    """CausalSelfAttention's q, k, v: c_attn's (B, T, 3C) output split and viewed as (B, H, T, D)."""
+    b, t, c3 = x.shape
+    c = c3 // 3
+    return [part.view(b, t, heads, c // heads).transpose(1, 2) for part in x.split(c, dim=2)]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("causal, p", [(True, 0.0), (False, 0.0), (True, 0.25)])
+@pytest.mark.parametrize("heads_per_group", [1, 3, 6, 12])
+def test_numba_takes_the_heads_of_c_attn_as_views(dtype, causal, p, heads_per_group, monkeypatch):
+    """NOTE [ Numba attention views ]: q, k, v split from a (B, T, 3C) array reach the kernels as
+    strided (B, H, T, D) views (not copied), the output and the gradients are made in (B, T, H, D)
+    layout, so the heads' merge and the backward through it and the split copy nothing; groups of 1 head, of 3 (cut to 2, a part of a batch row), 6 (cut to 4, one
+    whole row) and all 12 give the float64 reference's forward and gradient of the (B, T, 3C)
+    input, the same bits on one thread and two."""
+    numba = pytest.importorskip("numba")
+    import importlib
+
+    kernels = importlib.import_module("taifuse.backends.numba.attention")
+    NB = importlib.import_module("taifuse.backends.numba")
+    B, T, H, D = 3, 37, 4, 12  # an odd T: a causal block's edge is not a vector's
+    C = H * D
+    rng = np.random.default_rng(8)
+    base = rng.standard_normal((B, T, 3 * C)).astype(dtype)
+    g = rng.standard_normal((B, T, C)).astype(dtype)
+    monkeypatch.setattr(kernels, "_GROUP_SCORES", heads_per_group * T * T)
+    seen = []
+    real = NB.attention
+
+    def spy(q, k, v, *rest):
+        seen.append((q.shape, q.flags.c_contiguous, np.shares_memory(q, base_arr[0])))
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(NB, "attention", spy)
+    from taifuse import _tensor_math
+
+    copies = []
+    for name in ("reshape", "contiguous"):
+        method = getattr(_tensor_math.HostMath, name)
+
+        def counted(a, *rest, _m=method, _n=name):
+            r = _m(a, *rest)
+            if not np.shares_memory(r, a):
+                copies.append(_n)
+            return r
+
+        monkeypatch.setattr(_tensor_math.HostMath, name, staticmethod(counted))
+    runs = []
+    with taifuse.use_backend("numba"):
+        for threads in (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,):
+            before = numba.get_num_threads()
+            numba.set_num_threads(threads)
+            try:
+                taifuse.manual_seed(3)
+                seed = _random.next_seed()
+                taifuse.manual_seed(3)
+                x = taifuse.tensor(base.copy(), requires_grad=True)
+                base_arr = [x.detach().numpy()]
+                q, k, v = _split_heads(x, H)
+                y = SDPA(q, k, v, is_causal=causal, dropout_p=p)
+                y.transpose(1, 2).reshape(B, T, C).backward(taifuse.tensor(g))
+                runs.append((y.numpy(), x.grad.numpy()))
+            finally:
+                numba.set_num_threads(before)
+    assert seen and all(s == ((B, H, T, D), False, True) for s in seen), seen
+    assert copies == [], copies  # the heads' merge and every backward step are views too
+    for a, b in zip(runs[0], runs[-1]):
+        np.testing.assert_array_equal(a, b)
+    qr, kr, vr = (base[..., i * C : (i + 1) * C].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))
+    ref, ref_grads = reference_sdpa(
+        qr, kr, vr, None, causal, dropout_p=p, seed=seed, grad=g.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    )
+    out, grad = runs[0]
+    _close(out, ref, dtype, "out")
+    ref_grad = np.concatenate([r.transpose(0, 2, 1, 3).reshape(B, T, C) for r in ref_grads], axis=2)
+    _close(grad, ref_grad, dtype, "grad of c_attn's output")
+
+
+def test_numba_one_worker_holds_blas_to_one_thread(monkeypatch):
+    """NOTE [ Numba attention threads ]: one worker (one Numba thread, or a single block) runs its
+    products with BLAS on one thread, as two workers do: OpenBLAS's team on these small products
+    cost several times their work. Fails where the lone worker left BLAS threaded."""
+    numba = pytest.importorskip("numba")
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import importlib
+
+    kernels = importlib.import_module("taifuse.backends.numba.attention")
+    blas_threads = []
+    real = kernels._softmax_rows
+
+    def spy(*args):
+        info = threadpoolctl.threadpool_info()
+        # NumPy's BLAS, which np.matmul calls (SciPy's, loaded along the way, is not the kernels').
+        blas_threads.extend(
+            i["num_threads"] for i in info if i["user_api"] == "blas" and "numpy" in i["filepath"]
+        )
+        return real(*args)
+
+    monkeypatch.setattr(kernels, "_softmax_rows", spy)
+    rng = np.random.default_rng(9)
+    q, k, v, _ = _inputs(rng, (2,), 128, 128, 64, 64, F32)  # 64 x 128 x 64 products: OpenBLAS threads them
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        with threadpoolctl.threadpool_limits(2, user_api="blas"):
+            if not any(
+                i["user_api"] == "blas" and "numpy" in i["filepath"] and i["num_threads"] == 2
+                for i in threadpoolctl.threadpool_info()
+            ):
+                pytest.skip("no BLAS that threadpoolctl can set to two threads")
+            out, _, gq, gk, gv = _numba_kernel_run(q, k, v, None, True, 0.0, (True, True, True))
+    finally:
+        numba.set_num_threads(before)
+    assert blas_threads and set(blas_threads) == {1}, blas_threads
+    g = np.random.default_rng(3).standard_normal(out.shape).astype(F32)  # _numba_kernel_run's
+    ref, ref_grads = reference_sdpa(q, k, v, None, True, scale=0.3, grad=g)
+    for got, r, what in zip((out, gq, gk, gv), (ref, *ref_grads), ("out", "grad_q", "grad_k", "grad_v")):
+        _close(got, r, F32, what)
+
+
 # ----------------------------------------------------------------------------- Taichi's tiled kernels
 
 

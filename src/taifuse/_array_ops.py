@@ -878,21 +878,34 @@ def attention_broadcast(be: ModuleType, arr: Any, batch: tuple[int, ...]) -> Any
 
 
 def attention_forward(
-    be: ModuleType, q: Any, k: Any, v: Any, mask: Any, is_causal: bool, scale: float, p: float
+    be: ModuleType,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    is_causal: bool,
+    scale: float,
+    p: float,
+    heads_last: bool = False,
 ) -> tuple[Any, Any, int]:
     """The attention kernel on validated ``(BH, L, E)``, ``(BH, S, E)``, ``(BH, S, Ev)`` backend
-    arrays: ``(out (BH, L, Ev), lse (BH, L), dropout seed)``."""
-    bh, L, _ = q.shape
-    S, ev = k.shape[1], v.shape[2]
+    arrays: ``(out (BH, L, Ev), lse (BH, L), dropout seed)``. With ``heads_last`` (a backend that
+    takes views: ``_autograd_ops._Attention``) q, k, v are ``(B, H, n, d)`` arrays of any row
+    strides and ``out`` is made ``(B, L, H, Ev)``, the kernel writing it through a transposed view."""
+    bh, L = math.prod(q.shape[:-2]), q.shape[-2]
+    S, ev = k.shape[-2], v.shape[-1]
+    shape = (q.shape[0], L, q.shape[1], ev) if heads_last else (bh, L, ev)
     seed = _random.next_seed() if p > 0.0 else 0
-    out = pool.empty(be, (bh, L, ev), q.dtype)
     lse = pool.empty(be, (bh, L), _stats_dtype(q.dtype))
     if bh * L * ev == 0 or S == 0:
         # Nothing to compute, or no key at all: every row is fully masked, and PyTorch gives 0
         # (NOTE [ Attention kernel arguments ]). The backward of such a call is all zeros.
         m = math_for(be)
-        return m.full((bh, L, ev), 0.0, q.dtype), m.full((bh, L), -math.inf, lse.dtype), seed
-    be.attention(q, k, v, mask, is_causal, scale, p, seed, out, lse)
+        return m.full(shape, 0.0, q.dtype), m.full((bh, L), -math.inf, lse.dtype), seed
+    out = pool.empty(be, shape, q.dtype)
+    be.attention(
+        q, k, v, mask, is_causal, scale, p, seed, out.transpose(0, 2, 1, 3) if heads_last else out, lse
+    )
     return out, lse, seed
 
 

@@ -556,30 +556,84 @@ def dropout(x: Any, p: float, training: bool, out: Any) -> Tensor:
 # ----------------------------------------------------------------------------- attention
 
 
+def _contiguous(m: Any, a: Any) -> Any:
+    """``a``, or a contiguous copy of a strided host view of it (NOTE [ Views ])."""
+    return m.contiguous(a) if isinstance(a, np.ndarray) and not a.flags.c_contiguous else a
+
+
+def _attention_views(be: ModuleType, arrays: tuple, batch: tuple) -> bool:
+    """Whether ``be``'s attention kernels take these arrays as they are: (B, H, n, d) host views
+    of any row strides, as c_attn's split gives them (NOTE [ Numba attention views ] in
+    backends/numba/attention.py), with no broadcast between them."""
+    if not getattr(be, "ATTENTION_VIEWS", False) or len(batch) != 2:
+        return False
+    for a in arrays:
+        if tuple(a.shape[:-2]) != batch or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
+            return False
+    return True
+
+
 class _Attention(Op):
     """``scaled_dot_product_attention``: keeps the inputs, the output and one log-sum-exp per
-    query row; the backward kernel recomputes the probabilities from them."""
+    query row; the backward kernel recomputes the probabilities from them.
+
+    With ``views`` (a backend whose kernels take (B, H, n, d) views, ``ATTENTION_VIEWS``, and 4-D
+    inputs of one batch shape: ``_attention_views``) the inputs and the output's gradient go to
+    the kernels as they are, strided or not, and the output and the gradients are made in (B, n,
+    H, d) layout: the output is returned so (the caller transposes it back as a view), the
+    gradients as (B, H, n, d) views of it. So ``CausalSelfAttention``'s split of c_attn's output,
+    its heads' merge and their backwards copy nothing (NOTE [ Numba attention views ]), as with
+    PyTorch's CPU flash attention, whose output has these strides. Elsewhere views are copied,
+    as for every other op."""
 
     owns_grads = True  # gq, gk and gv are new arrays (or sums of them), one per input
+    strided = True  # views are copied here where the kernels need it (_attention_views)
 
     def forward(
-        self, q: Any, k: Any, v: Any, mask: Any, batch: tuple, causal: bool, scale: float, p: float
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any,
+        batch: tuple,
+        causal: bool,
+        scale: float,
+        p: float,
+        views: bool,
     ) -> Any:
         be = self.be
         self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        self.q, self.k, self.v = (A.attention_broadcast(be, a, batch) for a in (q, k, v))
+        self.batch, self.views = batch, views
+        if views:
+            self.q, self.k, self.v = q, k, v
+        else:
+            q, k, v = (_contiguous(self.m, a) for a in (q, k, v))
+            self.q, self.k, self.v = (A.attention_broadcast(be, a, batch) for a in (q, k, v))
         self.mask, self.causal, self.scale, self.p = mask, causal, scale, p
         self.out, self.lse, self.seed = A.attention_forward(
-            be, self.q, self.k, self.v, mask, causal, scale, p
+            be, self.q, self.k, self.v, mask, causal, scale, p, heads_last=views
         )
-        return self.out.reshape(batch + (q.shape[-2], v.shape[-1]))
+        return self.out if views else self.out.reshape(batch + (q.shape[-2], v.shape[-1]))
 
     def backward(self, g: Any) -> tuple[Any, ...]:
         be, q, k, v = self.be, self.q, self.k, self.v
-        grads = [
-            new_array(be, a.shape, a.dtype) if need else None for a, need in zip((q, k, v), self.needs_grad)
-        ]
-        if q.shape[1] * k.shape[1] * v.shape[2] * q.shape[0]:
+        if self.views:  # g is (B, L, H, Ev), as the output
+            if not _attention_views(be, (g.transpose(0, 2, 1, 3),), self.batch):
+                g = _contiguous(self.m, g)
+            g = g.transpose(0, 2, 1, 3)
+            grads = [
+                new_array(be, (a.shape[0], a.shape[2], a.shape[1], a.shape[3]), a.dtype).transpose(0, 2, 1, 3)
+                if need
+                else None
+                for a, need in zip((q, k, v), self.needs_grad)
+            ]
+        else:
+            g = _contiguous(self.m, g).reshape(self.out.shape)
+            grads = [
+                new_array(be, a.shape, a.dtype) if need else None
+                for a, need in zip((q, k, v), self.needs_grad)
+            ]
+        if q.shape[-2] * k.shape[-2] * v.shape[-1] * math.prod(q.shape[:-2]):
             kernels(be).attention_backward(
                 q,
                 k,
@@ -591,7 +645,7 @@ class _Attention(Op):
                 self.seed,
                 self.out,
                 self.lse,
-                g.reshape(self.out.shape),
+                g,
                 *grads,
             )
         else:  # an empty product: every gradient is an empty or zero sum
@@ -599,10 +653,9 @@ class _Attention(Op):
         result = []
         for gr, shape in zip(grads, self.shapes):
             if gr is not None:
-                batch = tuple(g.shape[:-2])
-                gr = sum_to_shape(self.m, gr.reshape(batch + tuple(gr.shape[1:])), shape)
+                gr = sum_to_shape(self.m, gr.reshape(self.batch + tuple(gr.shape[-2:])), shape)
             result.append(gr)
-        return (*result, None, None, None, None, None)
+        return (*result, None, None, None, None, None, None)
 
 
 def scaled_dot_product_attention(
@@ -627,7 +680,9 @@ def scaled_dot_product_attention(
     if isinstance(attn_mask, Tensor):
         attn_mask = data(attn_mask)
     mask = A.attention_mask(backend(q), attn_mask, q.dtype, batch, L, S)
-    return _Attention.apply(q, k, v, mask, batch, causal, scale, p)
+    views = _attention_views(backend(q), (data(q), data(k), data(v)), batch)
+    out = _Attention.apply(q, k, v, mask, batch, causal, scale, p, views)
+    return out.transpose(1, 2) if views else out  # (B, L, H, Ev) made: a view as (B, H, L, Ev)
 
 
 # ----------------------------------------------------------------------------- losses

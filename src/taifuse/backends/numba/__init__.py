@@ -24,6 +24,9 @@ from taifuse.backends.numba._jit import (
 )
 
 NAME = "numba"
+# The attention kernels take q, k, v and grad_out as (B, H, n, d) views of any row strides
+# (NOTE [ Numba attention views ] in attention.py): _autograd_ops passes them without a copy.
+ATTENTION_VIEWS = True
 
 
 def init() -> None:

@@ -40,11 +40,32 @@ the most keys), which write disjoint rows; the backward's are whole groups of he
 and grad_v sums no other thread touches. No sum is ever split between threads, so the result does
 not depend on the thread count (tested bit for bit). float16 inputs are widened to float32 a
 block (forward) or a group (backward) at a time in the worker's scratch, never whole tensors;
-float64 runs in float64.
+float64 runs in float64. A single worker runs its items on the calling thread, also with BLAS held
+to one thread where a product is large enough for OpenBLAS to thread it (``_BLAS_THREADED_MNK``):
+left threaded, a 64 x 128 x 64 product went to OpenBLAS's team, whose wake-up and spin cost
+several times the product (B=16, H=4, L=S=128, E=64 causal forward on one Numba thread: 66-100
+ms of CPU time against 6.4 held to one, on a loaded 2-core machine).
+
+NOTE [ Numba attention views ]
+Besides (BH, n, d) arrays, the kernels take q, k, v and grad_out as (B, H, n, d) arrays of any
+strides whose last is one element: ``CausalSelfAttention``'s heads, split from c_attn's (B, T,
+3C) output and transposed, reach them as such views, without the contiguous copy every other
+kernel's strided input gets (``_Attention`` in _autograd_ops.py; ``ATTENTION_VIEWS`` in this
+backend's package). BLAS reads a matrix of any row stride, so a group of heads is one strided
+stack for ``np.matmul``: ``_group`` then keeps a group to whole batch rows (a (b, H, n, d)
+stack) or a part of one row that divides H (an (h, n, d) stack), ``_stack`` slices it, and the
+scratch blocks are reshaped to the stack's leading dims. out and the gradients may be such views
+too: ``_Attention`` makes them in (B, L, H, d) layout and passes them transposed, so that the
+heads' merge ``y.transpose(1, 2).reshape(B, L, C)`` is a view and the gradients reach c_attn's
+split as views; the gradient products write them through their row strides, and a forward block
+goes through the worker's scratch (where its rows are scaled) into them. lse stays (BH, L),
+indexed by the flat head. A float16 view is widened into the worker's scratch as a contiguous
+array would be.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +89,9 @@ from taifuse.backends.reference.forward import dropout_key, dropout_scale, dropo
 
 _BLOCK_Q = 64  # query rows per block
 _GROUP_SCORES = 1 << 16  # heads share a product call while their block scores stay under this
+# OpenBLAS runs a product of at most this many multiply-adds on one thread (interface/gemm.c:
+# SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD); past it a lone worker holds BLAS to one.
+_BLAS_THREADED_MNK = 1 << 18
 
 
 @njit(**_FMA)
@@ -228,13 +252,16 @@ def _workers(items: int) -> int:
     return max(1, min(items, numba.get_num_threads()))
 
 
-def _run(task, items: list, workers: int) -> None:
+def _run(task, items: list, workers: int, blas_may_thread: bool) -> None:
     """``task(w, item)`` for every item, on ``workers`` threads that each take the next item
-    as they finish one (NOTE [ Numba attention threads ]); ``w`` names the worker's scratch."""
+    as they finish one (NOTE [ Numba attention threads ]); ``w`` names the worker's scratch.
+    BLAS runs single-threaded throughout, also on one worker, where ``blas_may_thread`` says
+    that a product is large enough for OpenBLAS to thread it (NOTE [ Numba attention threads ])."""
     global _executor
     if workers == 1:
-        for item in items:
-            task(0, item)
+        with _blas_single_threaded() if blas_may_thread else contextlib.nullcontext():
+            for item in items:
+                task(0, item)
         return
     with _lock:
         if _executor is None or _executor._max_workers < workers:
@@ -300,9 +327,47 @@ def _scratch(workers: int, dtype: np.dtype, *sizes: int) -> list[list[np.ndarray
     return [[host.acquire((n,), dtype) for n in sizes] for _ in range(workers)]
 
 
-def _group(bh: int, rows: int, s: int) -> int:
-    """Heads per product call: enough that small heads share one (NOTE [ Numba attention blocks ])."""
-    return max(1, min(bh, _GROUP_SCORES // max(1, rows * s)))
+def _group(bh: int, rows: int, s: int, heads: int = 0) -> int:
+    """Heads per product call: enough that small heads share one (NOTE [ Numba attention blocks ]).
+    With ``heads`` per batch row ((B, H, n, d) views, NOTE [ Numba attention views ]) a group is
+    whole batch rows or a part of one that divides it, so that it is one strided stack."""
+    gs = max(1, min(bh, _GROUP_SCORES // max(1, rows * s)))
+    if heads and gs < bh:
+        if gs >= heads:
+            return gs // heads * heads
+        while heads % gs:
+            gs -= 1
+    return gs
+
+
+def _stack(a: np.ndarray, h0: int, h1: int) -> np.ndarray:
+    """Heads ``h0 .. h1`` (flat, batch-major) of a ``(BH, n, d)`` array, or of a ``(B, H, n, d)``
+    one of any strides, where :func:`_group` keeps them whole batch rows or a part of one."""
+    if a.ndim == 3:
+        return a[h0:h1]
+    heads = a.shape[1]
+    b0, r0 = divmod(h0, heads)
+    if r0 == 0 and h1 - h0 >= heads:
+        return a[b0 : h1 // heads]
+    return a[b0, r0 : r0 + h1 - h0]
+
+
+def _like_stack(a: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """A ``(g, n, d)`` block with its heads split as a stack's leading dims ``lead`` (a view)."""
+    return a.reshape(lead + a.shape[1:])
+
+
+def _heads(a: np.ndarray | None, bh: int) -> np.ndarray | None:
+    """An output array as (BH, n, d) (a view) when C-contiguous; a strided one stays the (B, H, n,
+    d) view it is (NOTE [ Numba attention views ])."""
+    if a is None or not a.flags.c_contiguous:
+        return a
+    return a.reshape((bh,) + a.shape[-2:])
+
+
+def _rows_of(a: np.ndarray, h0: int, h1: int, lead: tuple[int, ...]) -> np.ndarray:
+    """Heads ``h0 .. h1`` of a (BH, n, d) or (B, H, n, d) array, shaped as the stack ``lead``."""
+    return _stack(a, h0, h1) if a.ndim == 4 else _like_stack(a[h0:h1], lead)
 
 
 def attention(
@@ -318,9 +383,12 @@ def attention(
     lse: np.ndarray,
 ) -> None:
     """out = dropout(softmax(q @ k.T * scale + mask)) @ v, lse = its row log-sum-exp; blocked as in
-    NOTE [ Numba attention blocks ], threaded as in NOTE [ Numba attention threads ]."""
-    bh, L, e = q.shape
-    S, ev = k.shape[1], v.shape[2]
+    NOTE [ Numba attention blocks ], threaded as in NOTE [ Numba attention threads ]; q, k, v may
+    be (B, H, n, d) views (NOTE [ Numba attention views ])."""
+    L, e = q.shape[-2:]
+    bh = math.prod(q.shape[:-2])
+    S, ev = k.shape[-2], v.shape[-1]
+    out = _heads(out, bh)
     ct = compute_dtype(q.dtype)
     half = q.dtype != ct
     m = _mask_args(mask, ct)
@@ -328,13 +396,15 @@ def attention(
     sc_scale = ct.type(scale)
     lc = lse if lse.dtype == ct else pool.host_pool().acquire(lse.shape, ct)
     rows = min(_BLOCK_Q, L)
-    gs = _group(bh, rows, S)
+    gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
     # (first head, first row) of every block, the costliest first: under is_causal the last
     # blocks read the most keys, and taking them first evens out the workers' shares.
     items = [(h0, q0) for q0 in range(0, L, rows)[::-1] for h0 in range(0, bh, gs)]
     workers = _workers(len(items))
-    wide = (gs * rows * e, gs * S * e, gs * S * ev, gs * rows * ev) if half else (0, 0, 0, 0)
-    scratch = _scratch(workers, ct, gs * rows * S, gs * rows, *wide)
+    # The output's block goes through scratch when widened or when out is a strided view.
+    direct = not half and out.ndim == 3
+    wide = (gs * rows * e, gs * S * e, gs * S * ev) if half else (0, 0, 0)
+    scratch = _scratch(workers, ct, gs * rows * S, gs * rows, *wide, 0 if direct else gs * rows * ev)
 
     def task(w: int, item: tuple[int, int]) -> None:
         buf, binv, bq, bk, bv, bo = scratch[w]
@@ -342,21 +412,24 @@ def attention(
         h1 = min(h0 + gs, bh)
         q1 = min(q0 + rows, L)
         sn = min(S, q1) if is_causal else S
-        qb = _widened(q[h0:h1, q0:q1], ct, bq)
-        kb, vb = _widened(k[h0:h1, :sn], ct, bk), _widened(v[h0:h1, :sn], ct, bv)
+        qs = _stack(q, h0, h1)
+        lead = qs.shape[:-2]
+        qb = _widened(qs[..., q0:q1, :], ct, bq)
+        kb = _widened(_stack(k, h0, h1)[..., :sn, :], ct, bk)
+        vb = _widened(_stack(v, h0, h1)[..., :sn, :], ct, bv)
         sc = _block(buf, h1 - h0, q1 - q0, sn)
         inv = _block(binv, h1 - h0, q1 - q0)
-        np.matmul(qb, kb.transpose(0, 2, 1), out=sc)
+        np.matmul(qb, kb.swapaxes(-1, -2), out=_like_stack(sc, lead))
         _softmax_rows(
             sc, m, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc, inv
         )  # fmt: skip
-        o = _block(bo, h1 - h0, q1 - q0, ev) if half else out[h0:h1, q0:q1]
-        np.matmul(sc, vb, out=o)
+        o = out[h0:h1, q0:q1] if direct else _block(bo, h1 - h0, q1 - q0, ev)
+        np.matmul(_like_stack(sc, lead), vb, out=_like_stack(o, lead))
         _scale_rows(o, inv)
-        if half:
-            _convert(out[h0:h1, q0:q1], o)
+        if not direct:
+            _convert(_rows_of(out, h0, h1, lead)[..., q0:q1, :], _like_stack(o, lead))
 
-    _run(task, items, workers)
+    _run(task, items, workers, rows * S * max(e, ev) > _BLAS_THREADED_MNK)
     if lc is not lse:
         np.copyto(lse, lc)
 
@@ -379,9 +452,12 @@ def attention_backward(
 ) -> None:
     """The gradients of :func:`attention` from ``out`` and ``lse``, recomputing the scores block
     by block (NOTE [ Numba attention blocks ]), one group of heads per worker at a time (NOTE
-    [ Numba attention threads ])."""
-    bh, L, e = q.shape
-    S, ev = k.shape[1], v.shape[2]
+    [ Numba attention threads ]); q, k, v and grad_out may be (B, H, n, d) views (NOTE [ Numba
+    attention views ])."""
+    L, e = q.shape[-2:]
+    bh = math.prod(q.shape[:-2])
+    S, ev = k.shape[-2], v.shape[-1]
+    grad_q, grad_k, grad_v = (_heads(a, bh) for a in (grad_q, grad_k, grad_v))
     ct = compute_dtype(q.dtype)
     half = q.dtype != ct
     m = _mask_args(mask, ct)
@@ -392,7 +468,7 @@ def attention_backward(
     # One query block that reads every key (small L; S <= L under is_causal) writes grad_k and
     # grad_v with its products directly: no zero fill, no scratch product added in.
     whole = 0 < L <= rows and (not is_causal or S <= L)
-    gs = _group(bh, rows, S)
+    gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
     groups = list(range(0, bh, gs))
     workers = _workers(len(groups))
     # Per worker: the block's scores and dP, one product's (S, max(E, Ev)), the group's grad_q,
@@ -408,37 +484,45 @@ def attention_backward(
         buf_s, buf_p, buf_t, bdq, bdk, bdv, bq, bk, bv, bg = scratch[w]
         h1 = min(h0 + gs, bh)
         gn = h1 - h0
-        qh, kh, vh = (_widened(a[h0:h1], ct, b) for a, b in ((q, bq), (k, bk), (v, bv)))
-        gh = _widened(grad_out[h0:h1], ct, bg)
-        dq = _block(bdq, gn, L, e) if own[0] else grad_q[h0:h1]
-        dk = _block(bdk, gn, S, e) if own[1] else grad_k[h0:h1]
-        dv = _block(bdv, gn, S, ev) if own[2] else grad_v[h0:h1]
+        qh, kh, vh, gh = (
+            _widened(_stack(a, h0, h1), ct, b) for a, b in ((q, bq), (k, bk), (v, bv), (grad_out, bg))
+        )
+        lead = qh.shape[:-2]
+        dq4, dk4, dv4 = (
+            _like_stack(_block(buf, gn, n, d), lead) if o else _rows_of(grad, h0, h1, lead)
+            for grad, buf, n, d, o in zip(
+                (grad_q, grad_k, grad_v), (bdq, bdk, bdv), (L, S, S), (e, e, ev), own
+            )
+        )
         if not whole:
-            dk[...] = 0
-            dv[...] = 0
+            dk4[...] = 0
+            dv4[...] = 0
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if is_causal else S
             sc = _block(buf_s, gn, q1 - q0, sn)
             dp = _block(buf_p, gn, q1 - q0, sn)
-            np.matmul(qh[:, q0:q1], kh[:, :sn].transpose(0, 2, 1), out=sc)
-            np.matmul(gh[:, q0:q1], vh[:, :sn].transpose(0, 2, 1), out=dp)
+            sc4, dp4 = _like_stack(sc, lead), _like_stack(dp, lead)
+            qb, gb = qh[..., q0:q1, :], gh[..., q0:q1, :]
+            kb, vb = kh[..., :sn, :], vh[..., :sn, :]
+            np.matmul(qb, kb.swapaxes(-1, -2), out=sc4)
+            np.matmul(gb, vb.swapaxes(-1, -2), out=dp4)
             _gradient_rows(
                 sc, dp, m, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc
             )  # fmt: skip
-            np.matmul(dp, kh[:, :sn], out=dq[:, q0:q1])
+            np.matmul(dp4, kb, out=dq4[..., q0:q1, :])
             if whole:  # the only block, over every key: the products are the sums
-                np.matmul(sc.transpose(0, 2, 1), gh[:, q0:q1], out=dv)
-                np.matmul(dp.transpose(0, 2, 1), qh[:, q0:q1], out=dk)
+                np.matmul(sc4.swapaxes(-1, -2), gb, out=dv4)
+                np.matmul(dp4.swapaxes(-1, -2), qb, out=dk4)
                 continue
-            t = _block(buf_t, gn, sn, ev)
-            np.matmul(sc.transpose(0, 2, 1), gh[:, q0:q1], out=t)
-            dv[:, :sn] += t
-            t = _block(buf_t, gn, sn, e)
-            np.matmul(dp.transpose(0, 2, 1), qh[:, q0:q1], out=t)
-            dk[:, :sn] += t
-        for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq, dk, dv), own):
+            t = _like_stack(_block(buf_t, gn, sn, ev), lead)
+            np.matmul(sc4.swapaxes(-1, -2), gb, out=t)
+            dv4[..., :sn, :] += t
+            t = _like_stack(_block(buf_t, gn, sn, e), lead)
+            np.matmul(dp4.swapaxes(-1, -2), qb, out=t)
+            dk4[..., :sn, :] += t
+        for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq4, dk4, dv4), own):
             if grad is not None and o:
-                _convert(grad[h0:h1], acc)
+                _convert(_rows_of(grad, h0, h1, lead), acc)
 
-    _run(task, groups, workers)
+    _run(task, groups, workers, rows * S * max(e, ev) > _BLAS_THREADED_MNK)
