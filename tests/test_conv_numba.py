@@ -158,3 +158,39 @@ def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it():
     out = np.empty((2, 3, 6, 5), np.float32)
     nb_conv.conv2d_stats(x, w, None, *args, out, np.empty(3, np.float32), np.empty(3, np.float32))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["conv2d", "conv2d_stats"])
+def test_numba_conv2d_returns_its_scratch_without_the_garbage_collector(stats):
+    """Regression: the forward's epilogue closure read ``fw.pitch`` while ``fw`` (the work items,
+    which hold the workers' scratch leases) held the closure, a reference cycle: the scratch went
+    back to the pool only when the cycle collector ran, so every call allocated new blocks (and
+    touched fresh pages: ~1,300 page faults a call at 32 -> 64). The second call must reuse the
+    first's blocks with the collector off."""
+    import gc
+
+    from taifuse import pool
+
+    x, wt, b, shape = _arrays(GEOMETRIES["one-image-items"], np.float32)
+    out, mean, var = np.empty(shape, np.float32), np.empty(shape[1], np.float32), np.empty(shape[1], np.float32)
+    args = ((1, 1), (1, 1), (1, 1), 1)
+
+    def call():
+        if stats:
+            nb_conv.conv2d_stats(x, wt, b, *args, out, mean, var)
+        else:
+            nb_conv.conv2d(x, wt, b, *args, "relu", out)
+
+    host = pool.host_pool()
+    if host._disabled:
+        pytest.skip("the host pool is disabled (TAIFUSE_POOL=0)")
+    gc.collect()
+    gc.disable()
+    try:
+        call()
+        before = host.stats().allocations
+        for _ in range(3):
+            call()
+        assert host.stats().allocations == before
+    finally:
+        gc.enable()

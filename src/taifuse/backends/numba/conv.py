@@ -514,8 +514,10 @@ def _product(w2, cols, y) -> None:
 class _Forward:
     """The forward's work items (NOTE [ Convolution on the host: im2col in blocks ]): output rows
     ``[ra, rb)`` of images ``[n0, n0 + nb)`` laid out as columns in the worker's scratch, one
-    product per group (BLAS on the worker's thread), then ``epilogue(n0, part, c0, span, y)`` for
-    the ``span`` output pixels from ``c0`` of each image. At stride 1 the columns come from the
+    product per group (BLAS on the worker's thread), then ``epilogue(n0, part, c0, span, y, pitch)``
+    for the ``span`` output pixels from ``c0`` of each image (the epilogue takes ``pitch`` as an
+    argument: a closure that read it from the items would be a cycle that keeps the workers' scratch
+    from the pool until the garbage collector runs). At stride 1 the columns come from the
     image's padded planes at the padded width ``pitch`` (``_im2col_padded``). An item of one image
     at ``pitch == OW`` whose output ``into`` holds the compute dtype takes the product in place
     (``y`` None: no epilogue's copy); others go through channel-major scratch ``y (OC, nb * rows *
@@ -569,7 +571,7 @@ class _Forward:
         else:
             y = self.y[worker, :, : cols.shape[1]]
             _product(self.w2, cols, y)
-        self.epilogue(n0, n0 * self.bands + band, c0, span, y)
+        self.epilogue(n0, n0 * self.bands + band, c0, span, y, self.pitch)
 
 
 def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
@@ -590,9 +592,9 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
     p3 = None if pb is None else pb.reshape(n, oc, p)
     bare = bb is None and op == _IDENTITY and p3 is None  # out = the product: nothing to add or apply
 
-    def epilogue(n0, part, c0, span, y):
+    def epilogue(n0, part, c0, span, y, pitch):
         if y is not None:
-            _epilogue(y, bb, op, n0, c0, span, fw.pitch, ow, o3, p3)
+            _epilogue(y, bb, op, n0, c0, span, pitch, ow, o3, p3)
         elif not bare:
             _epilogue_in_place(bb, op, n0, c0, span, o3, p3)
 
@@ -705,7 +707,7 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
     o3 = _bits(out).reshape(n, oc, p)
     shift = scratch.acquire((oc,), np.float64)
 
-    def epilogue(n0, part, c0, span, y):
+    def epilogue(n0, part, c0, span, y, pitch):
         if part == 0:  # K[o]: the channel's first value as stored (the first item runs alone)
             first = (o3[0, :, 0] if y is None else y[:, 0]).copy()
             if b is not None:
@@ -714,7 +716,7 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
         if y is None:
             _epilogue_stats_in_place(bb, n0, c0, span, o3, shift, s1, s2, part)
         else:
-            _epilogue_stats(y, bb, n0, c0, span, fw.pitch, ow, o3, shift, s1, s2, part)
+            _epilogue_stats(y, bb, n0, c0, span, pitch, ow, o3, shift, s1, s2, part)
 
     workers = _workers(n * oh)
     fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, o3, epilogue, workers)
