@@ -309,33 +309,40 @@ def _im2col_padded(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xpad, cols):
 def _shifted_planes(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, wp, xs):
     # The implicit GEMM's operand (NOTE [ Implicit GEMM on the host ]): output rows [ra, rb) of
     # images [n0, n1) need padded rows [ra, rb + (kh - 1) * dh) of each image, PROW of them, at
-    # the padded width WP; xs[c * kw + j, (n - n0) * PROW * WP + r * WP + q] = the padded plane
-    # of (n, c) at padded row ra + r and column q + j * dw (zero outside the input, and past the
-    # row's end, where only the junk columns q >= OW read), in the compute dtype.
+    # the padded width WP, the images' planes one after another: row c * kw of xs is channel c's,
+    # xs[c * kw, (n - n0) * PROW * WP + r * WP + q] = the padded plane of (n, c) at padded row
+    # ra + r, column q (zero outside the input), in the compute dtype; row c * kw + j is that row
+    # shifted by j * dw, one contiguous copy (what it reads across a row's end feeds only the junk
+    # columns q >= OW), zero past the end.
     c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
     prow = rb - ra + (kh - 1) * dh
+    size = (n1 - n0) * prow * wp
+    lo, hi = min(pw, wp), min(wp, pw + w)
     for c in range(c_dim):
-        for j in range(kw):
+        plane = xs[c * kw]
+        for n in range(n0, n1):
+            base = (n - n0) * prow * wp
+            for r in range(prow):
+                ih = ra + r - ph
+                row = plane[base + r * wp : base + (r + 1) * wp]
+                if ih < 0 or ih >= h:
+                    for q in range(wp):
+                        row[q] = 0
+                    continue
+                src = x[n, c, ih]
+                for q in range(lo):
+                    row[q] = 0
+                for q in range(lo, hi):
+                    row[q] = _widen(src[q - pw])
+                for q in range(hi, wp):
+                    row[q] = 0
+        for j in range(1, kw):
+            shift = j * dw
             dst = xs[c * kw + j]
-            shift = j * dw - pw  # input column of padded column q: q + shift
-            lo = min(wp, max(0, -shift))
-            hi = max(lo, min(wp, w - shift))
-            for n in range(n0, n1):
-                base = (n - n0) * prow * wp
-                for r in range(prow):
-                    ih = ra + r - ph
-                    row = dst[base + r * wp : base + (r + 1) * wp]
-                    if ih < 0 or ih >= h:
-                        for q in range(wp):
-                            row[q] = 0
-                        continue
-                    src = x[n, c, ih]
-                    for q in range(lo):
-                        row[q] = 0
-                    for q in range(lo, hi):
-                        row[q] = _widen(src[q + shift])
-                    for q in range(hi, wp):
-                        row[q] = 0
+            for e in range(size - shift):
+                dst[e] = plane[e + shift]
+            for e in range(size - shift, size):
+                dst[e] = 0
 
 
 # ----------------------------------------------------------------------------- epilogues
@@ -544,7 +551,9 @@ def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, acc_planes, out, pre):
 
 def _direct_wins(groups: int, c: int, oc: int) -> bool:
     """The direct forward for depthwise-like convolutions (a group of one input channel and at most
-    a few outputs): a tie in time with im2col there, without the columns (docs/cnn.md)."""
+    a few outputs): a tie in time with im2col there, without the columns (docs/cnn.md). Not for
+    the first layer's three channels: re-measured at (64, 3 -> 32, 32 x 32), it took about ten
+    times im2col's CPU time (a loaded machine's ratio, 7 interleaved rounds)."""
     return c // groups == 1 and oc // groups <= 4
 
 
