@@ -9,6 +9,10 @@ two threads (the one-thread run keeps everything on the calling thread), at odd 
 7 x 7 kernels, stride 2, dilation 2, groups, N = 1, H != W, a last item shorter than the others.
 ``banded`` lowers ``ITEM_MAX_BYTES`` to 4 KiB so that every image is split into items of a few
 output rows each (an image's columns above the cap), the last band shorter where it does not divide.
+``path`` runs the stride-1 geometries both ways (NOTE [ Implicit GEMM on the host ]): as an implicit
+GEMM (``IMPLICIT_MIN_K`` lowered to 0, so that every stride-1 convolution takes it: the shifted
+planes, one accumulating ``?gemm`` per kernel row and group, the epilogue over junk columns and, for
+items of several images or bands, junk rows) and through im2col (the library's ``?gemm`` hidden).
 
 Tolerances: against the float64 reference kernels on the same (stored) values, relative to the
 dot products on magnitudes (``scale``): float32 sums of up to 98 products 1e-5 (98 * 2**-24 is
@@ -25,6 +29,7 @@ import pytest
 numba = pytest.importorskip("numba")
 
 from taifuse.backends import reference as ref
+from taifuse.backends.numba import _blas
 from taifuse.backends.numba import conv as nb_conv
 
 # (N, C, H, W, OC, (kh, kw), stride, padding, dilation, groups, activation, bias)
@@ -82,10 +87,21 @@ def banded(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["implicit", "im2col"])
+def path(request, monkeypatch):
+    if request.param == "implicit":
+        if _blas.gemm(np.float32) is None:
+            pytest.skip("no OpenBLAS with CBLAS loaded: the forward takes im2col")
+        monkeypatch.setattr(nb_conv, "IMPLICIT_MIN_K", 0)
+    else:
+        monkeypatch.setattr(_blas, "gemm", lambda dtype: None)
+    return request.param
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads, banded):
+def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads, banded, path):
     x, wt, b, shape = _arrays(geometry, dtype)
     *_, stride, padding, dilation, groups, act, _bias = geometry
     keep = act in _SPLIT
@@ -109,7 +125,7 @@ def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads, b
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, threads, banded):
+def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, threads, banded, path):
     """The statistics' shift comes from the first item, which runs before the others start."""
     x, wt, b, shape = _arrays(geometry, dtype, seed=1)
     *_, stride, padding, dilation, groups, _act, _bias = geometry
@@ -134,12 +150,13 @@ def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, thre
     np.testing.assert_allclose(var, stored.var(axis=1), rtol=1e-5, atol=1e-6)
 
 
-def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it():
+def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it(path):
     """Regression, two defects: the reference's im2col masked the taps outside the input by
     multiplying with 0, and an outside tap reads a clipped index, so an inf at the border gave
     NaN in the padded outputs beside it; and numba's epilogue took its zero bias as ``first
     product * 0``, so an infinite first product made the whole plane NaN. Only the outputs whose
-    taps read the inf are infinite (PyTorch's answer), in conv2d and conv2d_stats."""
+    taps read the inf are infinite (PyTorch's answer), in conv2d and conv2d_stats; on both paths
+    (the implicit GEMM's junk columns read the inf too, and must not reach a kept output)."""
     x = np.random.default_rng(2).standard_normal((2, 2, 6, 5)).astype(np.float32)
     x[0, 0, 0, 0] = np.inf
     w = np.abs(np.random.default_rng(3).standard_normal((3, 2, 3, 3))).astype(np.float32) + 0.1
@@ -158,3 +175,75 @@ def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it():
     out = np.empty((2, 3, 6, 5), np.float32)
     nb_conv.conv2d_stats(x, w, None, *args, out, np.empty(3, np.float32), np.empty(3, np.float32))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["conv2d", "conv2d_stats"])
+def test_numba_conv2d_returns_its_scratch_without_the_garbage_collector(stats):
+    """Regression: the forward's epilogue closure read ``fw.pitch`` while ``fw`` (the work items,
+    which hold the workers' scratch leases) held the closure, a reference cycle: the scratch went
+    back to the pool only when the cycle collector ran, so every call allocated new blocks (and
+    touched fresh pages: ~1,300 page faults a call at 32 -> 64). The second call must reuse the
+    first's blocks with the collector off."""
+    import gc
+
+    from taifuse import pool
+
+    x, wt, b, shape = _arrays(GEOMETRIES["one-image-items"], np.float32)
+    out = np.empty(shape, np.float32)
+    mean, var = np.empty(shape[1], np.float32), np.empty(shape[1], np.float32)
+    args = ((1, 1), (1, 1), (1, 1), 1)
+
+    def call():
+        if stats:
+            nb_conv.conv2d_stats(x, wt, b, *args, out, mean, var)
+        else:
+            nb_conv.conv2d(x, wt, b, *args, "relu", out)
+
+    host = pool.host_pool()
+    if host._disabled:
+        pytest.skip("the host pool is disabled (TAIFUSE_POOL=0)")
+    gc.collect()
+    gc.disable()
+    try:
+        call()
+        before = host.stats().allocations
+        for _ in range(3):
+            call()
+        assert host.stats().allocations == before
+    finally:
+        gc.enable()
+
+
+def test_blas_gemm_is_numpys_and_accumulates_strided_operands(monkeypatch):
+    """``_blas.gemm``: row-major c = a @ b + beta * c on operands whose rows are further apart than
+    their length, float32 and float64, against NumPy; and the library is NumPy's own, first among
+    the OpenBLAS copies threadpoolctl lists (SciPy's, loaded here by importing scipy.linalg where
+    it is installed, has threads that ``_blas_single_threaded`` may not hold)."""
+    pytest.importorskip("scipy.linalg")
+    from threadpoolctl import threadpool_info
+
+    for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
+        gemm = _blas.gemm(dtype)
+        if gemm is None:
+            pytest.skip("no OpenBLAS with CBLAS loaded")
+        rng = np.random.default_rng(4)
+        a = rng.standard_normal((5, 9)).astype(dtype)[:, 2:7]  # (5, 5), rows 9 apart
+        b = rng.standard_normal((5, 13)).astype(dtype)[:, 1:12]  # (5, 11), rows 13 apart
+        c = rng.standard_normal((5, 20)).astype(dtype)
+        want = c.astype(np.float64)
+        want[:, :11] = a.astype(np.float64) @ b.astype(np.float64) + want[:, :11]
+        gemm(5, 11, 5, a.ctypes.data, 9, b.ctypes.data, 13, 1.0, c.ctypes.data, 20)
+        np.testing.assert_allclose(c, want, rtol=tol, atol=tol)
+        gemm(5, 11, 5, a.ctypes.data, 9, b.ctypes.data, 13, 0.0, c.ctypes.data, 20)
+        np.testing.assert_allclose(c[:, :11], a.astype(np.float64) @ b.astype(np.float64), rtol=tol, atol=tol)
+    # Regression: the first OpenBLAS listed was bound, SciPy's in some processes (the list's order
+    # varies), whose threads then spun beside each worker's calls: 20-30x the time. Listed first here.
+    libs = [lib for lib in threadpool_info() if lib.get("internal_api") == "openblas"]
+    ours = [lib for lib in libs if _blas._numpy_first(lib["filepath"]) == 0]
+    if not ours or len(libs) < 2:
+        pytest.skip("needs NumPy's OpenBLAS inside its install and another one loaded")
+    others = [lib for lib in libs if lib not in ours]
+    monkeypatch.setattr("threadpoolctl.threadpool_info", lambda: others + ours)
+    monkeypatch.setattr(_blas, "_found", None)
+    assert _blas.gemm(np.float32) is not None
+    assert _blas._found["library"] == ours[0]["filepath"]

@@ -21,8 +21,11 @@ image's zero-padded planes (``_im2col_padded``), at the padded width, whose extr
 epilogue drops (so those items always take the scratch): the per-element layout copies runs of
 OW (32) elements, under the vectorized loop's minimum trip count, and cost as much as the
 product at 32 -> 64; the padded runs took the 3 -> 32 columns from 8.0 to 1.6 ms (docs/cnn.md).
-``conv2d_stats`` runs the same items, its epilogue adding each plane's
-shifted sums, with the first item run alone first (it fixes the shift). The design it replaced
+At stride 1 with enough channels a group (``IMPLICIT_MIN_K``) the items lay out no columns at all:
+NOTE [ Implicit GEMM on the host ]. ``conv2d_stats`` runs the same items, its epilogue adding each
+plane's shifted sums, with the first item run alone first (it fixes the shift). BLAS runs on one
+thread per call on one worker too (one numba thread): the items are the parallelism, and
+OpenBLAS's own threads around products this small spin more than they compute. The design it replaced
 ran im2col and the epilogue as Numba parallel regions around products on OpenBLAS's threads, on
 blocks of ``COLS_BLOCK_BYTES``: each phase found the other runtime's workers still spinning
 (NOTE [ Serial epilogue between BLAS calls ] in _jit.py), and the conv ran at 9-25% of the GEMM
@@ -65,6 +68,30 @@ Pooling runs one (image, channel) plane per work item: the max-pool backward sca
 window's gradient to its recorded index inside its own plane, the averages add the window sums.
 The common CNN shapes take shorter paths (NOTE [ Pooling fast paths ]).
 
+NOTE [ Implicit GEMM on the host ]
+At stride 1 an output pixel ``(r, q)`` reads the zero-padded plane at ``(r + i * dh, q + j * dw)``
+for tap ``(i, j)``. Flatten the padded planes at their width ``WP = OW + (kw - 1) * dw`` and compute
+the output over an extended grid of ``OH x WP`` positions ``e = r * WP + q``: tap ``(i, j)`` reads
+``e + i * dh * WP + j * dw``, a shift of the flat plane, so its operand is a strided 2-D view of
+the padded planes (rows one plane apart), with no im2col: ``y (OC, OH * WP) = sum over taps of
+w[:, :, i, j] (OC, C) @ planes[:, shift(i, j):][:, :OH * WP]``. The ``(kw - 1) * dw`` extended
+columns of each row are junk (they read across into the next padded row) and the epilogue, which
+copies into the NCHW output anyway, drops them. ``_shifted_planes`` lays out the planes once per
+kernel column ``j`` (rows ``(c, j)``, each the plane shifted by ``j * dw``), so that the taps of a
+kernel row are ONE product with ``K = C * kw``: ``kh`` products a group, the first with ``beta = 0``,
+the others accumulating (``beta = 1``), each reading its operand in place at a row offset of ``i *
+dh * WP``. ``kw`` copies of the planes replace im2col's ``kh * kw``. The items are as im2col's
+(images, or bands of rows, whose planes carry the ``(kh - 1) * dh`` rows below the band); the
+planes of an item's images follow each other, so one product covers them all, the ``(kh - 1) * dh``
+rows between images junk too, dropped by the epilogue. Accumulating into a strided output and
+reading rows further apart than their length is not NumPy's matmul: the products call the CBLAS
+``?gemm`` of NumPy's own OpenBLAS through ctypes (``_blas.py``), and where none is loaded (another
+BLAS) every item takes im2col. The extended grid costs ``WP / OW`` more product (1.06 at 32 x 32)
+and the junk rows of several-image items ``(OH + (kh - 1) * dh) / OH`` (1.125 at 16 x 16), both as
+im2col's padded runs already did for the columns; below ``IMPLICIT_MIN_K`` (the first layer's
+three channels, ``K = 9``) the thin products lose to im2col's one (``K = 27``). A depthwise forward
+takes the direct kernel before either (``_direct_wins``).
+
 NOTE [ Pooling fast paths ]
 * ``MaxPool2d(2)`` (2 x 2 windows, stride 2, no dilation) with every window inside the input (no
   padding, and the last window ends inside: not ``ceil_mode`` on an odd size): ``_max_pool_2x2``
@@ -88,7 +115,7 @@ from numba import njit, prange
 
 from taifuse import pool
 from taifuse.backends._spec import activation_code
-from taifuse.backends.numba import _jit
+from taifuse.backends.numba import _blas, _jit
 from taifuse.backends.numba._jit import (
     _FMA,
     _FMA_INLINE,
@@ -108,7 +135,7 @@ from taifuse.backends.numba._jit import (
     _silu,
     _widen,
 )
-from taifuse.backends.numba.attention import _run, _workers
+from taifuse.backends.numba.attention import _blas_single_threaded, _run, _workers
 from taifuse.backends.numba.backward import _grad_pre_span
 from taifuse.backends.numba.batch_norm import (
     _backward_planes,
@@ -239,19 +266,58 @@ def _im2col_padded(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xpad, cols):
                         dst[e] = plane[off + e]
 
 
+@njit(**_FMA)
+def _shifted_planes(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, wp, xs):
+    # The implicit GEMM's operand (NOTE [ Implicit GEMM on the host ]): output rows [ra, rb) of
+    # images [n0, n1) need padded rows [ra, rb + (kh - 1) * dh) of each image, PROW of them, at
+    # the padded width WP, the images' planes one after another: row c * kw of xs is channel c's,
+    # xs[c * kw, (n - n0) * PROW * WP + r * WP + q] = the padded plane of (n, c) at padded row
+    # ra + r, column q (zero outside the input), in the compute dtype; row c * kw + j is that row
+    # shifted by j * dw, one contiguous copy (what it reads across a row's end feeds only the junk
+    # columns q >= OW), zero past the end.
+    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    prow = rb - ra + (kh - 1) * dh
+    size = (n1 - n0) * prow * wp
+    lo, hi = min(pw, wp), min(wp, pw + w)
+    for c in range(c_dim):
+        plane = xs[c * kw]
+        for n in range(n0, n1):
+            base = (n - n0) * prow * wp
+            for r in range(prow):
+                ih = ra + r - ph
+                row = plane[base + r * wp : base + (r + 1) * wp]
+                if ih < 0 or ih >= h:
+                    for q in range(wp):
+                        row[q] = 0
+                    continue
+                src = x[n, c, ih]
+                for q in range(lo):
+                    row[q] = 0
+                for q in range(lo, hi):
+                    row[q] = _widen(src[q - pw])
+                for q in range(hi, wp):
+                    row[q] = 0
+        for j in range(1, kw):
+            shift = j * dw
+            dst = xs[c * kw + j]
+            for e in range(size - shift):
+                dst[e] = plane[e + shift]
+            for e in range(size - shift, size):
+                dst[e] = 0
+
+
 # ----------------------------------------------------------------------------- epilogues
 
 
 @njit(**_FMA)
-def _epilogue(y, b, op, n0, c0, span, pitch, ow, out, pre):
-    # out[n0 + n, o, c0 + r * OW + q] = act(y[o, n * span' + r * pitch + q] + b[o]) for a work
-    # item's nb = y.shape[1] // span' images, span' = span // OW * pitch (pitch > OW: the padded
-    # width of _im2col_padded, whose junk columns are dropped here); pre, where kept, y + b as
-    # stored and out the act of that; on the calling thread.
+def _epilogue(y, b, op, n0, c0, span, pitch, ys, ow, out, pre):
+    # out[n0 + n, o, c0 + r * OW + q] = act(y[o, n * ys + r * pitch + q] + b[o]) for a work item's
+    # images, r < span // OW (pitch > OW: the padded width of _im2col_padded or the implicit GEMM,
+    # whose junk columns are dropped here; ys > span // OW * pitch: the implicit GEMM's junk rows
+    # between images); pre, where kept, y + b as stored and out the act of that; on the calling
+    # thread.
     oc = out.shape[1]
-    rows = span // ow
-    ys = rows * pitch
-    nb = y.shape[1] // ys
+    nb = (y.shape[1] + ys - 1) // ys
     width = span if pitch == ow else ow  # one run per plane where nothing is dropped
     runs = span // width
     for item in range(nb * oc):
@@ -316,15 +382,13 @@ def _stats_span(src, bias, k, dst):
 
 
 @njit(**_FMA_REDUCE)
-def _epilogue_stats(y, b, n0, c0, span, pitch, ow, out, shift, s1, s2, part):
-    # out[n0 + n, o, c0 + r * OW + q] = y[o, n * span' + r * pitch + q] + b[o] as stored, laid out
+def _epilogue_stats(y, b, n0, c0, span, pitch, ys, ow, out, shift, s1, s2, part):
+    # out[n0 + n, o, c0 + r * OW + q] = y[o, n * ys + r * pitch + q] + b[o] as stored, laid out
     # as _epilogue's, and those values' shifted sums sum(out - K[o]) and sum((out - K[o])^2) into
     # s1[part + n, o], s2[part + n, o] (NOTE [ Batch norm statistics in one pass ] in
     # batch_norm.py), while the item is still in cache; on the calling thread.
     oc = out.shape[1]
-    rows = span // ow
-    ys = rows * pitch
-    nb = y.shape[1] // ys
+    nb = (y.shape[1] + ys - 1) // ys
     width = span if pitch == ow else ow
     runs = span // width
     for item in range(nb * oc):
@@ -404,7 +468,9 @@ def _direct(x, w, b, sh, sw, ph, pw, dh, dw, groups, op, acc_planes, out, pre):
 
 def _direct_wins(groups: int, c: int, oc: int) -> bool:
     """The direct forward for depthwise-like convolutions (a group of one input channel and at most
-    a few outputs): a tie in time with im2col there, without the columns (docs/cnn.md)."""
+    a few outputs): a tie in time with im2col there, without the columns (docs/cnn.md). Not for
+    the first layer's three channels: re-measured at (64, 3 -> 32, 32 x 32), it took about ten
+    times im2col's CPU time (a loaded machine's ratio, 7 interleaved rounds)."""
     return c // groups == 1 and oc // groups <= 4
 
 
@@ -413,6 +479,9 @@ def _direct_wins(groups: int, c: int, oc: int) -> bool:
 # columns take at most ITEM_MAX_BYTES (an image with more gives items of a band of output rows).
 ITEM_MIN_COLUMNS = 1024
 ITEM_MAX_BYTES = 4 * 1024 * 1024
+# The implicit GEMM's products take K = (C / groups) * kw each: under this, im2col's one product
+# (K = C / groups * kh * kw) wins (NOTE [ Implicit GEMM on the host ]).
+IMPLICIT_MIN_K = 16
 
 
 def _product(w2, cols, y) -> None:
@@ -426,13 +495,21 @@ def _product(w2, cols, y) -> None:
 
 class _Forward:
     """The forward's work items (NOTE [ Convolution on the host: im2col in blocks ]): output rows
-    ``[ra, rb)`` of images ``[n0, n0 + nb)`` laid out as columns in the worker's scratch, one
-    product per group (BLAS on the worker's thread), then ``epilogue(n0, part, c0, span, y)`` for
-    the ``span`` output pixels from ``c0`` of each image. At stride 1 the columns come from the
-    image's padded planes at the padded width ``pitch`` (``_im2col_padded``). An item of one image
-    at ``pitch == OW`` whose output ``into`` holds the compute dtype takes the product in place
-    (``y`` None: no epilogue's copy); others go through channel-major scratch ``y (OC, nb * rows *
-    pitch)``. ``part`` numbers the items' (image, band) pairs: ``n * bands + band``."""
+    ``[ra, rb)`` of images ``[n0, n0 + nb)``, one product per group (BLAS on the worker's thread),
+    then ``epilogue(n0, part, c0, span, y, pitch, ys)`` for the ``span`` output pixels from ``c0``
+    of each image, image ``n0 + m``'s output row ``r`` at ``y[:, m * ys + r * pitch:][:, :OW]``
+    (the epilogue takes these as arguments: a closure that read them from the items would be a
+    cycle that keeps the workers' scratch from the pool until the garbage collector runs).
+
+    At stride 1, where the library's ``?gemm`` is reachable (``_blas.gemm``), an item is an
+    implicit GEMM (NOTE [ Implicit GEMM on the host ]): ``_shifted_planes`` lays out the padded
+    planes once per kernel column, and one accumulating product per kernel row and group reads
+    them in place, over every padded row of the item (``ys = PROW * pitch``). Else the columns
+    come from ``_im2col_padded`` (stride 1, at the padded width ``pitch``) or ``_im2col_block``,
+    one product per group (one stacked matmul for several groups). An item of one image at
+    ``pitch == OW`` whose output ``into`` holds the compute dtype takes the product in place (``y``
+    None: no epilogue's copy); others go through channel-major scratch ``y``. ``part`` numbers the
+    items' (image, band) pairs: ``n * bands + band``."""
 
     def __init__(self, x, w, stride, padding, dilation, groups, oh, ow, into, epilogue, workers):
         n, c, _, _ = x.shape
@@ -440,26 +517,37 @@ class _Forward:
         scratch = pool.host_pool()
         ct = _compute_dtype(x.dtype)
         self.padded = tuple(stride) == (1, 1)
+        self.gemm = _blas.gemm(ct) if self.padded and cg * kw >= IMPLICIT_MIN_K else None
         self.pitch = ow + (kw - 1) * dilation[1] if self.padded else ow
         rows, p = c * kh * kw, oh * self.pitch
         row_bytes = rows * self.pitch * ct.itemsize
         self.band = oh if rows * p * ct.itemsize <= ITEM_MAX_BYTES else max(1, ITEM_MAX_BYTES // row_bytes)
         self.bands = -(-oh // self.band)
         self.nb = 1 if self.bands > 1 else max(1, min(-(-ITEM_MIN_COLUMNS // p), -(-n // workers)))
-        self.n, self.oh, self.ow = n, oh, ow
+        self.n, self.oh, self.ow, self.groups = n, oh, ow, groups
         self.geom = (kh, kw, *stride, *padding, *dilation, oh, ow)
         self.x = _bits(x)
-        self.w2 = _as_compute(w, scratch).reshape(groups, oc // groups, cg * kh * kw)
-        width = self.nb * self.band * self.pitch
-        self.cols = scratch.acquire((workers, rows, width), ct)
-        self.xpad = None
-        if self.padded:
-            plane = (self.band + (kh - 1) * dilation[0]) * self.pitch + (kw - 1) * dilation[1]
-            self.xpad = scratch.acquire((workers, c, plane), ct)
+        wc = _as_compute(w, scratch)
+        self.w2 = wc.reshape(groups, oc // groups, cg * kh * kw)
         in_place = self.nb == 1 and self.pitch == ow and into.dtype == ct
         self.into = into if in_place else None
-        self.y = None if in_place else scratch.acquire((workers, oc, width), ct)
         self.epilogue = epilogue
+        width = self.nb * self.band * self.pitch
+        if self.gemm is not None:
+            # The weight by kernel row: wk[i, o, (c, j)] = w[o, c, i, j]; padded rows an item reads.
+            self.wk = scratch.acquire((kh, oc, cg * kw), ct)
+            np.copyto(self.wk.reshape(kh, oc, cg, kw), wc.transpose(2, 0, 1, 3))
+            self.prow = self.band + (kh - 1) * dilation[0]
+            self.ld = self.nb * self.prow * self.pitch  # xs's row stride
+            self.xs = scratch.acquire((workers, c * kw, self.ld), ct)
+            width = self.ld - (kh - 1) * dilation[0] * self.pitch
+        else:
+            self.cols = scratch.acquire((workers, rows, width), ct)
+            self.xpad = None
+            if self.padded:
+                plane = (self.band + (kh - 1) * dilation[0]) * self.pitch + (kw - 1) * dilation[1]
+                self.xpad = scratch.acquire((workers, c, plane), ct)
+        self.y = None if in_place else scratch.acquire((workers, oc * width), ct)
 
     def items(self) -> list[tuple[int, int]]:
         return [(n0, band) for n0 in range(0, self.n, self.nb) for band in range(self.bands)]
@@ -470,9 +558,21 @@ class _Forward:
         ra = band * self.band
         rb = min(self.oh, ra + self.band)
         c0, span = ra * self.ow, (rb - ra) * self.ow
+        kh, kw, _, _, ph, pw, dh, dw, _, ow = self.geom
+        oc = self.w2.shape[0] * self.w2.shape[1]
+        if self.gemm is not None:
+            prow = rb - ra + (kh - 1) * dh
+            width = ((n1 - n0) * prow - (kh - 1) * dh) * self.pitch
+            _shifted_planes(self.x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, self.pitch, self.xs[worker])
+            if self.into is not None:
+                y, dst = None, self.into[n0, :, c0 : c0 + span]
+            else:
+                y = dst = self.y[worker, : oc * width].reshape(oc, width)
+            self._implicit(worker, width, dst)
+            self.epilogue(n0, n0 * self.bands + band, c0, span, y, self.pitch, prow * self.pitch)
+            return
         cols = self.cols[worker, :, : (n1 - n0) * (rb - ra) * self.pitch]
         if self.padded:
-            kh, kw, _, _, ph, pw, dh, dw, _, ow = self.geom
             _im2col_padded(self.x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols)
         else:
             _im2col_block(self.x, n0, n1, ra, rb, *self.geom, cols)
@@ -480,9 +580,29 @@ class _Forward:
             _product(self.w2, cols, self.into[n0, :, c0 : c0 + span])
             y = None
         else:
-            y = self.y[worker, :, : cols.shape[1]]
+            y = self.y[worker, : oc * cols.shape[1]].reshape(oc, -1)
             _product(self.w2, cols, y)
-        self.epilogue(n0, n0 * self.bands + band, c0, span, y)
+        self.epilogue(n0, n0 * self.bands + band, c0, span, y, self.pitch, (rb - ra) * self.pitch)
+
+    def _implicit(self, worker: int, width: int, dst: np.ndarray) -> None:
+        # dst[o, e] = sum over kernel rows i of wk[i, o] @ xs[:, i * dh * pitch + e], e < width,
+        # per group: one ?gemm each, the first with beta = 0 (NOTE [ Implicit GEMM on the host ]).
+        kh, oc, k = self.wk.shape
+        groups = self.groups
+        ocg, cgk = oc // groups, k
+        dh = self.geom[6]
+        xs = self.xs[worker]
+        size = xs.itemsize
+        ldc = dst.strides[0] // size
+        for g in range(groups):
+            a = self.wk.ctypes.data + g * ocg * k * size
+            b = xs.ctypes.data + g * cgk * self.ld * size
+            c = dst.ctypes.data + g * ocg * ldc * size
+            for i in range(kh):
+                self.gemm(
+                    ocg, width, cgk, a + i * oc * k * size, k, b + i * dh * self.pitch * size, self.ld,
+                    1.0 if i else 0.0, c, ldc,
+                )  # fmt: skip
 
 
 def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
@@ -503,9 +623,9 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
     p3 = None if pb is None else pb.reshape(n, oc, p)
     bare = bb is None and op == _IDENTITY and p3 is None  # out = the product: nothing to add or apply
 
-    def epilogue(n0, part, c0, span, y):
+    def epilogue(n0, part, c0, span, y, pitch, ys):
         if y is not None:
-            _epilogue(y, bb, op, n0, c0, span, fw.pitch, ow, o3, p3)
+            _epilogue(y, bb, op, n0, c0, span, pitch, ys, ow, o3, p3)
         elif not bare:
             _epilogue_in_place(bb, op, n0, c0, span, o3, p3)
 
@@ -514,7 +634,8 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
     fw = _Forward(
         x, w, stride, padding, dilation, groups, oh, ow, o3 if p3 is None else p3, epilogue, workers
     )
-    _run(fw, fw.items(), workers)
+    with _blas_single_threaded():  # on one worker too (NOTE [ Implicit GEMM on the host ])
+        _run(fw, fw.items(), workers, False)  # already held to one thread here
 
 
 def conv2d_backward(
@@ -769,7 +890,7 @@ class _Backward:
             self.tmp = scratch.acquire((workers, groups, ocg, k), ct)
 
     def run(self) -> None:
-        _run(self, self.items, self.workers)
+        _run(self, self.items, self.workers, True)
         if self.grad_w is None:
             return
         gw = self.grad_w.reshape(self.gw.shape[1:])
@@ -874,7 +995,7 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
     o3 = _bits(out).reshape(n, oc, p)
     shift = scratch.acquire((oc,), np.float64)
 
-    def epilogue(n0, part, c0, span, y):
+    def epilogue(n0, part, c0, span, y, pitch, ys):
         if part == 0:  # K[o]: the channel's first value as stored (the first item runs alone)
             first = (o3[0, :, 0] if y is None else y[:, 0]).copy()
             if b is not None:
@@ -883,14 +1004,15 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
         if y is None:
             _epilogue_stats_in_place(bb, n0, c0, span, o3, shift, s1, s2, part)
         else:
-            _epilogue_stats(y, bb, n0, c0, span, fw.pitch, ow, o3, shift, s1, s2, part)
+            _epilogue_stats(y, bb, n0, c0, span, pitch, ys, ow, o3, shift, s1, s2, part)
 
     workers = _workers(n * oh)
     fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, o3, epilogue, workers)
     s1, s2 = (scratch.acquire((n * fw.bands, oc), np.float64) for _ in range(2))
     items = fw.items()
-    fw(0, items[0])
-    _run(fw, items[1:], workers)
+    with _blas_single_threaded():  # on one worker too (NOTE [ Implicit GEMM on the host ])
+        fw(0, items[0])
+        _run(fw, items[1:], workers, False)  # already held to one thread here
     _finish_stats(s1, s2, shift, n * p, mean, var)
 
 

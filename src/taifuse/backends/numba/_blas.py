@@ -1,0 +1,103 @@
+"""CBLAS ``?gemm`` from the OpenBLAS that NumPy loaded, for the products NumPy's matmul cannot
+express (NOTE [ Implicit GEMM on the host ] in conv.py): an accumulating product (``beta = 1``) into
+a strided output, with operands whose rows are further apart than their length.
+
+``gemm(dtype)`` is a callable ``f(m, n, k, a, lda, b, ldb, beta, c, ldc)`` for row-major
+``c[:m, :n] = a[:m, :k] @ b[:k, :n] + beta * c[:m, :n]`` on raw addresses (``alpha`` 1, no
+transposes), or None where no OpenBLAS with CBLAS is loaded (another BLAS: MKL, Accelerate; callers
+fall back to NumPy). It runs on the calling thread, with the GIL released (ctypes), on as many BLAS
+threads as the caller allows (``_blas_single_threaded`` in attention.py).
+
+The library is NumPy's, found among the ones ``threadpoolctl`` lists: no new dependency. More than
+one OpenBLAS may be loaded (SciPy's wheels ship their own, 32-bit integers, with threads of its
+own), and NumPy's comes first, by its path under NumPy's install: the other one's threads are not
+held to one by ``_blas_single_threaded`` when it was loaded after that context's first use, and its
+calls from the workers then ran on both cores' spinning threads, 20-30 times slower. Its symbols are
+``cblas_sgemm`` or, as NumPy 2's wheels ship OpenBLAS, prefixed and suffixed
+(``scipy_cblas_sgemm64_``); its integers are 64-bit when ``openblas_get_config()`` says
+``USE64BITINT``. A product of small known operands checks the binding once before it is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+_ROW_MAJOR, _NO_TRANS = 101, 111
+_PREFIXES = ("scipy_", "")
+_SUFFIXES = ("64_", "")
+_lock = threading.Lock()
+_found: dict | None = None  # dtype -> call, and "library": the path of the library bound
+
+
+def _bind(dll, prefix: str, suffix: str) -> dict | None:
+    try:
+        config = getattr(dll, f"{prefix}openblas_get_config{suffix}")
+        kernels = {t: getattr(dll, f"{prefix}cblas_{t}gemm{suffix}") for t in "sd"}
+    except AttributeError:
+        return None
+    config.restype, config.argtypes = ctypes.c_char_p, []
+    integer = ctypes.c_int64 if b"USE64BITINT" in (config() or b"") else ctypes.c_int32
+    out = {}
+    for t, scalar, dtype in (("s", ctypes.c_float, np.float32), ("d", ctypes.c_double, np.float64)):
+        f = kernels[t]
+        f.restype = None
+        f.argtypes = [integer] * 6 + [scalar, ctypes.c_void_p, integer, ctypes.c_void_p, integer, scalar]
+        f.argtypes += [ctypes.c_void_p, integer]
+
+        def call(m, n, k, a, lda, b, ldb, beta, c, ldc, f=f):
+            f(_ROW_MAJOR, _NO_TRANS, _NO_TRANS, m, n, k, 1.0, a, lda, b, ldb, beta, c, ldc)
+
+        if not _checks(call, dtype):
+            return None
+        out[np.dtype(dtype)] = call
+    return out
+
+
+def _checks(call, dtype) -> bool:
+    # A 2 x 3 @ 3 x 2 product into a strided output, accumulated: the argument types are right.
+    a = np.arange(1, 7, dtype=dtype).reshape(2, 3)
+    b = np.arange(1, 13, dtype=dtype).reshape(3, 4)[:, 1:3]  # rows 4 apart
+    c = np.ones((2, 5), dtype)
+    call(2, 2, 3, a.ctypes.data, 3, b.ctypes.data, 4, 1.0, c.ctypes.data, 5)
+    want = np.ones((2, 5), dtype)
+    want[:, :2] += a @ b
+    return bool(np.array_equal(c, want))
+
+
+def _numpy_first(path: str) -> int:
+    # 0 for a library inside NumPy's install (numpy/, numpy.libs/ beside it), 1 for any other.
+    site = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
+    inside = (os.path.join(site, "numpy") + os.sep, os.path.join(site, "numpy.libs") + os.sep)
+    return 0 if os.path.realpath(path).startswith(inside) else 1
+
+
+def _find() -> dict:
+    from threadpoolctl import threadpool_info
+
+    libs = [lib for lib in threadpool_info() if lib.get("internal_api") == "openblas"]
+    for lib in sorted(libs, key=lambda lib: _numpy_first(lib["filepath"])):
+        try:
+            dll = ctypes.CDLL(lib["filepath"])
+        except OSError:
+            continue
+        for prefix in _PREFIXES:
+            for suffix in _SUFFIXES:
+                bound = _bind(dll, prefix, suffix)
+                if bound:
+                    return dict(bound, library=lib["filepath"])
+    return {}
+
+
+def gemm(dtype) -> Callable | None:
+    """The row-major ``?gemm`` for float32 or float64 (module docstring), or None."""
+    global _found
+    if _found is None:
+        with _lock:
+            if _found is None:
+                _found = _find()
+    return _found.get(np.dtype(dtype))
