@@ -15,7 +15,7 @@ into a failure.
 of the test process and of the processes it waited for, the wall seconds, and the CPU seconds Numba
 spent compiling (cache misses) during it. Under pytest-xdist, ``--durations`` reports wall time,
 which two workers on two cores (or a shared machine) inflate; CPU time says where the suite's time
-goes (docs/testing.md).
+goes (README's Tests section).
 """
 
 from __future__ import annotations
