@@ -10,11 +10,19 @@ an absent backend fails too when it is required: ``TAIFUSE_REQUIRE_VULKAN=1`` / 
 / ``TAIFUSE_REQUIRE_CUDA=1`` or ``--require-backend=taichi-vulkan``, which CI sets (and
 ``--require-backend=taichi-cuda``, which benchmarks/gpu/run.sh sets on the GPU machine), turn that skip
 into a failure.
+
+``TAIFUSE_CPU_DURATIONS=path`` appends one line per test to ``path``: its node id, the CPU seconds
+of the test process and of the processes it waited for, the wall seconds, and the CPU seconds Numba
+spent compiling (cache misses) during it. Under pytest-xdist, ``--durations`` reports wall time,
+which two workers on two cores (or a shared machine) inflate; CPU time says where the suite's time
+goes (README's Tests section).
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import time
 from collections import Counter
 
 import pytest
@@ -39,6 +47,58 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("taifuse")
+
+
+class CpuDurations:
+    """The ``TAIFUSE_CPU_DURATIONS`` report (module docstring): one tab-separated line per test."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the whole session
+        self._compiling = 0  # depth of nested Numba compiles (a kernel compiles the helpers it calls)
+        self._compile_started = 0.0
+        self._compile_cpu = 0.0
+        try:
+            from numba.core import event
+        except ImportError:
+            return
+        report = self
+
+        class CompileTime(event.Listener):
+            def on_start(self, event: object) -> None:
+                if report._compiling == 0:
+                    report._compile_started = time.process_time()
+                report._compiling += 1
+
+            def on_end(self, event: object) -> None:
+                report._compiling -= 1
+                if report._compiling == 0:
+                    report._compile_cpu += time.process_time() - report._compile_started
+
+        event.register("numba:compile", CompileTime())
+
+    @staticmethod
+    def _cpu() -> tuple[float, float]:
+        own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
+        (own, children), wall, compile_cpu = self._cpu(), time.perf_counter(), self._compile_cpu
+        yield
+        own_after, children_after = self._cpu()
+        self._file.write(
+            f"{item.nodeid}\t{own_after - own:.3f}\t{children_after - children:.3f}"
+            f"\t{time.perf_counter() - wall:.3f}\t{self._compile_cpu - compile_cpu:.3f}\n"
+        )
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self._file.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get("TAIFUSE_CPU_DURATIONS")
+    if path:
+        config.pluginmanager.register(CpuDurations(path), "taifuse-cpu-durations")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
