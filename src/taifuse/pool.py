@@ -90,6 +90,11 @@ Knobs: ``TAIFUSE_POOL_MAX_MB`` caps the bytes of wholly free allocations a pool 
 #   ``(SPLIT_RATIO - 1) * bytes_in_use`` and the pool holds at most
 #   ``SPLIT_RATIO * bytes_in_use + max_bytes`` whatever the request pattern. A free block smaller
 #   than ``S / SPLIT_RATIO`` can serve nothing until it merges; it is not indexed.
+# * Steady state: a segment is freed only by the byte cap, clear or shrink_to_fit, never because a
+#   request split it. A smaller request that splits the free block a larger request of the same
+#   step wanted makes that step allocate one more segment, which every later step finds free
+#   (issue 28's conv step: grad_x's 8 MiB split the 16 MiB of the last output), so a loop that
+#   repeats its requests allocates nothing after a step or two; tests/test_pool.py checks it.
 # * Device (Taichi) blocks are not split: a ``ti.Ndarray`` over part of an allocation does not
 #   exist, and their keys are exact (dtype, length).
 """
