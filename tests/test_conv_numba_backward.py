@@ -26,7 +26,6 @@ import pytest
 numba = pytest.importorskip("numba")
 
 from taifuse.backends import reference as ref
-from taifuse.backends.numba import _blas
 from taifuse.backends.numba import conv as nb_conv
 
 # (N, C, H, W, OC, (kh, kw), stride, padding, dilation, groups, activation)
@@ -42,10 +41,6 @@ GEOMETRIES = {
     "dilation2-taps": (2, 8, 34, 33, 4, (3, 3), (1, 1), (2, 2), (2, 2), 1, "gelu_tanh"),
     "N1-depthwise": (1, 4, 32, 33, 8, (3, 3), (1, 1), (1, 1), (1, 1), 4, "relu"),
     "N1-few-channels": (1, 3, 32, 32, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, None),
-    # grad_x's implicit GEMM with grad_pre padded unequally (2 rows, 3 columns), groups, kh != kw
-    "3x5-padding0x1-groups2": (2, 6, 12, 13, 4, (3, 5), (1, 1), (0, 1), (1, 1), 2, "relu"),
-    # padding past the kernel's reach: grad_x takes the columns on either path
-    "1x1-padding1": (3, 4, 10, 9, 5, (1, 1), (1, 1), (1, 1), (1, 1), 1, None),
 }
 TOLERANCE = {np.float32: 2e-5, np.float16: 1e-3, np.float64: 1e-12}
 WANTS = {
@@ -53,20 +48,6 @@ WANTS = {
     "no-input-grad": (False, True, True),
     "input-grad-only": (True, False, False),
 }
-
-
-@pytest.fixture(params=["implicit", "columns"])
-def path(request, monkeypatch):
-    """grad_x at stride 1 both ways: as an implicit GEMM (``IMPLICIT_MIN_K`` lowered to 0, so that
-    every stride-1 geometry whose padding lies inside the kernel's reach takes it) and through the
-    columns and col2im (no ``?gemm``: as under another BLAS)."""
-    if request.param == "implicit":
-        if _blas.gemm(np.float32) is None:
-            pytest.skip("no OpenBLAS with CBLAS loaded: grad_x takes the columns")
-        monkeypatch.setattr(nb_conv, "IMPLICIT_MIN_K", 0)
-    else:
-        monkeypatch.setattr(_blas, "gemm", lambda dtype: None)
-    return request.param
 
 
 def _out_size(size, k, s, p, d):
@@ -124,7 +105,7 @@ def _scale(geometry, x, wt, gp):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_numba_conv2d_backward_work_items_match_the_reference(geometry, dtype, threads, wants, path):
+def test_numba_conv2d_backward_work_items_match_the_reference(geometry, dtype, threads, wants):
     x, wt, pre, g = _arrays(geometry, dtype)
     got = _backward(geometry, x, wt, pre, g, wants, threads)
     expected = _reference(geometry, x, wt, pre, g, geometry[-1])
@@ -135,7 +116,7 @@ def test_numba_conv2d_backward_work_items_match_the_reference(geometry, dtype, t
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_numba_conv2d_backward_gives_the_same_bits_on_one_and_two_threads(geometry, path):
+def test_numba_conv2d_backward_gives_the_same_bits_on_one_and_two_threads(geometry):
     """The parts are fixed by the batch (BACKWARD_PARTS, not the thread count, up to that many
     threads) and summed in their order: a run on two threads gives the one-thread bits, and so
     does the same run again."""
@@ -148,23 +129,15 @@ def test_numba_conv2d_backward_gives_the_same_bits_on_one_and_two_threads(geomet
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("where", ["x-and-w", "grad_out"])
-def test_numba_conv2d_backward_keeps_infinities_where_the_reference_has_them(where, path):
+def test_numba_conv2d_backward_keeps_infinities_where_the_reference_has_them():
     """The per-tap weight gradient reads each padded row's junk columns against zeros of grad_pre
     (0 * inf is NaN), so an image with an inf takes the columns instead; and the columns' gradient
     is zeroed in those columns before col2im, so an infinite weight reaches only the input
-    positions it multiplies (grad_x's implicit GEMM would multiply it by grad_pre's zero padding:
-    a weight with an inf takes the columns). An inf in grad_out meets only the weight, and the
-    implicit GEMM's junk columns, which are dropped. Inf and NaN land where the float64 reference
-    puts them."""
+    positions it multiplies. Inf and NaN land where the float64 reference puts them."""
     geometry = GEOMETRIES["one-image-taps"]
     x, wt, pre, g = _arrays(geometry, np.float32, seed=2)
-    if where == "x-and-w":
-        x[1, 2, 5, 31] = np.inf  # the last column: its padded row's junk columns read it
-        wt[3, 1, 0, 2] = -np.inf
-    else:
-        g[1, 2, 5, 31] = np.inf  # the last column: the implicit GEMM's junk columns read it
-        g[2, 4, 0, 0] = -np.inf
+    x[1, 2, 5, 31] = np.inf  # the last column: its padded row's junk columns read it
+    wt[3, 1, 0, 2] = -np.inf
     got = _backward(geometry, x, wt, pre, g, WANTS["all"], 2)
     expected = _reference(geometry, x, wt, pre, g, geometry[-1])
     for what, a, e in zip(("grad_x", "grad_w"), got, expected):
@@ -178,7 +151,7 @@ def test_numba_conv2d_backward_keeps_infinities_where_the_reference_has_them(whe
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("geometry", ["steps-of-several", "one-image-taps", "1x1-stride2-groups2"])
-def test_numba_conv2d_batch_norm_backward_work_items_match_the_reference(geometry, dtype, threads, path):
+def test_numba_conv2d_batch_norm_backward_work_items_match_the_reference(geometry, dtype, threads):
     """The fused block's backward writes batch norm's input gradient as the products' grad_pre,
     on the same work items."""
     geometry = GEOMETRIES[geometry]

@@ -54,13 +54,19 @@ cost as much as a product at 32 -> 64); those views' junk columns are real value
 holding an inf or NaN takes the columns instead. Under ``TAPS_MIN_CHANNELS`` input channels
 (the first layer's 3) the nine thin products lose to the columns' one. A dot-product kernel for grad_w at the first
 layer's K = 27 taps ran 2-3x slower than BLAS's product there (a loaded machine's ratio), so
-every layer takes BLAS. The per-block design this replaced ran each phase as a Numba parallel
-region around products on OpenBLAS's threads, which met each other's spinning workers as the
-forward's phases did, and one order of the weight gradient's product stalled (docs/cnn.md); with
-one BLAS thread per call both orders ran alike. An input that needs no gradient (a network's
-first layer) skips the columns' gradient and col2im (the autograd passes ``grad_x=None``, as
-PyTorch). A depthwise forward (one input channel per group) runs a direct kernel instead
-(``_direct_wins``): it ties with im2col there and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded
+every layer takes BLAS. grad_x as an implicit GEMM (the forward's, on grad_pre's planes padded by
+the kernel's reach less the padding, with the weight flipped and its channels swapped: 9711173)
+tied (64 -> 64) or lost to the columns at every CNN shape tried (3 -> 32 to 128 -> 128, up to 2x
+slower, a loaded machine's CPU time): its products have only the C input channels as rows (32 at
+32 -> 64), each packing a K = OC * kw operand as wide as the step, where ``w.T @ grad_pre`` has
+C * kh * kw (288) rows over K = OC and ran per image in 0.30 ms against the three products' 0.52
+ms; col2im took 0.04 ms (one thread: an ordering only). The per-block design this replaced ran
+each phase as a Numba parallel region around products on OpenBLAS's threads, which met each
+other's spinning workers as the forward's phases did, and one order of the weight gradient's
+product stalled (docs/cnn.md); with one BLAS thread per call both orders ran alike. An input
+that needs no gradient (a network's first layer) skips the columns' gradient and col2im (the
+autograd passes ``grad_x=None``, as PyTorch). A depthwise forward (one input channel per group)
+runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded
 machine's ratios, taken before the work items). float16 is storage only: the columns, the weight
 and the sums are float32.
 
@@ -787,22 +793,6 @@ def _col2im_padded(gcols, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, xpad, gx):
 
 
 @njit(**_FMA)
-def _store_planes(y, n0, n1, prow, pitch, gx):
-    # gx[n, c, a, b] = y[c, (n - n0) * PROW * pitch + a * pitch + b]: the implicit GEMM's grad_x
-    # (_Backward._grad_x_implicit) without its junk columns b >= W and rows a >= H.
-    c_dim, h, w = gx.shape[1], gx.shape[2], gx.shape[3]
-    for n in range(n0, n1):
-        base = (n - n0) * prow * pitch
-        for c in range(c_dim):
-            src = y[c]
-            for a in range(h):
-                out = gx[n, c, a]
-                row = base + a * pitch
-                for b in range(w):
-                    out[b] = _narrow(src[row + b], gx)
-
-
-@njit(**_FMA)
 def _col2im_item(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx):
     # The adjoint of _im2col_block for whole images [n0, n1) (any stride), on the calling thread:
     # each (n, c) plane is summed in acc (C, H, W; the columns' dtype), each tap adding its
@@ -900,30 +890,6 @@ class _Backward:
         elif grad_x is not None:
             self.acc = scratch.acquire((workers, c, h, wd), ct)
         self.w2 = _as_compute(w, scratch).reshape(groups, ocg, k) if grad_x is not None else None
-        # grad_x as the forward's implicit GEMM (NOTE [ Implicit GEMM on the host ]), where the
-        # padding lies inside the kernel's reach and the weight is finite (an inf would meet the
-        # zeros of grad_pre's padding: 0 * inf is NaN where the columns drop the tap).
-        ph, pw = padding
-        reach = (kh - 1) * dilation[0], (kw - 1) * dilation[1]
-        self.gx_gemm = None
-        if (
-            grad_x is not None and self.padded and ocg * kw >= IMPLICIT_MIN_K
-            and ph <= reach[0] and pw <= reach[1] and bool(np.isfinite(self.w2).all())
-        ):  # fmt: skip
-            self.gx_gemm = _blas.gemm(ct)
-        if self.gx_gemm is not None:
-            # The flipped weight by kernel row: wf[i, g * cg + c, (o, j)] = w[g * ocg + o, c, kh - 1
-            # - i, kw - 1 - j]; grad_pre's planes padded by reach - padding, one copy per kernel
-            # column (_shifted_planes, rows (o, j)); the product over every padded row of a step.
-            wf = self.w2.reshape(groups, ocg, cg, kh, kw)[:, :, :, ::-1, ::-1]
-            self.wf = scratch.acquire((kh, c, ocg * kw), ct)
-            np.copyto(self.wf.reshape(kh, groups, cg, ocg, kw), wf.transpose(3, 0, 2, 1, 4))
-            self.gpad = (reach[0] - ph, reach[1] - pw)
-            self.xpitch = wd + reach[1]
-            self.prow = h + reach[0]
-            self.ld = self.nb * self.prow * self.xpitch + _ROW_PAD
-            self.gs = scratch.acquire((workers, oc * kw, self.ld), ct)
-            self.gy = scratch.acquire((workers, c, self.nb * self.prow * self.xpitch), ct)
         self.gw = self.tmp = None
         if grad_w is not None:
             self.gw = scratch.acquire((len(self.items), groups, ocg, k), ct)
@@ -970,9 +936,7 @@ class _Backward:
                 acc += tmp
             else:
                 _grad_w_product(gp, cols, acc)
-        if self.gx_gemm is not None:
-            self._grad_x_implicit(worker, n0, n1, gp)
-        elif self.grad_x is not None:
+        if self.grad_x is not None:
             groups, ocg, k = self.w2.shape
             if groups == 1:
                 np.matmul(self.w2[0].T, gp, out=cols)
@@ -987,31 +951,6 @@ class _Backward:
                 _col2im_padded(cols_rows, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, self.xpad[worker], gx)
             else:
                 _col2im_item(cols_rows, n0, n1, *self.geom, self.acc[worker], gx)
-
-    def _grad_x_implicit(self, worker: int, n0: int, n1: int, gp) -> None:
-        """grad_x of images ``[n0, n1)`` as the convolution of grad_pre's padded planes with the
-        flipped weight (NOTE [ Implicit GEMM on the host ]): one accumulating ``?gemm`` per kernel
-        row and group, into scratch at the padded width, whose junk columns and rows are dropped
-        as the images land in grad_x."""
-        kh, kw, _, _, _, _, dh, dw, oh, ow = self.geom
-        groups, ocg, _ = self.w2.shape
-        c, nb = self.wf.shape[1], n1 - n0
-        cg, k = c // groups, ocg * kw
-        g4 = gp[:, : nb * self.span].reshape(-1, nb, oh, self.pitch)[:, :, :, :ow].transpose(1, 0, 2, 3)
-        gs, gy = self.gs[worker], self.gy[worker]
-        _shifted_planes(g4, 0, nb, 0, self.prow - (kh - 1) * dh, kh, kw, *self.gpad, dh, dw, self.xpitch, gs)
-        width = (nb * self.prow - (kh - 1) * dh) * self.xpitch
-        size = gs.itemsize
-        for g in range(groups):
-            a = self.wf.ctypes.data + g * cg * k * size
-            b = gs.ctypes.data + g * ocg * kw * self.ld * size
-            y = gy.ctypes.data + g * cg * gy.shape[1] * size
-            for i in range(kh):
-                self.gx_gemm(
-                    cg, width, k, a + i * c * k * size, k, b + i * dh * self.xpitch * size, self.ld,
-                    1.0 if i else 0.0, y, gy.shape[1],
-                )  # fmt: skip
-        _store_planes(gy, n0, n1, self.prow, self.xpitch, _bits(self.grad_x))
 
     def _grad_w_taps(self, worker: int, part: int, n: int, gp, add: bool) -> bool:
         """The part's grad_w (+)= one product per tap, ``gp @ xpad[:, off : off + span].T``, where
