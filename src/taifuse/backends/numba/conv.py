@@ -54,13 +54,19 @@ cost as much as a product at 32 -> 64); those views' junk columns are real value
 holding an inf or NaN takes the columns instead. Under ``TAPS_MIN_CHANNELS`` input channels
 (the first layer's 3) the nine thin products lose to the columns' one. A dot-product kernel for grad_w at the first
 layer's K = 27 taps ran 2-3x slower than BLAS's product there (a loaded machine's ratio), so
-every layer takes BLAS. The per-block design this replaced ran each phase as a Numba parallel
-region around products on OpenBLAS's threads, which met each other's spinning workers as the
-forward's phases did, and one order of the weight gradient's product stalled (docs/cnn.md); with
-one BLAS thread per call both orders ran alike. An input that needs no gradient (a network's
-first layer) skips the columns' gradient and col2im (the autograd passes ``grad_x=None``, as
-PyTorch). A depthwise forward (one input channel per group) runs a direct kernel instead
-(``_direct_wins``): it ties with im2col there and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded
+every layer takes BLAS. grad_x as an implicit GEMM (the forward's, on grad_pre's planes padded by
+the kernel's reach less the padding, with the weight flipped and its channels swapped: 9711173)
+tied (64 -> 64) or lost to the columns at every CNN shape tried (3 -> 32 to 128 -> 128, up to 2x
+slower, a loaded machine's CPU time): its products have only the C input channels as rows (32 at
+32 -> 64), each packing a K = OC * kw operand as wide as the step, where ``w.T @ grad_pre`` has
+C * kh * kw (288) rows over K = OC and ran per image in 0.30 ms against the three products' 0.52
+ms; col2im took 0.04 ms (one thread: an ordering only). The per-block design this replaced ran
+each phase as a Numba parallel region around products on OpenBLAS's threads, which met each
+other's spinning workers as the forward's phases did, and one order of the weight gradient's
+product stalled (docs/cnn.md); with one BLAS thread per call both orders ran alike. An input
+that needs no gradient (a network's first layer) skips the columns' gradient and col2im (the
+autograd passes ``grad_x=None``, as PyTorch). A depthwise forward (one input channel per group)
+runs a direct kernel instead (``_direct_wins``): it ties with im2col there and needs no columns; everywhere else im2col + BLAS won, by 1.4x to 12x (docs/cnn.md, a loaded
 machine's ratios, taken before the work items). float16 is storage only: the columns, the weight
 and the sums are float32.
 
