@@ -29,7 +29,6 @@ expecttest (which ``common_methods_invocations`` imports) is absent.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import math
 import operator
@@ -734,72 +733,6 @@ def _grads(outs: list, leaves: list, upstream: list, pairs: list) -> list:
     return [None if g is None else g.detach().to(torch.float64).numpy() for g in grads]
 
 
-# NOTE [ OpInfo references once per sample ]
-# PyTorch's results on a sample (in the sample's dtype, in float64, and in float64 on |inputs| for
-# the magnitude rows) and their gradients are the same whichever backend runs the sample, so each
-# test process computes them once per sample and the other backends' tests reuse them: they were
-# recomputed four times, once per backend. The key holds everything they are computed from: the
-# sample's current values (PyTorch's own-dtype call updates shared running statistics in place:
-# a training batch_norm sample changes the tensors a later eval sample reads, so a sample's values
-# may differ from one backend's turn to the next), the dropout mask the backend drew (the same on
-# every backend by design, but a backend whose mask differed gets its own reference and fails on its
-# own values) and the upstream gradient.
-class _PyTorchResults:
-    """PyTorch's forward results on one sample (as ``_torch`` returns them) and their gradients."""
-
-    def __init__(self, case: Case, mask: Any) -> None:
-        self.own = _torch(case, _leaves_in(None), None if mask is None else mask.to(TORCH_DTYPES[case.dtype]))
-        self.ref = _torch(case, _leaves_in(torch.float64), mask)
-        self.ref_abs = (
-            _torch(case, _leaves_in(torch.float64), mask, abs_values=True)
-            if case.row.magnitude
-            else (None, None)
-        )
-        self._gradients: dict = {}
-
-    def gradients(self, upstream: list[np.ndarray], pairs: list) -> tuple[list, list, list | None]:
-        """(float64, own dtype, |inputs|) gradients for ``upstream`` on the results ``pairs`` names;
-        each autograd graph is freed by its first use, so a second call must hit the cache."""
-        key = (tuple(i for i, _, _ in pairs), tuple((u.dtype.str, u.shape, u.tobytes()) for u in upstream))
-        if key not in self._gradients:
-            (ref, ref_leaves), (own, own_leaves), (ref_abs, abs_leaves) = self.ref, self.own, self.ref_abs
-            up64 = [torch.from_numpy(u.astype(np.float64)) for u in upstream]
-            self._gradients[key] = (
-                _grads(_outputs(ref), ref_leaves, up64, pairs),
-                _grads(_outputs(own), own_leaves, up64, pairs),
-                None
-                if ref_abs is None
-                else _grads(_outputs(ref_abs), abs_leaves, [u.abs() for u in up64], pairs),
-            )
-        return self._gradients[key]
-
-
-_PYTORCH: dict[tuple, _PyTorchResults] = {}
-
-
-def _digest(value: Any, into: Any) -> None:
-    """Feed every tensor's dtype, shape and values in ``value`` (lists, tuples and dicts too) to ``into``."""
-    if isinstance(value, torch.Tensor):
-        into.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        into.update(value.detach().contiguous().numpy().tobytes())
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _digest(v, into)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            into.update(str(k).encode())
-            _digest(v, into)
-
-
-def _pytorch(case: Case, mask: Any) -> _PyTorchResults:
-    values = hashlib.blake2b(digest_size=16)
-    _digest((case.sample.input, case.sample.args, case.sample.kwargs, mask), values)
-    key = (case.id, values.digest())
-    if key not in _PYTORCH:
-        _PYTORCH[key] = _PyTorchResults(case, mask)
-    return _PYTORCH[key]
-
-
 @pytest.mark.parametrize("case", [_param(c) for c in cases()])
 def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
     backend.activate()
@@ -850,8 +783,13 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
             pytest.skip(CANNOT_EXPRESS + str(exc))
     if row.inplace:
         assert got is args[0], f"{row.name} should return the tensor it updated"
-    pytorch = _pytorch(case, mask)
-    (own, _), (ref, ref_leaves), (ref_abs, _) = pytorch.own, pytorch.ref, pytorch.ref_abs
+    own, own_leaves = _torch(
+        case, _leaves_in(None), None if mask is None else mask.to(TORCH_DTYPES[case.dtype])
+    )
+    ref, ref_leaves = _torch(case, _leaves_in(torch.float64), mask)
+    ref_abs = abs_leaves = None
+    if row.magnitude:
+        ref_abs, abs_leaves = _torch(case, _leaves_in(torch.float64), mask, abs_values=True)
 
     got_outs, ref_outs, own_outs = _outputs(got), _outputs(ref), _outputs(own)
     abs_outs = _outputs(ref_abs) if row.magnitude else [None] * len(ref_outs)
@@ -901,7 +839,12 @@ def test_sample(backend, case: Case, request: pytest.FixtureRequest) -> None:
         )
         with np.errstate(all="ignore"):  # float16 gradients may overflow to inf, as PyTorch's
             g.backward(u, retain_graph=True)
-    ref_grads, own_grads, abs_grads = pytorch.gradients(upstream, pairs)
+    up64 = [torch.from_numpy(u.astype(np.float64)) for u in upstream]
+    ref_grads = _grads(ref_outs, ref_leaves, up64, pairs)
+    own_grads = _grads(own_outs, own_leaves, up64, pairs)
+    abs_grads = (
+        _grads(_outputs(ref_abs), abs_leaves, [u.abs() for u in up64], pairs) if row.magnitude else None
+    )
     no_grad = row.no_grad(s)
     for j, t in enumerate(grad_leaves):
         what = f"{case.id} on {backend.param}: gradient of input {j}"
