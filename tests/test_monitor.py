@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import mmap
 import sys
 import warnings
 
@@ -474,7 +475,10 @@ def test_pool_and_rss_figures_follow_a_known_allocation():
         monitor = _monitor()
         before = monitor.step(1.0, n=1)
         block = pool.host_pool().acquire((1 << 20,), np.float32)  # 4 MiB, held
-        big = np.ones(64 << 20, np.uint8)  # 64 MiB, touched
+        # 64 MiB of fresh pages, touched: an anonymous map, since an allocator that keeps freed memory
+        # (a test process that held much before this test) may serve np.ones from pages already resident.
+        big = mmap.mmap(-1, 64 << 20)
+        np.frombuffer(big, np.uint8).fill(1)
         after = monitor.step(1.0, n=1)
         for record in (before, after):
             assert record["pool_peak_bytes"] >= record["pool_in_use_bytes"] >= 0
@@ -486,7 +490,8 @@ def test_pool_and_rss_figures_follow_a_known_allocation():
             assert after["rss_peak_bytes"] >= after["rss_bytes"] and current > 0
         if peak is not None:
             assert after["rss_peak_bytes"] >= 64 << 20 and peak >= after["rss_peak_bytes"]
-        del block, big
+        del block
+        big.close()
         monitor.close()
 
 
