@@ -640,8 +640,8 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
     fw = _Forward(
         x, w, stride, padding, dilation, groups, oh, ow, o3 if p3 is None else p3, epilogue, workers
     )
-    with _blas_single_threaded():  # on one worker too (NOTE [ Implicit GEMM on the host ])
-        _run(fw, fw.items(), workers, False)  # already held to one thread here
+    # BLAS on one thread, on one worker too (NOTE [ Implicit GEMM on the host ]).
+    _run(fw, fw.items(), workers, True)
 
 
 def conv2d_backward(
