@@ -434,6 +434,51 @@ def test_numba_backward_writes_only_the_gradients_asked_for():
                 assert got is None
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-scores", "block-sums"])
+@pytest.mark.parametrize(
+    "L, S, causal, mask_kind, p, big",
+    [
+        (130, 130, True, None, 0.0, False),  # three query blocks, the last one short
+        (150, 100, True, None, 0.25, False),  # L > S: the last rows see every key
+        (100, 150, True, "bool", 0.0, False),  # L < S: keys 100 .. 150 seen by no row get 0
+        (70, 83, False, "float", 0.25, True),  # large logits: |s| in the hundreds
+    ],
+)
+def test_numba_backward_key_sums_either_way(whole, L, S, causal, mask_kind, p, big, monkeypatch):
+    """NOTE [ Numba attention blocks ]: the backward's grad_k and grad_v are one product per block
+    of keys over a group's whole (L, S) scores (small heads), or sums over the query blocks through
+    scratch (large ones); both give the float64 reference's output and gradients, with several
+    query blocks, L > S and L < S under is_causal, a fully masked row (-inf everywhere: 0 out and
+    0 gradients), dropout and logits far past exp's float32 range before the max is taken off."""
+    pytest.importorskip("numba")
+    import importlib
+
+    kernels = importlib.import_module("taifuse.backends.numba.attention")
+    monkeypatch.setattr(kernels, "_WHOLE_SCORES", 1 << 30 if whole else 0)
+    rng = np.random.default_rng(L + S)
+    q, k, v, mask = _inputs(rng, (3,), L, S, 24, 20, F32, mask_kind, mask_batch=(3,))
+    if big:
+        q *= 40.0
+    if mask is not None and mask.dtype == bool:
+        mask = np.where(mask, 0.0, -np.inf).astype(F32)
+    out, lse, gq, gk, gv = _numba_kernel_run(q, k, v, mask, causal, p, (True, True, True))
+    g = np.random.default_rng(3).standard_normal(out.shape)  # _numba_kernel_run's, in float64
+    R_out, R_lse = np.empty(out.shape, F64), np.empty(lse.shape, F64)
+    m64 = None if mask is None else mask.astype(F64)
+    q64, k64, v64 = (a.astype(F64) for a in (q, k, v))
+    R.attention(q64, k64, v64, m64, causal, 0.3, p, 99, R_out, R_lse)
+    ref_grads = [np.empty(a.shape, F64) for a in (q, k, v)]
+    R.attention_backward(
+        q64, k64, v64, m64, causal, 0.3, p, 99, R_out, R_lse, g.astype(F32).astype(F64), *ref_grads
+    )
+    for got, ref, what in zip((out, gq, gk, gv), (R_out, *ref_grads), ("out", "grad_q", "grad_k", "grad_v")):
+        _close(got, ref, F32, what)
+    if mask_kind == "bool":
+        assert np.all(out[:, 1] == 0) and np.all(gq[:, 1] == 0)  # the fully masked row
+    if causal and S > L:
+        assert np.all(gk[:, L:] == 0) and np.all(gv[:, L:] == 0)
+
+
 def _split_heads(x, heads):
     """CausalSelfAttention's q, k, v: c_attn's (B, T, 3C) output split and viewed as (B, H, T, D)."""
     b, t, c3 = x.shape

@@ -8,8 +8,11 @@ The work is cut into blocks of ``_BLOCK_Q`` query rows of a group of heads. For 
 ``q_blk @ k.T`` goes to BLAS (``np.matmul`` over the group's stack, one BLAS call per head
 inside NumPy) into the block's scores, the only scratch that grows with the key length; one
 jitted pass over the block's rows then scales, masks, takes each row's max, exponentiates
-(applying dropout) and writes one log-sum-exp per row; a second product multiplies the
-unnormalised probabilities by ``v`` and the block's output rows are divided by their sums. A
+(applying dropout), divides by the row's sum and writes one log-sum-exp per row; a second
+product multiplies the probabilities by ``v`` into the output's rows (a float32 or float64
+output, strided or not; a float16 one through scratch). Dividing the block's (64 x 128) scores
+rather than its (64 x 64) output rows spends a few more multiplies, on a row still in L1, and
+saves the output's pass of its own and, for a strided output, a copy through scratch. A
 block holds its rows' whole key range, so its softmax needs no online rescaling (the taichi
 kernel, which walks keys in tiles, does). Under ``is_causal`` a block reads only the keys its
 last row sees. A group holds as many heads as keep its block scores under ``_GROUP_SCORES``
@@ -17,15 +20,22 @@ last row sees. A group holds as many heads as keep its block scores under ``_GRO
 Python-level call per product and one row-kernel launch, which took the example's attention
 (B=32, H=4, L=64, E=32, forward+backward, one thread) from 7.5 to 4.6 ms of CPU time, and cost
 nothing measurable at B=8, H=8, L=512, E=64 (143 and 138 ms). The scratch is
-``_GROUP_SCORES`` scores per worker (or one head's ``_BLOCK_Q * S``), never ``L * S``.
+``_GROUP_SCORES`` scores per worker (or one head's ``_BLOCK_Q * S``), never ``L * S`` past
+``_WHOLE_SCORES`` (the backward's whole-scores buffers below are L / ``_BLOCK_Q`` times that).
 
 The backward (FlashAttention-2's) recomputes each block's scores the same way, with a second
-block-sized buffer for ``grad_out @ v.T``: P = exp(s - lse), dS = P * (dP * Z - D) with
+buffer for ``grad_out @ v.T``: P = exp(s - lse), dS = P * (dP * Z - D) with
 D = rowsum(P * dP * Z) / rowsum(P) summed over the block's row, which holds every key (NOTE
 [ Attention backward's D ] in ``backends/reference/attention.py``; ``out`` is not read).
-grad_q of the block is one product, and grad_k, grad_v of a group are summed over its query
-blocks through an ``(S, E)``-per-head buffer (written by the products directly where one block
-reads every key: L <= 64, and S <= L under ``is_causal``).
+grad_q of the block is one product. Where a head's L * S scores stay under ``_WHOLE_SCORES``
+(L = S <= 256), the two buffers hold the group's whole (L, S) scores and dP, each query block
+writing its rows' columns 0 .. its last key; then grad_k and grad_v of each block of 64 keys
+are one product each over the rows that see them (under ``is_causal`` rows k0 .. L: every such
+row's block computed those columns), written into the gradients directly, and keys that no row
+sees get 0. Larger heads keep block-sized buffers and sum grad_k, grad_v over the query blocks
+through an ``(S, E)``-per-head buffer, added into the zeroed gradients. At B=16, H=4, L=S=128,
+E=64 causal, the whole-scores backward took 0.89x the CPU time of the summed one (median of 15
+interleaved pairs, two threads, a loaded 2-core machine): no zero fill, no strided adds.
 
 NOTE [ Numba attention threads ]
 A block's products are small (64 x 64 by 64 x 512 at E = 64): one BLAS call runs them at about
@@ -57,8 +67,7 @@ stack) or a part of one row that divides H (an (h, n, d) stack), ``_stack`` slic
 scratch blocks are reshaped to the stack's leading dims. out and the gradients may be such views
 too: ``_Attention`` makes them in (B, L, H, d) layout and passes them transposed, so that the
 heads' merge ``y.transpose(1, 2).reshape(B, L, C)`` is a view and the gradients reach c_attn's
-split as views; the gradient products write them through their row strides, and a forward block
-goes through the worker's scratch (where its rows are scaled) into them. lse stays (BH, L),
+split as views; the products write them through their row strides. lse stays (BH, L),
 indexed by the flat head. A float16 view is widened into the worker's scratch as a contiguous
 array would be.
 """
@@ -89,6 +98,8 @@ from taifuse.backends.reference.forward import dropout_key, dropout_scale, dropo
 
 _BLOCK_Q = 64  # query rows per block
 _GROUP_SCORES = 1 << 16  # heads share a product call while their block scores stay under this
+# The backward keeps a group's whole (L, S) scores and dP where a head's stay under this.
+_WHOLE_SCORES = 1 << 16
 # OpenBLAS runs a product of at most this many multiply-adds on one thread (interface/gemm.c:
 # SMP_THRESHOLD_MIN * GEMM_MULTITHREAD_THRESHOLD); past it a lone worker holds BLAS to one.
 _BLAS_THREADED_MNK = 1 << 18
@@ -127,9 +138,9 @@ def _keep(bh, qi, j, L, S, key, threshold):
 
 
 @njit(**_FMA_REDUCE)
-def _softmax_rows(sc, mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, inv):
-    # sc (g, nq, sn) holds q_blk @ k.T for heads h0 .. h0 + g; it becomes exp(s - m) (times the
-    # dropout factor), with lse[h, q0 + i] = m + log(sum) and inv[g, i] = 1 / sum for the output.
+def _softmax_rows(sc, mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse):
+    # sc (g, nq, sn) holds q_blk @ k.T for heads h0 .. h0 + g; it becomes the probabilities
+    # exp(s - m) / sum (times the dropout factor), with lse[h, q0 + i] = m + log(sum).
     # NOTE: the max is a pass of its own that stores nothing, and the scaled, masked score is
     # recomputed in the exp pass: LLVM vectorizes a maxnum reduction only alone (a pass that
     # also stored the scores ran 9x slower on a 64 x 512 block), and the sum only under
@@ -137,6 +148,7 @@ def _softmax_rows(sc, mask, h0, q0, L, S, causal, scale, drop, key, threshold, d
     _prefer_wide_vectors()
     gn, nq, sn = sc.shape
     zero = sc.dtype.type(0.0)
+    one = sc.dtype.type(1.0)
     ninf = sc.dtype.type(-np.inf)
     for r in range(gn * nq):
         g = r // nq
@@ -169,38 +181,33 @@ def _softmax_rows(sc, mask, h0, q0, L, S, causal, scale, drop, key, threshold, d
             for j in range(sn):
                 sc[g, i, j] = zero
             lse[h, qi] = -np.inf
-            inv[g, i] = zero
             continue
+        inv = (dscale if drop else one) / total  # the kept ones' dropout_scale rides on 1/sum
+        for j in range(sn):
+            sc[g, i, j] *= inv
         if drop:
             for j in range(lim):
                 if not _keep(h, qi, j, L, S, key, threshold):
                     sc[g, i, j] = zero
-        inv[g, i] = (dscale if drop else 1.0) / total  # the kept ones' dropout_scale rides on 1/sum
         lse[h, qi] = m + math.log(total)
 
 
-@njit(**_FMA)
-def _scale_rows(o, inv):
-    for g in range(o.shape[0]):
-        for i in range(o.shape[1]):
-            s = inv[g, i]
-            for e in range(o.shape[2]):
-                o[g, i, e] *= s
-
-
 @njit(**_FMA_REDUCE)
-def _gradient_rows(sc, dp, mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse):
-    # In: sc = q_blk @ k.T, dp = grad_out_blk @ v.T over heads h0 .. h0 + g. Out: sc = P * Z (for
-    # grad_v), dp = dS * scale, with dS = P * (dP * Z - D) and D = rowsum(P * dP * Z) / rowsum(P),
-    # summed from the row itself (NOTE [ Attention backward's D ] in backends/reference/attention.py).
+def _gradient_rows(sc, dp, r0, nq, sn, mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse):
+    # In: sc[:, r0 : r0 + nq, :sn] = q_blk @ k.T, dp (likewise) = grad_out_blk @ v.T over heads
+    # h0 .. h0 + g, the block's rows r0 .. r0 + nq of buffers of any width >= sn (the block's own,
+    # or a group's whole (L, S) scores: NOTE [ Numba attention blocks ]). Out, there: sc = P * Z
+    # (for grad_v), dp = dS * scale, with dS = P * (dP * Z - D) and D = rowsum(P * dP * Z) /
+    # rowsum(P), summed from the row itself (NOTE [ Attention backward's D ] in
+    # backends/reference/attention.py).
     _prefer_wide_vectors()
-    gn, nq, sn = sc.shape
+    gn = sc.shape[0]
     zero = sc.dtype.type(0.0)
     for r in range(gn * nq):
         g = r // nq
-        i = r - g * nq
+        i = r0 + r - g * nq
         h = h0 + g
-        qi = q0 + i
+        qi = q0 + r - g * nq
         lim = min(qi + 1, sn) if causal else sn
         row_lse = lse[h, qi]
         if row_lse == -np.inf:
@@ -401,13 +408,12 @@ def attention(
     # blocks read the most keys, and taking them first evens out the workers' shares.
     items = [(h0, q0) for q0 in range(0, L, rows)[::-1] for h0 in range(0, bh, gs)]
     workers = _workers(len(items))
-    # The output's block goes through scratch when widened or when out is a strided view.
-    direct = not half and out.ndim == 3
-    wide = (gs * rows * e, gs * S * e, gs * S * ev) if half else (0, 0, 0)
-    scratch = _scratch(workers, ct, gs * rows * S, gs * rows, *wide, 0 if direct else gs * rows * ev)
+    # The output's block goes through scratch where it is widened; else the product writes it.
+    wide = (gs * rows * e, gs * S * e, gs * S * ev, gs * rows * ev) if half else (0, 0, 0, 0)
+    scratch = _scratch(workers, ct, gs * rows * S, *wide)
 
     def task(w: int, item: tuple[int, int]) -> None:
-        buf, binv, bq, bk, bv, bo = scratch[w]
+        buf, bq, bk, bv, bo = scratch[w]
         h0, q0 = item
         h1 = min(h0 + gs, bh)
         q1 = min(q0 + rows, L)
@@ -418,16 +424,15 @@ def attention(
         kb = _widened(_stack(k, h0, h1)[..., :sn, :], ct, bk)
         vb = _widened(_stack(v, h0, h1)[..., :sn, :], ct, bv)
         sc = _block(buf, h1 - h0, q1 - q0, sn)
-        inv = _block(binv, h1 - h0, q1 - q0)
         np.matmul(qb, kb.swapaxes(-1, -2), out=_like_stack(sc, lead))
-        _softmax_rows(
-            sc, m, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc, inv
-        )  # fmt: skip
-        o = out[h0:h1, q0:q1] if direct else _block(bo, h1 - h0, q1 - q0, ev)
-        np.matmul(_like_stack(sc, lead), vb, out=_like_stack(o, lead))
-        _scale_rows(o, inv)
-        if not direct:
-            _convert(_rows_of(out, h0, h1, lead)[..., q0:q1, :], _like_stack(o, lead))
+        _softmax_rows(sc, m, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc)
+        o = _rows_of(out, h0, h1, lead)[..., q0:q1, :]
+        if half:
+            ob = _like_stack(_block(bo, h1 - h0, q1 - q0, ev), lead)
+            np.matmul(_like_stack(sc, lead), vb, out=ob)
+            _convert(o, ob)
+        else:
+            np.matmul(_like_stack(sc, lead), vb, out=o)
 
     _run(task, items, workers, rows * S * max(e, ev) > _BLAS_THREADED_MNK)
     if lc is not lse:
@@ -465,20 +470,23 @@ def attention_backward(
     sc_scale = ct.type(scale)
     lc = lse if lse.dtype == ct else lse.astype(ct)
     rows = min(_BLOCK_Q, L)
-    # One query block that reads every key (small L; S <= L under is_causal) writes grad_k and
-    # grad_v with its products directly: no zero fill, no scratch product added in.
-    whole = 0 < L <= rows and (not is_causal or S <= L)
     gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
+    # Small heads keep a group's whole (L, S) scores and dP, and grad_k, grad_v are one product per
+    # block of keys written in place; larger ones sum them over query blocks through a scratch
+    # product (NOTE [ Numba attention blocks ]).
+    whole = L <= rows or L * S <= _WHOLE_SCORES
     groups = list(range(0, bh, gs))
     workers = _workers(len(groups))
-    # Per worker: the block's scores and dP, one product's (S, max(E, Ev)), the group's grad_q,
-    # grad_k, grad_v in compute precision where they cannot be written in place, and the group's
-    # widened float16 inputs.
+    # Per worker: the scores and dP (the group's whole, or a block's), one product's (S, max(E,
+    # Ev)) where the key sums go through scratch, the group's grad_q, grad_k, grad_v in compute
+    # precision where they cannot be written in place, and the group's widened float16 inputs.
     own = [g is None or half for g in (grad_q, grad_k, grad_v)]
-    sizes = [gs * rows * S, gs * rows * S, gs * S * max(e, ev)]
+    sizes = [gs * (L if whole else rows) * S] * 2 + [0 if whole else gs * S * max(e, ev)]
     sizes += [gs * n if o else 0 for n, o in zip((L * e, S * e, S * ev), own)]
     sizes += [gs * n for n in (L * e, S * e, S * ev, L * ev)] if half else [0] * 4
     scratch = _scratch(workers, ct, *sizes)
+    # Under is_causal, key j is seen by rows j .. L only, and keys past min(S, L) by none.
+    seen = min(S, L) if is_causal else S
 
     def task(w: int, h0: int) -> None:
         buf_s, buf_p, buf_t, bdq, bdk, bdv, bq, bk, bv, bg = scratch[w]
@@ -494,26 +502,29 @@ def attention_backward(
                 (grad_q, grad_k, grad_v), (bdq, bdk, bdv), (L, S, S), (e, e, ev), own
             )
         )
-        if not whole:
+        if whole:
+            sc_all, dp_all = _block(buf_s, gn, L, S), _block(buf_p, gn, L, S)
+        else:
             dk4[...] = 0
             dv4[...] = 0
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if is_causal else S
-            sc = _block(buf_s, gn, q1 - q0, sn)
-            dp = _block(buf_p, gn, q1 - q0, sn)
+            if whole:  # the block's rows of the group's scores, read by the key products below
+                sc, dp, r0 = sc_all[:, q0:q1, :sn], dp_all[:, q0:q1, :sn], q0
+            else:
+                sc, dp, r0 = _block(buf_s, gn, q1 - q0, sn), _block(buf_p, gn, q1 - q0, sn), 0
             sc4, dp4 = _like_stack(sc, lead), _like_stack(dp, lead)
             qb, gb = qh[..., q0:q1, :], gh[..., q0:q1, :]
             kb, vb = kh[..., :sn, :], vh[..., :sn, :]
             np.matmul(qb, kb.swapaxes(-1, -2), out=sc4)
             np.matmul(gb, vb.swapaxes(-1, -2), out=dp4)
             _gradient_rows(
-                sc, dp, m, h0, q0, L, S, is_causal, sc_scale, drop, key, threshold, dscale, lc
+                sc_all if whole else sc, dp_all if whole else dp, r0, q1 - q0, sn, m, h0, q0, L, S,
+                is_causal, sc_scale, drop, key, threshold, dscale, lc,
             )  # fmt: skip
             np.matmul(dp4, kb, out=dq4[..., q0:q1, :])
-            if whole:  # the only block, over every key: the products are the sums
-                np.matmul(sc4.swapaxes(-1, -2), gb, out=dv4)
-                np.matmul(dp4.swapaxes(-1, -2), qb, out=dk4)
+            if whole:
                 continue
             t = _like_stack(_block(buf_t, gn, sn, ev), lead)
             np.matmul(sc4.swapaxes(-1, -2), gb, out=t)
@@ -521,6 +532,19 @@ def attention_backward(
             t = _like_stack(_block(buf_t, gn, sn, e), lead)
             np.matmul(dp4.swapaxes(-1, -2), qb, out=t)
             dk4[..., :sn, :] += t
+        if whole:
+            # Keys k0 .. k1 are seen by rows from k0 on (under is_causal; by every row without):
+            # their sums are one product each over those rows, all of whose scores the blocks
+            # above computed (a block's rows read the keys up to its last row).
+            for k0 in range(0, seen, rows if is_causal else max(seen, 1)):
+                k1 = min(k0 + rows, seen) if is_causal else seen
+                r0 = k0 if is_causal else 0
+                p4 = _like_stack(sc_all[:, r0:, k0:k1], lead).swapaxes(-1, -2)
+                ds4 = _like_stack(dp_all[:, r0:, k0:k1], lead).swapaxes(-1, -2)
+                np.matmul(p4, gh[..., r0:, :], out=dv4[..., k0:k1, :])
+                np.matmul(ds4, qh[..., r0:, :], out=dk4[..., k0:k1, :])
+            dk4[..., seen:, :] = 0
+            dv4[..., seen:, :] = 0
         for grad, acc, o in zip((grad_q, grad_k, grad_v), (dq4, dk4, dv4), own):
             if grad is not None and o:
                 _convert(_rows_of(grad, h0, h1, lead), acc)
