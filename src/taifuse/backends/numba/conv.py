@@ -104,9 +104,11 @@ the zero-padded planes at their padded width ``WP = OW + (kw - 1) * dw``, each k
 a shift of the flat plane, and computed ``OH x WP`` positions, whose ``(kw - 1) * dw`` junk
 columns a row the epilogue dropped while it copied the product out of scratch: at the CIFAR-like
 32 -> 64 layer (N = 64, 32 x 32) the output's width took the forward's CPU time down by ~7-17%
-(conv2d with the bias and ReLU 7%, conv2d_stats 9%, no bias and no activation 17%; a loaded
-machine's medians of 11 interleaved rounds, 0.95-1.4x spread): a 6% narrower product, no copy out of
-scratch, and a layout in half the time (long copies; ~0.09 -> ~0.045 ms an image). Per image
+(conv2d with the bias and ReLU 7-12%, conv2d_stats 9-16%, with GELU keeping ``pre`` 11%, no bias
+and no activation 17%; the CNN's 16 -> 32 at 16 x 16, items of four images, conv2d_stats 18%; a
+loaded machine's medians of 11-21 interleaved rounds, each with a wide spread): a 6% narrower
+product, no copy out of scratch, and a layout in half the time (long copies; ~0.09 -> ~0.045 ms
+an image). Per image
 there, one thread: the layout ~0.03-0.05 ms, the three products ~0.35-0.5 ms (OpenBLAS at about
 its rate on a 1024^3 product on the same loaded core: two images a product, or one product of ``K
 = C * kh * kw`` over nine shifted copies, ran no faster), the epilogue ~0.03 ms.
@@ -288,7 +290,7 @@ def _im2col_padded(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xpad, cols):
 @njit(**_FMA_INLINE)
 def _fill(dst):
     # Loops over a slice each (the callers take the slices): with the offsets in the index
-    # instead, the layout below ran at about a fifth of this speed.
+    # instead, _tap_planes took ~2.7x this time (a loaded machine's ratio).
     for e in range(dst.size):
         dst[e] = 0
 
