@@ -187,6 +187,28 @@ def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it(path):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_im2col_writes_no_column_past_its_row_where_the_padding_passes_every_output():
+    """Regression: ``_valid`` returned a first output column past the last where a tap's padding
+    reached past every output (a 7-wide kernel, padding 3, stride 2 over a 1-wide input: one
+    output column, whose tap 0 first lies inside at column 2), and ``_im2col_row`` zeroed the
+    columns before it, writing one element past the item's columns (into the next worker's
+    scratch, or past the buffer). A guard column after the columns stays as it was, and the
+    convolution matches the reference."""
+    assert nb_conv._valid(1, 2, -3, 1) == (1, 1)
+    geometry = (2, 2, 3, 1, 3, (1, 7), (1, 2), (0, 3), (1, 1), 1, "relu", True)
+    x, wt, b, shape = _arrays(geometry, np.float32)
+    n, _oc, oh, ow = shape
+    rows, span = 2 * 7, oh * ow
+    cols = np.full((rows, n * span + 1), 7.0, np.float32)
+    nb_conv._im2col_block(x, 0, n, 0, oh, 1, 7, 1, 2, 0, 3, 1, 1, oh, ow, cols[:, : n * span])
+    np.testing.assert_array_equal(cols[:, -1], 7.0)
+    out = np.empty(shape, np.float32)
+    nb_conv.conv2d(x, wt, b, (1, 2), (0, 3), (1, 1), 1, "relu", out)
+    expected = np.empty(shape)
+    ref.conv2d(_f64(x), _f64(wt), _f64(b), (1, 2), (0, 3), (1, 1), 1, "relu", expected)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("stats", [False, True], ids=["conv2d", "conv2d_stats"])
 def test_numba_conv2d_returns_its_scratch_without_the_garbage_collector(stats):
     """Regression: the forward's epilogue closure read ``fw.pitch`` while ``fw`` (the work items,

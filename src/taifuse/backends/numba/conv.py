@@ -332,7 +332,6 @@ def _tap_planes(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xs):
                 continue
             s = j * dw - pw
             q0, q1 = _valid(ow, 1, s, w)
-            q0, q1 = min(q0, ow), min(q1, ow)  # a shift past the row reads nothing inside
             dst = xs[c * kw + j]
             if jc >= 0:
                 e0, e1 = min(size, max(0, -s)), max(0, min(size, size - s))
@@ -473,7 +472,7 @@ def _epilogue_stats_in_place(b, n, c0, span, out, shift, s1, s2, part):
 @njit(**_FMA_INLINE)
 def _valid(count, s, off, size):
     """[lo, hi): the output positions q < count whose tap q * s + off lies in [0, size)."""
-    lo = 0 if off >= 0 else (-off + s - 1) // s
+    lo = 0 if off >= 0 else min(count, (-off + s - 1) // s)  # a padding past every output: none
     hi = 0 if off >= size else min(count, (size - off + s - 1) // s)
     return lo, max(lo, hi)
 
