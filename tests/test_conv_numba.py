@@ -10,9 +10,15 @@ two threads (the one-thread run keeps everything on the calling thread), at odd 
 ``banded`` lowers ``ITEM_MAX_BYTES`` to 4 KiB so that every image is split into items of a few
 output rows each (an image's columns above the cap), the last band shorter where it does not divide.
 ``path`` runs the stride-1 geometries both ways (NOTE [ Implicit GEMM on the host ]): as an implicit
-GEMM (``IMPLICIT_MIN_K`` lowered to 0, so that every stride-1 convolution takes it: the shifted
-planes, one accumulating ``?gemm`` per kernel row and group, the epilogue over junk columns and, for
-items of several images or bands, junk rows) and through im2col (the library's ``?gemm`` hidden).
+GEMM (``IMPLICIT_MIN_K`` lowered to 0, so that every stride-1 convolution takes it: the planes of
+each kernel column at the output's width, one accumulating ``?gemm`` per kernel row and group, in
+place for items of one image, the epilogue over junk rows for items of several images) and through
+im2col (the library's ``?gemm`` hidden). ``_tap_planes`` builds the planes of a "same" convolution
+(input as wide as the output, a kernel column reading it unshifted) as shifts of that column's, the
+others row by row: "dilation2-same" and "kernel-wider-than-input" (a 5-wide kernel over a 1-wide
+input, its shifts past the row, no padding above) take the first, "same-width-no-unshifted-column"
+(padding 3 at dilation 2: the input as wide as the output, no column reading it unshifted) and
+"groups3-in-place" the second.
 
 Tolerances: against the float64 reference kernels on the same (stored) values, relative to the
 dot products on magnitudes (``scale``): float32 sums of up to 98 products 1e-5 (98 * 2**-24 is
@@ -42,6 +48,9 @@ GEOMETRIES = {
     "7x7-dilation2-H!=W": (3, 2, 40, 37, 3, (7, 7), (2, 1), (3, 3), (2, 2), 1, None, False),
     "N1": (1, 3, 32, 33, 4, (3, 3), (1, 1), (1, 1), (1, 1), 1, "gelu_tanh", False),
     "groups3-in-place": (4, 6, 34, 35, 9, (3, 2), (1, 1), (0, 0), (1, 1), 3, None, True),
+    "dilation2-same": (3, 4, 10, 9, 5, (3, 3), (1, 1), (2, 2), (2, 2), 1, "relu", True),
+    "same-width-no-unshifted-column": (2, 3, 8, 7, 4, (3, 4), (1, 1), (1, 3), (1, 2), 1, "silu", False),
+    "kernel-wider-than-input": (2, 4, 5, 1, 3, (3, 5), (1, 1), (0, 2), (1, 1), 1, "relu", True),
 }
 TOLERANCE = {np.float32: 1e-5, np.float16: 2e-3, np.float64: 1e-12}
 _SPLIT = ("gelu", "gelu_tanh", "silu")  # the activations whose pre-activation the forward keeps
@@ -156,7 +165,8 @@ def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it(path):
     NaN in the padded outputs beside it; and numba's epilogue took its zero bias as ``first
     product * 0``, so an infinite first product made the whole plane NaN. Only the outputs whose
     taps read the inf are infinite (PyTorch's answer), in conv2d and conv2d_stats; on both paths
-    (the implicit GEMM's junk columns read the inf too, and must not reach a kept output)."""
+    (the implicit GEMM's junk rows between the item's two images read the inf too, and must not
+    reach a kept output)."""
     x = np.random.default_rng(2).standard_normal((2, 2, 6, 5)).astype(np.float32)
     x[0, 0, 0, 0] = np.inf
     w = np.abs(np.random.default_rng(3).standard_normal((3, 2, 3, 3))).astype(np.float32) + 0.1
@@ -174,6 +184,28 @@ def test_conv2d_keeps_an_infinite_input_to_the_outputs_that_read_it(path):
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=act)
     out = np.empty((2, 3, 6, 5), np.float32)
     nb_conv.conv2d_stats(x, w, None, *args, out, np.empty(3, np.float32), np.empty(3, np.float32))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_im2col_writes_no_column_past_its_row_where_the_padding_passes_every_output():
+    """Regression: ``_valid`` returned a first output column past the last where a tap's padding
+    reached past every output (a 7-wide kernel, padding 3, stride 2 over a 1-wide input: one
+    output column, whose tap 0 first lies inside at column 2), and ``_im2col_row`` zeroed the
+    columns before it, writing one element past the item's columns (into the next worker's
+    scratch, or past the buffer). A guard column after the columns stays as it was, and the
+    convolution matches the reference."""
+    assert nb_conv._valid(1, 2, -3, 1) == (1, 1)
+    geometry = (2, 2, 3, 1, 3, (1, 7), (1, 2), (0, 3), (1, 1), 1, "relu", True)
+    x, wt, b, shape = _arrays(geometry, np.float32)
+    n, _oc, oh, ow = shape
+    rows, span = 2 * 7, oh * ow
+    cols = np.full((rows, n * span + 1), 7.0, np.float32)
+    nb_conv._im2col_block(x, 0, n, 0, oh, 1, 7, 1, 2, 0, 3, 1, 1, oh, ow, cols[:, : n * span])
+    np.testing.assert_array_equal(cols[:, -1], 7.0)
+    out = np.empty(shape, np.float32)
+    nb_conv.conv2d(x, wt, b, (1, 2), (0, 3), (1, 1), 1, "relu", out)
+    expected = np.empty(shape)
+    ref.conv2d(_f64(x), _f64(wt), _f64(b), (1, 2), (0, 3), (1, 1), 1, "relu", expected)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
