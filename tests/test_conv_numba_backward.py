@@ -3,9 +3,11 @@
 ``conv2d_backward`` and ``conv2d_batch_norm_backward`` share the images out between threads in
 parts of consecutive images, each part summing its own grad_w, taken a step of whole images at a
 time: one image a step where it has at least ``ITEM_MIN_COLUMNS`` output pixels (at stride 1 with
-one group of ``TAPS_MIN_CHANNELS`` or more, grad_w as one product per tap from the image's
-padded planes, no columns; the N = 1 case with fewer channels takes the columns), several
-small ones a step otherwise (the columns). The geometries below reach each with one and two
+one group of ``TAPS_MIN_CHANNELS`` to ``TAPS_MAX_CHANNELS`` input channels, grad_w as one product
+per tap from the image's padded planes, no columns; the N = 1 case with fewer channels and the
+32-channel case take the columns), several small ones a step otherwise (the columns). The
+columns' grad_w product runs in either order, (OC, K) or (K, OC), by which is larger, per group
+too (``test_..._take_the_paths_named``). The geometries below reach each with one and two
 threads, at odd sizes: 1 x 1 and 7 x 7 kernels, stride 2, dilation 2, groups (depthwise too),
 N = 1, H != W, a last part and a last step shorter than the others; every subset of the three
 gradients (an input without grad: a network's first layer).
@@ -39,6 +41,8 @@ GEOMETRIES = {
     "1x1-stride2-groups2": (5, 4, 9, 9, 6, (1, 1), (2, 2), (0, 0), (1, 1), 2, "silu"),
     "7x7-dilation2-H!=W": (3, 2, 40, 37, 3, (7, 7), (2, 1), (3, 3), (2, 2), 1, None),
     "dilation2-taps": (2, 8, 34, 33, 4, (3, 3), (1, 1), (2, 2), (2, 2), 1, "gelu_tanh"),
+    # 1,024 output pixels, 32 input channels: one image a step, grad_w from the columns, (K, OC)
+    "one-image-columns": (3, 32, 32, 32, 5, (3, 3), (1, 1), (1, 1), (1, 1), 1, "relu"),
     "N1-depthwise": (1, 4, 32, 33, 8, (3, 3), (1, 1), (1, 1), (1, 1), 4, "relu"),
     "N1-few-channels": (1, 3, 32, 32, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, None),
 }
@@ -126,6 +130,36 @@ def test_numba_conv2d_backward_gives_the_same_bits_on_one_and_two_threads(geomet
         two = _backward(geometry, x, wt, pre, g, WANTS["all"], 2)
         for what, a, b in zip(("grad_x", "grad_w", "grad_b"), one, two):
             np.testing.assert_array_equal(a, b, err_msg=what)
+
+
+# geometry -> (grad_w per tap, grad_w's columns product as (K, OC) per group)
+PATHS = {
+    "small-images": (False, True),  # K = 27 > OC = 5
+    "steps-of-several": (False, True),
+    "one-image-taps": (True, True),
+    "1x1-stride2-groups2": (False, False),  # K = 2 < OCg = 3
+    "7x7-dilation2-H!=W": (False, True),
+    "dilation2-taps": (True, True),
+    "one-image-columns": (False, True),
+    "N1-depthwise": (False, True),  # K = 9 > OCg = 2, four groups
+    "N1-few-channels": (False, True),
+}
+
+
+@pytest.mark.parametrize("geometry", PATHS, ids=PATHS.keys())
+def test_numba_conv2d_backward_geometries_take_the_paths_named(geometry):
+    """The geometries above reach the per-tap weight gradient and both orders of the columns'
+    product (with one group and with several), as their comments say."""
+    n, c, h, w, oc, (kh, kw), stride, padding, dilation, groups, _act = GEOMETRIES[geometry]
+    x = np.zeros((n, c, h, w), np.float32)
+    wt = np.zeros((oc, c // groups, kh, kw), np.float32)
+    oh, ow = (
+        _out_size(h, kh, stride[0], padding[0], dilation[0]),
+        _out_size(w, kw, stride[1], padding[1], dilation[1]),
+    )
+    gw = np.empty(wt.shape, np.float32)
+    bw = nb_conv._Backward(x, wt, None, oc, stride, padding, dilation, groups, oh, ow, None, gw)
+    assert (bw.taps, bw.kmajor) == PATHS[geometry]
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -39,20 +39,25 @@ many small ones as make ``ITEM_MIN_COLUMNS`` output pixels (never a band of an i
 col2im would add into the same input rows). A step writes its grad_pre = grad_out * act'(pre) (or batch norm's input
 gradient, ``conv2d_batch_norm_backward``) channel-major into the worker's scratch at the columns'
 pitch, with each plane's float64 sum for grad_b; rebuilds the step's columns as the forward's;
-adds ``grad_pre_g @ cols_g.T`` into the part's own grad_w sum; and writes ``w_g.T @ grad_pre_g``
-over the columns, which col2im adds into the step's images of grad_x (no other item writes them).
+adds ``grad_pre_g @ cols_g.T`` (or its transpose) into the part's own grad_w sum; and writes
+``w_g.T @ grad_pre_g`` over the columns, which col2im adds into the step's images of grad_x (no other item writes them).
 The parts' sums are added in their order at the end: the result does not depend on which worker
 took a part, nor on the thread count up to ``BACKWARD_PARTS`` threads (tested bit for bit). At
 stride 1 the columns are ``_im2col_padded``'s, at the padded width, and col2im is its adjoint:
 each tap's row one contiguous shifted add into the image's zero-padded planes, whose inside is
 then grad_x (elsewhere, one shifted add per output row over the columns whose input is inside).
 grad_pre's junk columns are zero, and the columns' junk is zeroed before each product, so that
-no inf or NaN in x or w meets a junk column (0 * inf is NaN). With one image a step, one group
-and stride 1, grad_w needs no columns: it is one product per tap, ``grad_pre @ xpad[:, off : off
-+ span].T`` over a strided view of the image's padded planes (saving the columns' copy, which
-cost as much as a product at 32 -> 64); those views' junk columns are real values, so an image
-holding an inf or NaN takes the columns instead. Under ``TAPS_MIN_CHANNELS`` input channels
-(the first layer's 3) the nine thin products lose to the columns' one. A dot-product kernel for grad_w at the first
+no inf or NaN in x or w meets a junk column (0 * inf is NaN). The columns' grad_w product runs
+in the order whose output has more rows, ``cols_g @ grad_pre_g.T`` (K, OCg) where K = C * kh *
+kw is the larger (every layer but a first one's), summed in that order and transposed once at
+the end (``_grad_w_product``): 0.54 against 0.70 ms a 32 x 32 image at 32 -> 64, one BLAS thread
+(a loaded machine's ordering). With one image a step, one group, stride 1 and ``TAPS_MIN_CHANNELS``
+to ``TAPS_MAX_CHANNELS`` input channels (8 to 31), grad_w needs no columns: it is one product per
+tap, ``grad_pre @ xpad[:, off : off + span].T`` over a strided view of the image's padded planes
+(saving the columns' copy); those views' junk columns are real values, so an image holding an
+inf or NaN takes the columns instead. Under 8 input channels (the first layer's 3) the nine thin
+products lose to the columns' one; from 32 the columns' one product, in its (K, OCg) order, wins
+back its copy (each of the nine products repacks grad_pre). A dot-product kernel for grad_w at the first
 layer's K = 27 taps ran 2-3x slower than BLAS's product there (a loaded machine's ratio), so
 every layer takes BLAS. grad_x as an implicit GEMM (the forward's, on grad_pre's planes padded by
 the kernel's reach less the padding, with the weight flipped and its channels swapped: 9711173)
@@ -876,11 +881,16 @@ def _col2im_item(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx)
 # PARTS_MAX_BYTES for all parts); the parts are added in their order at the end.
 BACKWARD_PARTS = 8
 PARTS_MAX_BYTES = 16 * 1024 * 1024
-# grad_w takes one product per tap, without the columns, from this many input channels: per image
-# at 32 x 32, the columns' copy and one product took 0.05 ms against 0.07-0.16 ms for the nine
-# products at 3 channels, 0.24 against 0.11-0.12 ms at 8, 1.1-1.3 against 0.8-0.9 ms at 32 (one
-# thread, CPU time, a loaded machine's figures: an ordering only).
+# grad_w takes one product per tap, without the columns, from TAPS_MIN_CHANNELS input channels up
+# to (not including) TAPS_MAX_CHANNELS: per image at 32 x 32, the columns' copy and one product
+# took 0.05 ms against 0.07-0.16 ms for the nine products at 3 channels, 0.24 against 0.11-0.12 ms
+# at 8 (the product's order then grad_pre @ cols.T). With the product as cols @ grad_pre.T
+# (_grad_w_product's ``kmajor``), copy and product against the nine: 0.14 against 0.11 ms at 8
+# -> 16, 0.29-0.32 against 0.23 at 16 -> 32, 0.69-0.97 against 0.77-1.04 at 32 -> 64 (0.90-0.94 of
+# the taps' time, median of 21 interleaved rounds), a tie from 64 channels (0.97-1.02). One BLAS
+# thread, CPU time, a loaded machine's figures: an ordering only.
 TAPS_MIN_CHANNELS = 8
+TAPS_MAX_CHANNELS = 32
 # Pool scratch rows get this many elements of padding: a row stride of N * 4 KiB puts every row
 # of a BLAS operand in one cache set.
 _ROW_PAD = 16
@@ -908,9 +918,10 @@ class _Backward:
         self.x = np.ascontiguousarray(_bits(x))  # _tap_planes reads an image's plane flat
         k, ocg = cg * kh * kw, oc // groups
         self.nb = max(1, min(n, -(-ITEM_MIN_COLUMNS // (oh * ow))))
-        # One image a step, one group of TAPS_MIN_CHANNELS or more, stride 1: grad_w as one product
-        # per tap, straight from the image's padded planes (no columns).
-        self.taps = self.padded and groups == 1 and self.nb == 1 and c >= TAPS_MIN_CHANNELS
+        # One image a step, one group of TAPS_MIN_CHANNELS to TAPS_MAX_CHANNELS, stride 1: grad_w as
+        # one product per tap, straight from the image's padded planes (no columns).
+        channels = TAPS_MIN_CHANNELS <= c < TAPS_MAX_CHANNELS
+        self.taps = self.padded and groups == 1 and self.nb == 1 and channels
         self.offsets = [i * dilation[0] * self.pitch + j * dilation[1] for i in range(kh) for j in range(kw)]
         steps = -(-n // self.nb)
         self.workers = _workers(steps)
@@ -935,20 +946,27 @@ class _Backward:
         elif grad_x is not None:
             self.acc = scratch.acquire((workers, c, h, wd), ct)
         self.w2 = _as_compute(w, scratch).reshape(groups, ocg, k) if grad_x is not None else None
+        self.w2shape = (groups, ocg)
         self.gw = self.tmp = None
+        # The columns' product writes grad_w's transpose (K, OCg) where K is the larger
+        # (_grad_w_product); the parts' sums keep that order until run() transposes their total.
+        self.kmajor = k > ocg
         if grad_w is not None:
-            self.gw = scratch.acquire((len(self.items), groups, ocg, k), ct)
-            self.tmp = scratch.acquire((workers, groups, ocg, k), ct)
+            shape = (groups, k, ocg) if self.kmajor else (groups, ocg, k)
+            self.gw = scratch.acquire((len(self.items), *shape), ct)
+            self.tmp = scratch.acquire((workers, *shape), ct)
 
     def run(self) -> None:
         _run(self, self.items, self.workers, True)
         if self.grad_w is None:
             return
-        gw = self.grad_w.reshape(self.gw.shape[1:])
-        total = gw if gw.dtype == self.ct else pool.host_pool().acquire(gw.shape, self.ct)
+        groups, ocg = self.w2shape
+        gw = self.grad_w.reshape(groups, ocg, -1)
+        direct = gw.dtype == self.ct and not self.kmajor
+        total = gw if direct else pool.host_pool().acquire(self.gw.shape[1:], self.ct)
         np.sum(self.gw, axis=0, out=total)  # the parts in their order: the same bits every run
         if total is not gw:
-            _jit._convert(gw, total)
+            _jit._convert(gw, total.transpose(0, 2, 1) if self.kmajor else total)
 
     def __call__(self, worker: int, item: tuple[int, int, int]) -> None:
         part, n0, n1 = item
@@ -977,10 +995,10 @@ class _Backward:
             acc = self.gw[part]
             if add:
                 tmp = self.tmp[worker]
-                _grad_w_product(gp, cols, tmp)
+                _grad_w_product(gp, cols, tmp, self.kmajor)
                 acc += tmp
             else:
-                _grad_w_product(gp, cols, acc)
+                _grad_w_product(gp, cols, acc, self.kmajor)
         if self.grad_x is not None:
             groups, ocg, k = self.w2.shape
             if groups == 1:
@@ -1004,26 +1022,34 @@ class _Backward:
         xpad = self.xpad[worker]
         if not _pad_image(self.x, n, kh, kw, ph, pw, dh, dw, oh, ow, xpad):
             return False
-        oc = self.gw.shape[2]
+        oc = self.w2shape[1]
         c, taps = xpad.shape[0], len(self.offsets)
         tap = self.tmp[worker].reshape(taps, oc, c)
         for t, off in enumerate(self.offsets):
             np.matmul(gp, xpad[:, off : off + self.span].T, out=tap[t])
-        acc = self.gw[part].reshape(oc, c, taps)
-        if add:
-            acc += tap.transpose(1, 2, 0)
+        if self.kmajor:
+            acc, tap = self.gw[part].reshape(c, taps, oc), tap.transpose(2, 0, 1)
         else:
-            np.copyto(acc, tap.transpose(1, 2, 0))
+            acc, tap = self.gw[part].reshape(oc, c, taps), tap.transpose(1, 2, 0)
+        if add:
+            acc += tap
+        else:
+            np.copyto(acc, tap)
         return True
 
 
-def _grad_w_product(gp, cols, out) -> None:
-    """out = gp_g @ cols_g.T per group: gp (G * OCg, width), cols (G * K, width), out (G, OCg, K)."""
-    groups, ocg, k = out.shape
+def _grad_w_product(gp, cols, out, kmajor: bool) -> None:
+    """out = gp_g @ cols_g.T per group, gp (G * OCg, width), cols (G * K, width): out (G, OCg, K),
+    or its transpose cols_g @ gp_g.T (G, K, OCg) where ``kmajor``. OpenBLAS (one thread) ran the
+    order whose output has more rows than columns faster: (288, 64) in 0.54 ms against 0.70 ms for
+    (64, 288) at 32 -> 64 over one 32 x 32 image (the same bits: each element sums K in order)."""
+    a, b = (cols, gp) if kmajor else (gp, cols)
+    groups, rows, _ = out.shape
     if groups == 1:
-        np.matmul(gp, cols.T, out=out[0])
+        np.matmul(a, b.T, out=out[0])
     else:
-        np.matmul(gp.reshape(groups, ocg, -1), cols.reshape(groups, k, -1).transpose(0, 2, 1), out=out)
+        width = a.shape[1]
+        np.matmul(a.reshape(groups, rows, width), b.reshape(groups, -1, width).transpose(0, 2, 1), out=out)
 
 
 # ----------------------------------------------------------------------------- Conv2d -> BatchNorm -> ReLU
