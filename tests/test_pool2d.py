@@ -317,6 +317,9 @@ def test_numba_pool_fast_paths_match_the_reference(monkeypatch, name, dtype):
     if kind == "max":
         x[0, 0, 0, 1] = x[0, 0, 1, 0] = np.nan  # two NaNs in the first window
         x[-1, -1, 2, 3] = np.nan
+        # Signed zeros tie: -0.0 first, then +0.0 (the first maximum wins: -0.0 and its index).
+        x[-1, 0, :2, :2] = -1
+        x[-1, 0, 0, 0], x[-1, 0, 1, 1] = -0.0, 0.0
         g[0, 0, 0, 0] = -0.0
     for fn in bypassed:
 
@@ -330,6 +333,7 @@ def test_numba_pool_fast_paths_match_the_reference(monkeypatch, name, dtype):
     (ref, gref), (sout, sgx), idx = _reference(kind, x, g, arg)
     if kind == "max":
         np.testing.assert_array_equal(y.numpy(), ref.astype(dtype))
+        np.testing.assert_array_equal(np.signbit(y.numpy()), np.signbit(ref.astype(dtype)))
         np.testing.assert_array_equal(F.max_pool2d(X, **arg, return_indices=True)[1].numpy(), idx)
         # Each input gets at most one window's gradient, so the float64 sum is that gradient exactly.
         np.testing.assert_array_equal(X.grad.numpy(), gref.astype(dtype))
