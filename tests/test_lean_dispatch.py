@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import SUBSET
 
 import taifuse
 import taifuse.functional as F
@@ -173,3 +174,134 @@ def test_a_small_sums_gradient_is_made_whole_a_large_ones_stays_a_view():
             taifuse.functional.linear(x, w).sum().backward()
             np.testing.assert_array_equal(x.grad.numpy(), np.full(shape, 5.0, np.float32))
             np.testing.assert_array_equal(w.grad.numpy(), np.broadcast_to(x.numpy().sum(0), (5, shape[1])))
+
+
+@pytest.mark.parametrize("op", ["relu", "silu", "sigmoid", "tanh"])
+def test_one_argument_apply_takes_applys_steps(backend, op):
+    # Function.apply_one (the unary activations' call, NOTE [ The lean apply ]): a strided view
+    # reaches the kernel as a contiguous copy, the gradient flows to the view's base, nothing is
+    # recorded under no_grad or for a tensor that does not require grad, and a change in place of
+    # the saved input after the forward raises at the backward, as through Function.apply.
+    ref = {"relu": lambda v: np.maximum(v, 0), "silu": lambda v: v / (1 + np.exp(-v)),
+           "sigmoid": lambda v: 1 / (1 + np.exp(-v)), "tanh": np.tanh}[op]  # fmt: skip
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((6, 4)).astype(np.float32)
+    w = taifuse.tensor(base, requires_grad=True)
+    y = getattr(F, op)(w.T)  # a strided view
+    assert y.requires_grad and y.grad_fn is not None and y.shape == (4, 6)
+    np.testing.assert_allclose(y.numpy(), ref(base.T.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    eps = 1e-3  # a central difference of the float64 reference
+    numeric = (ref(base.astype(np.float64) + eps) - ref(base.astype(np.float64) - eps)) / (2 * eps)
+    np.testing.assert_allclose(w.grad.numpy(), numeric, rtol=1e-3, atol=1e-3)
+    with taifuse.no_grad():
+        assert getattr(F, op)(w).grad_fn is None
+    const = getattr(F, op)(taifuse.tensor(base))
+    assert not const.requires_grad and const.grad_fn is None
+    if op in ("relu", "silu"):  # these keep their input for the backward
+        x = taifuse.tensor(base.copy(), requires_grad=True)
+        h = x * 1.0
+        out = getattr(F, op)(h)
+        h.detach().add_(1.0)  # detach() shares h's memory and version counter
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+def test_one_argument_apply_refuses_tensors_of_another_backend(backend):
+    if backend.param == "numpy":
+        pytest.skip(SUBSET + "needs a second backend: the numpy one is the other")
+    with taifuse.use_backend("numpy"):
+        x = taifuse.tensor(np.ones((2, 3), np.float32), requires_grad=True)
+    with pytest.raises(TypeError, match="relu: the tensors live on backend 'numpy'"):
+        F.relu(x)
+
+
+def test_released_node_drops_data_keeps_metadata():
+    # Function.release tests the exact types first (NOTE [ Released nodes ]): arrays and floats
+    # go, ints, flags, strings, None, dtypes, shapes and the fields apply sets stay.
+    from taifuse._engine import Function
+
+    node = Function()
+    node.be, node.m, node.needs_grad, node.parents = taifuse.backends.active(), object(), (True,), (None,)
+    node.x, node.s, node.n, node.flag, node.name, node.none = np.ones(3), 0.5, 3, True, "a", None
+    node.shape, node.dtype, node.arrays, node.fn = (2, 3), np.dtype(np.float32), (np.ones(2),), len
+    node.np_int = np.int64(4)
+    node.release()
+    kept = set(vars(node)) - {"_freed", "released"}
+    assert kept == {
+        "be",
+        "m",
+        "needs_grad",
+        "parents",
+        "n",
+        "flag",
+        "name",
+        "none",
+        "shape",
+        "dtype",
+        "np_int",
+    }
+    assert node._freed == {"x", "s", "arrays", "fn"}
+    with pytest.raises(RuntimeError, match="second time"):
+        node.x  # noqa: B018
+
+
+def test_host_math_full_copy_and_broadcast():
+    # HostMath's copies by assignment and fill (no np.copyto dispatch): the same values, dtypes and errors.
+    from taifuse._tensor_math import HOST_MATH
+
+    for dtype in (np.float16, np.float32, np.float64, np.int64, np.bool_):
+        for value in (1.0, 0.0, 3, True):
+            got = HOST_MATH.full((2, 3), value, dtype)
+            expected = np.full((2, 3), value, dtype)
+            assert got.dtype == expected.dtype
+            np.testing.assert_array_equal(got, expected)
+    assert HOST_MATH.full((), -np.inf, np.float32) == np.float32(-np.inf)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    c = HOST_MATH.copy(a.T)
+    assert c.flags.c_contiguous and not np.shares_memory(c, a)
+    np.testing.assert_array_equal(c, a.T)
+    np.testing.assert_array_equal(HOST_MATH.broadcast_to(a[:1], (4, 3)), np.broadcast_to(a[:1], (4, 3)))
+    np.testing.assert_array_equal(HOST_MATH.broadcast_to(np.float32(2.0), (2,)), [2.0, 2.0])
+    with pytest.raises(ValueError, match="broadcast"):
+        HOST_MATH.broadcast_to(a, (3, 3))
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_a_sum_of_every_element_has_the_gradient_of_ones(backend, keepdim):
+    # _Sum's backward broadcasts a whole sum's gradient as it is (0-d, or 1s with keepdim).
+    rng = np.random.default_rng(4)
+    for shape in ((), (5,), (3, 4), (2, 3, 4)):
+        x = taifuse.tensor(rng.standard_normal(shape).astype(np.float32), requires_grad=True)
+        s = x.sum(keepdim=keepdim) if shape else x.sum()
+        (s * 3.0).sum().backward()
+        np.testing.assert_array_equal(x.grad.numpy(), np.full(shape, 3.0, np.float32))
+        x.grad = None
+        x.mean(keepdim=keepdim).backward() if shape else x.mean().backward()
+        np.testing.assert_allclose(
+            x.grad.numpy(), np.full(shape, 1.0 / max(1, int(np.prod(shape)))), rtol=1e-6
+        )
+        if len(shape) >= 2:  # a sum over some dimensions keeps the reshape before the broadcast
+            x.grad = None
+            x.sum(dim=0, keepdim=keepdim).sum().backward()
+            np.testing.assert_array_equal(x.grad.numpy(), np.ones(shape, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_numba_linear_into_its_own_input(dtype):
+    # numba's linear_act leaves the overlap of x and out to np.matmul (float32, float64) and
+    # copies x only for its float16 blocks: out may be x itself.
+    pytest.importorskip("numba")
+    with taifuse.use_backend("numba"):
+        be = taifuse.backends.active()
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((16, 16)).astype(dtype)
+        w = (rng.standard_normal((16, 16)) / 4).astype(dtype)
+        b = rng.standard_normal(16).astype(dtype)
+        wide = x.astype(np.float64)
+        for activation, act in ((None, lambda v: v), ("relu", lambda v: np.maximum(v, 0))):
+            out = x.copy()
+            be.linear_act(out, w, b, activation, out)
+            ref = act(wide @ w.astype(np.float64).T + b)
+            tol = 2e-2 if dtype == np.float16 else 1e-5
+            np.testing.assert_allclose(out.astype(np.float64), ref, rtol=tol, atol=tol)

@@ -176,7 +176,7 @@ def gelu(x: Tensor, approximate: str, out: Any) -> Tensor:
 def relu(x: Tensor, out: Any) -> Tensor:
     if out is not None:
         _no_out("relu", out)
-    return _Relu.apply(x)
+    return _Relu.apply_one(x)
 
 
 def leaky_relu(x: Tensor, negative_slope: float, out: Any) -> Tensor:
@@ -186,17 +186,17 @@ def leaky_relu(x: Tensor, negative_slope: float, out: Any) -> Tensor:
 
 def silu(x: Tensor, out: Any) -> Tensor:
     _no_out("silu", out)
-    return _Silu.apply(x)
+    return _Silu.apply_one(x)
 
 
 def sigmoid(x: Tensor, out: Any) -> Tensor:
     _no_out("sigmoid", out)
-    return _Sigmoid.apply(x)
+    return _Sigmoid.apply_one(x)
 
 
 def tanh(x: Tensor, out: Any) -> Tensor:
     _no_out("tanh", out)
-    return _Tanh.apply(x)
+    return _Tanh.apply_one(x)
 
 
 class _AddRelu(Op):

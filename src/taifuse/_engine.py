@@ -139,6 +139,7 @@ class _NoGrads(dict):
 
 
 _NO_GRADS = _NoGrads()
+_NO_GRADS_ONE, _NEEDS_ONE = _NO_GRADS[1], (True,)  # Function.apply_one's
 
 
 class Function:
@@ -178,6 +179,9 @@ class Function:
     # Per argument: a leaf Tensor that requires grad, the creator of a non-leaf one, or None
     # (NOTE [ The graph keeps no data ]). Class attributes, so that making a node sets nothing.
     parents: tuple[TensorCore | Function | None, ...] = ()
+    # True for a node whose ``parents`` are its argument Tensors themselves (a checkpoint's), not
+    # what graph_node makes of them: release() then keeps their nodes, not their arrays.
+    tensor_parents: bool = False
     released = False
     # True for the ops that compute on the active backend (the functional ops): ``apply`` checks
     # that the tensors live there and calls :meth:`wrong_backend` when they do not.
@@ -251,6 +255,40 @@ class Function:
             share_version(out, args[0], record)
         return out
 
+    @classmethod
+    def apply_one(cls, a: Any) -> Any:
+        """:meth:`apply` of one positional argument and no keywords, without its loop over the
+        arguments and their lists: the unary activations' call (NOTE [ The lean apply ]). The same
+        steps in the same order: the backend check, the node, a contiguous copy of a strided
+        view, the profiler's hook, the output with its creator, a view's version counter."""
+        if not isinstance(a, TensorCore):
+            return cls.apply(a)
+        be = backend(a)
+        if cls.on_active_backend:
+            active = backends.active()
+            if active is not be:
+                cls.wrong_backend(be, active)
+        record = _grad_mode.enabled and requires_grad(a)
+        ctx = cls()
+        ctx.be = be
+        ctx.m = math_for(be)
+        ctx.needs_grad = _NEEDS_ONE if record else _NO_GRADS_ONE
+        x = data(a)
+        if not cls.strided and base(a) is not None and _strided(x):
+            x = ctx.m.contiguous(x)  # through the math object, as apply's
+        rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
+        result = ctx.forward(x) if rec is None else rec.forward(ctx, (x,), {})
+        if record:
+            out = wrap(result, be, ctx)
+            creator = node(a)
+            ctx.parents = (a if creator is None else creator,)  # graph_node(a)
+            ctx.epoch = INPLACE_EPOCH[0]
+        else:
+            out = wrap(result, be)
+        if cls.view and shares_storage(result, x):
+            share_version(out, a, record)
+        return out
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
@@ -262,23 +300,26 @@ class Function:
         ``retain_graph``), so that the intermediates are freed while the output lives on; keep
         the shapes, dims and dtypes, and the links to the inputs (NOTE [ Released nodes ])."""
         state = self.__dict__
-        freed = [
-            k
-            for k, v in state.items()
-            if k not in _KEPT_ON_RELEASE and (type(v) in _PLAIN_DATA or not _is_metadata(v))
-        ]
+        freed = []
+        for k, v in state.items():
+            kind = type(v)  # the exact types first: most fields are arrays, floats, ints, flags, None
+            if kind in _PLAIN_DATA:
+                freed.append(k)  # no kept field (_KEPT_ON_RELEASE) is an array or a float
+            elif kind not in _PLAIN_METADATA and k not in _KEPT_ON_RELEASE and not _is_metadata(v):
+                freed.append(k)
         for k in freed:
             del state[k]
         before = state.get("_freed")
         state["_freed"] = frozenset(freed) if before is None else before.union(freed)
-        # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays
-        # (any other node's parents are what graph_node made of its arguments already).
-        parents = self.parents
-        for p in parents:
-            # graph_node(p) is not p: a non-leaf, or a leaf that does not require grad
-            if isinstance(p, TensorCore) and (node(p) is not None or not requires_grad(p)):
-                self.parents = tuple([graph_node(q) if isinstance(q, TensorCore) else q for q in parents])
-                break
+        if self.tensor_parents:
+            # A checkpoint's parents are its argument Tensors: keep their nodes, not their arrays
+            # (any other node's parents are what graph_node made of its arguments already).
+            parents = self.parents
+            for p in parents:
+                # graph_node(p) is not p: a non-leaf, or a leaf that does not require grad
+                if isinstance(p, TensorCore) and (node(p) is not None or not requires_grad(p)):
+                    self.parents = tuple([graph_node(q) if isinstance(q, TensorCore) else q for q in parents])
+                    break
         self.released = True
 
     def __getattr__(self, name: str) -> Any:
@@ -436,7 +477,7 @@ _SECOND_BACKWARD = (
 def _accumulate_leaf(leaf: TensorCore, grad: Any, m: Any, owned: bool = False) -> None:
     # owned: ``grad`` is a fresh array nothing else refers to (Function.owns_grads), so a leaf
     # without a gradient may keep it as is.
-    if tuple(grad.shape) != leaf.shape:
+    if tuple(grad.shape) != tuple(data(leaf).shape):
         raise RuntimeError(
             f"internal error: gradient of shape {tuple(grad.shape)} for a leaf of shape {leaf.shape}"
         )
@@ -502,7 +543,7 @@ def _walk(root: TensorCore, grad: Any, retain_graph: bool, counts: dict[int, lis
             continue
         if ctx.epoch is not None and ctx.epoch != INPLACE_EPOCH[0]:
             _check_versions(ctx)
-        if not ctx.strided and _strided(g):
+        if not ctx.strided and isinstance(g, np.ndarray) and not g.flags.c_contiguous:  # _strided(g)
             g = ctx.m.contiguous(g)
         if ctx.accumulates:
             ctx.accumulate_into = _summed_so_far(ctx, g, pending, summable)

@@ -269,9 +269,13 @@ class _Sum(_Method):
         return math.prod([self.in_shape[d] for d in self.dims])
 
     def backward(self, g: Any) -> tuple[Any, ...]:
-        m, dims = self.m, self.dims
-        keep_shape = tuple([1 if i in dims else n for i, n in enumerate(self.in_shape)])
-        g = expanded(m, m.reshape(g, keep_shape), self.in_shape, copy_small=True)
+        m, dims, in_shape = self.m, self.dims, self.in_shape
+        if len(dims) == len(in_shape) and isinstance(g, np.ndarray):
+            # a sum of every element: its gradient (0-d, or 1s with keepdim) broadcasts as it is
+            g = expanded(m, g, in_shape, copy_small=True)
+        else:
+            keep_shape = tuple([1 if i in dims else n for i, n in enumerate(in_shape)])
+            g = expanded(m, m.reshape(g, keep_shape), in_shape, copy_small=True)
         if self.mean:
             g = m.div(g, self._count())
         return g, None, None, None

@@ -27,6 +27,8 @@ import numpy as np
 from taifuse import pool as _pool
 from taifuse.backends import _host
 
+_HALF = np.dtype(np.float16)
+
 
 def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A result buffer from the host pool (NOTE [ Buffer ownership ] in taifuse/pool.py; a small
@@ -278,8 +280,8 @@ class HostMath:
     def sum(a: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool) -> np.ndarray:
         # float16 sums accumulate in float32 (storage-only dtype), then round once.
         dtype = a.dtype
-        if dtype == np.float16 or dtype.kind != "f":
-            acc = np.float32 if dtype == np.float16 else None
+        if dtype.kind != "f" or dtype == _HALF:  # kind first: == np.float16 converts the type each call
+            acc = np.float32 if dtype == _HALF else None
             return np.asarray(np.sum(a, axis=axis, keepdims=keepdims, dtype=acc), dtype=dtype)
         out = _buffer(_reduced_shape(a.shape, axis, keepdims), dtype)
         # np.sum's own reduction, without its Python wrapper (half of a small sum's time).
@@ -316,19 +318,24 @@ class HostMath:
         if tuple(a.shape) == tuple(shape):
             return a
         out = _buffer(tuple(shape), a.dtype)
-        np.copyto(out, a)  # copyto broadcasts (and raises as np.broadcast_to where it cannot)
+        # Assignment broadcasts (and raises as np.broadcast_to where it cannot), as np.copyto,
+        # without its Python dispatch (a small gradient's fixed cost: NOTE [ The lean apply ]).
+        out[...] = a
         return out
 
     @staticmethod
     def full(shape: tuple[int, ...], value: float, dtype: np.dtype) -> np.ndarray:
         out = _buffer(tuple(shape), np.dtype(dtype))
-        np.copyto(out, value, casting="unsafe")  # what np.full does
+        if type(value) is float and out.dtype.kind == "f":
+            out.fill(value)  # the same cast as np.copyto's below, without its Python dispatch
+        else:
+            np.copyto(out, value, casting="unsafe")  # what np.full does
         return out
 
     @staticmethod
     def copy(a: np.ndarray) -> np.ndarray:
         out = _buffer(a.shape, a.dtype)
-        np.copyto(out, a)
+        out[...] = a  # as np.copyto (same dtype), without its Python dispatch
         return out
 
     @staticmethod

@@ -53,6 +53,7 @@ __all__ = ["checkpoint", "checkpoint_sequential"]
 class _Checkpoint(Function):
     """The graph node of one checkpointed call: the arguments and RNG state in, a recomputation out."""
 
+    tensor_parents = True  # its parents are the argument Tensors (Function.release)
     fn: Callable[..., Tensor]
     args: tuple[Any, ...]
     rng_state: dict | None

@@ -420,15 +420,16 @@ class Tensor(TensorCore):
             retain_graph: keep the saved intermediates so that the graph can be differentiated
                 again; otherwise a second backward through it raises ``RuntimeError``.
         """
-        if not self.requires_grad:
+        if not self._requires_grad:
             raise RuntimeError("backward: this tensor does not require grad and has no grad_fn")
         m = math_for(self._be)
         if grad is None:
-            if self.size != 1:
+            shape = tuple(self._data.shape)
+            if math.prod(shape) != 1:
                 raise RuntimeError(
-                    f"backward: grad can be implicitly created only for one-element outputs, got shape {self.shape}"
+                    f"backward: grad can be implicitly created only for one-element outputs, got shape {shape}"
                 )
-            g = m.full(self.shape, 1.0, self.dtype)
+            g = m.full(shape, 1.0, self._data.dtype)
         else:
             g = _as_array_like(grad, self, "backward: grad")
             if tuple(g.shape) != self.shape:
@@ -641,7 +642,8 @@ class Tensor(TensorCore):
     def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
         """Sum over ``dim`` (all dimensions when ``None``)."""
         (a,) = autocast_args("float32", self)
-        return Sum.apply(a, _normalize_dims(dim, self.ndim, "sum"), bool(keepdim), False)
+        dims = None if dim is None else _normalize_dims(dim, self.ndim, "sum")
+        return Sum.apply(a, dims, bool(keepdim), False)
 
     def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
         """Mean over ``dim`` (all dimensions when ``None``)."""

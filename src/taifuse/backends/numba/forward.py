@@ -630,7 +630,7 @@ def _unary(x: np.ndarray, out: np.ndarray, op: int, param: float = 0.0) -> None:
             xf = xf.view(np.uint16)
         if of.dtype == _FLOAT16:
             of = of.view(np.uint16)
-        _unary_small(xf, of, op, float(param))
+        _unary_small(xf, of, op, param)  # a float already (leaky_relu converts its slope)
         return
     # As _readable, with the one overlap test serving both questions.
     shared = np.may_share_memory(x, out)
@@ -657,7 +657,7 @@ def relu(x: np.ndarray, out: np.ndarray) -> None:
 
 def leaky_relu(x: np.ndarray, out: np.ndarray, negative_slope: float) -> None:
     """out = x if x > 0 else negative_slope * x."""
-    _unary(x, out, _LEAKY_RELU, negative_slope)
+    _unary(x, out, _LEAKY_RELU, float(negative_slope))
 
 
 def silu(x: np.ndarray, out: np.ndarray) -> None:
@@ -718,8 +718,8 @@ def linear_act(
     """
     op = int(activation_code(activation))
     # The epilogue reads b for every row after the product wrote out, and the float16 path reads
-    # x and w in blocks between writes (np.matmul alone is overlap-safe).
-    x = _readable(x, out)
+    # x and w in blocks between writes (np.matmul alone is overlap-safe: float32 and float64 x
+    # need no copy, and a small linear's fixed cost is spared the overlap test).
     bb = None if b is None else _bits(_readable(b, out))
     transcendental = op in _TRANSCENDENTAL_OPS
     if x.dtype != np.float16:
@@ -733,7 +733,7 @@ def linear_act(
             par = _jit._epilogue_parallel(out.size, transcendental)
             (_bias_act_keep_parallel if par else _bias_act_keep_serial)(pre, bb, op, out)
         return
-    w = _readable(w, out)
+    x, w = _readable(x, out), _readable(w, out)
     rows, k = x.shape
     m = w.shape[0]
     # The float32 scratch comes from the host pool and goes back to it when this call drops it
