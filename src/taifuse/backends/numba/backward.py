@@ -686,16 +686,16 @@ def log_softmax_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarra
 # One pass over the rows computes everything: the rows are cut into a fixed number of chunks
 # (``_ln_chunks``, from the shape alone), and a chunk's rows each read x and the output gradient
 # once (the second pass over the row, which writes grad_x, finds it in L1) while adding the row's
-# g * xhat and g into the chunk's own float64 column sums; the chunks' sums are added in chunk
-# order at the end. The weight and bias gradients thus need no second sweep over x and g (the
-# earlier form read both twice: once by rows for grad_x, once by column tiles for the sums), and
+# g * xhat and g into the chunk's own column sums; the chunks' sums are added in chunk order, in
+# float64, at the end. The weight and bias gradients thus need no second sweep over x and g, and
 # as the chunks do not depend on the thread count, the serial and parallel kernels give the same
-# bits. F.layer_norm forward and backward on Tensors at the GPT example's (16, 128, 256) float32
-# with weight and bias: 1373 -> 809 us on two threads, 1167 -> 922 us on one (PyTorch: 1644 us);
-# the backward's row in the profiler went from 12-14% to 37-44% of the copy bandwidth of its
-# cache level. Measured as in NOTE [ Numba layer norm ] (forward.py).
+# bits. The row sums and the chunks' column sums accumulate in compute precision (float32 for
+# float32 and float16, as NOTE [ Numba layer norm ] in forward.py; a chunk's column sum adds at
+# most rows / _LN_CHUNKS terms, 64 at the GPT example's 2048 rows), which keeps every loop free of
+# float32 -> float64 conversions; in float64 they made the kernel compute-bound (1.6x the CPU
+# time of a kernel reading two arrays and writing one at (2048, 256) float32; now about 1.15x).
 _LN_CHUNKS = 32  # row chunks of the weight and bias gradient sums, at most
-_LN_PARTIAL_BYTES = 1 << 22  # their float64 partial sums, at most (past one chunk)
+_LN_PARTIAL_BYTES = 1 << 22  # their partial sums, at most (past one chunk)
 
 
 def _ln_chunks(rows: int, cols: int) -> int:
@@ -705,15 +705,21 @@ def _ln_chunks(rows: int, cols: int) -> int:
 
 @njit(**_FMA_REDUCE)
 def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, r0, r1):
-    # Rows r0 .. r1: grad_x, and part[c, 0] += g * xhat, part[c, 1] += g over the columns.
+    # Rows r0 .. r1: grad_x, and part[c, 0] = sum g * xhat, part[c, 1] = sum g over the columns.
     _prefer_wide_vectors()
     cols = x.shape[1]
+    v0 = _widen(x[0, 0])
+    zero = _like(0.0, v0)
+    inv_cols = _like(1.0 / cols, v0)
+    if part is not None:
+        for k in range(cols):
+            part[c, 0, k] = zero
+            part[c, 1, k] = zero
     for r in range(r0, r1):
-        v0 = _widen(x[r, 0])
         mu_c, rs_c = _like(mean[r], v0), _like(rstd[r], v0)
         if gx is not None:
-            s_gy = 0.0
-            s_gyx = 0.0
+            s_gy = zero
+            s_gyx = zero
             for k in range(cols):
                 gv = _widen(g[r, k])
                 xh = (_widen(x[r, k]) - mu_c) * rs_c
@@ -723,8 +729,8 @@ def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, r0, r1):
                 if part is not None:
                     part[c, 0, k] += gv * xh
                     part[c, 1, k] += gv
-            a = _like(s_gy / cols, v0)
-            b = _like(s_gyx / cols, v0)
+            a = s_gy * inv_cols
+            b = s_gyx * inv_cols
             for k in range(cols):
                 gy = _widen(g[r, k]) * _widen(weight[k]) if weight is not None else _widen(g[r, k])
                 xh = (_widen(x[r, k]) - mu_c) * rs_c
@@ -788,9 +794,11 @@ def layer_norm_backward(
     chunks = _ln_chunks(rows, cols)
     part = None
     if grad_weight is not None or grad_bias is not None:
-        part = np.zeros((chunks, 2, cols), np.float64)
+        # Each chunk zeroes its own sums; their dtype is the compute precision's.
+        part = np.empty((chunks, 2, cols), np.float64 if x.dtype == np.float64 else np.float32)
     if rows == 0 or cols == 0:
         if part is not None:
+            part.fill(0.0)
             _layer_norm_param_sums(part, grad_weight, grad_bias)
         return
     kernel = (
