@@ -689,13 +689,17 @@ def log_softmax_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarra
 # g * xhat and g into the chunk's own column sums; the chunks' sums are added in chunk order, in
 # float64, at the end. The weight and bias gradients thus need no second sweep over x and g, and
 # as the chunks do not depend on the thread count, the serial and parallel kernels give the same
-# bits. The row sums and the chunks' column sums accumulate in compute precision (float32 for
-# float32 and float16, as NOTE [ Numba layer norm ] in forward.py; a chunk's column sum adds at
-# most rows / _LN_CHUNKS terms, 64 at the GPT example's 2048 rows), which keeps every loop free of
-# float32 -> float64 conversions; in float64 they made the kernel compute-bound (1.6x the CPU
-# time of a kernel reading two arrays and writing one at (2048, 256) float32; now about 1.15x).
+# bits. The row sums and the column sums accumulate in compute precision (float32 for float32 and
+# float16, as NOTE [ Numba layer norm ] in forward.py): a chunk adds its rows' g * xhat and g into
+# running sums in that precision, and every _LN_RUN rows (and at the chunk's end) adds those into
+# its float64 sums and restarts them, so that no float32 sum has more than _LN_RUN terms however
+# many rows a chunk has. That keeps the loops over a row free of float32 -> float64 conversions;
+# with them the kernel was compute-bound: at (2048, 256) float32 on one thread it took 1.60x the
+# CPU time of a kernel reading two such arrays and writing one, now 1.16x (measured as in NOTE
+# [ Numba layer norm ]).
 _LN_CHUNKS = 32  # row chunks of the weight and bias gradient sums, at most
-_LN_PARTIAL_BYTES = 1 << 22  # their partial sums, at most (past one chunk)
+_LN_PARTIAL_BYTES = 1 << 22  # their float64 partial sums, at most (past one chunk)
+_LN_RUN = 64  # rows a chunk's compute-precision running sums add before they go into its float64 sums
 
 
 def _ln_chunks(rows: int, cols: int) -> int:
@@ -704,8 +708,9 @@ def _ln_chunks(rows: int, cols: int) -> int:
 
 
 @njit(**_FMA_REDUCE)
-def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, r0, r1):
-    # Rows r0 .. r1: grad_x, and part[c, 0] = sum g * xhat, part[c, 1] = sum g over the columns.
+def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, run, c, r0, r1):
+    # Rows r0 .. r1: grad_x, and part[c, 0] = sum g * xhat, part[c, 1] = sum g over the columns,
+    # through the running sums run[c] (NOTE [ Numba layer norm backward ]).
     _prefer_wide_vectors()
     cols = x.shape[1]
     v0 = _widen(x[0, 0])
@@ -713,33 +718,42 @@ def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, r0, r1):
     inv_cols = _like(1.0 / cols, v0)
     if part is not None:
         for k in range(cols):
-            part[c, 0, k] = zero
-            part[c, 1, k] = zero
-    for r in range(r0, r1):
-        mu_c, rs_c = _like(mean[r], v0), _like(rstd[r], v0)
-        if gx is not None:
-            s_gy = zero
-            s_gyx = zero
+            part[c, 0, k] = 0.0
+            part[c, 1, k] = 0.0
+    for lo in range(r0, r1, _LN_RUN):
+        if part is not None:
             for k in range(cols):
-                gv = _widen(g[r, k])
-                xh = (_widen(x[r, k]) - mu_c) * rs_c
-                gy = gv * _widen(weight[k]) if weight is not None else gv
-                s_gy += gy
-                s_gyx += gy * xh
-                if part is not None:
-                    part[c, 0, k] += gv * xh
-                    part[c, 1, k] += gv
-            a = s_gy * inv_cols
-            b = s_gyx * inv_cols
+                run[c, 0, k] = zero
+                run[c, 1, k] = zero
+        for r in range(lo, min(lo + _LN_RUN, r1)):
+            mu_c, rs_c = _like(mean[r], v0), _like(rstd[r], v0)
+            if gx is not None:
+                s_gy = zero
+                s_gyx = zero
+                for k in range(cols):
+                    gv = _widen(g[r, k])
+                    xh = (_widen(x[r, k]) - mu_c) * rs_c
+                    gy = gv * _widen(weight[k]) if weight is not None else gv
+                    s_gy += gy
+                    s_gyx += gy * xh
+                    if part is not None:
+                        run[c, 0, k] += gv * xh
+                        run[c, 1, k] += gv
+                a = s_gy * inv_cols
+                b = s_gyx * inv_cols
+                for k in range(cols):
+                    gy = _widen(g[r, k]) * _widen(weight[k]) if weight is not None else _widen(g[r, k])
+                    xh = (_widen(x[r, k]) - mu_c) * rs_c
+                    gx[r, k] = _narrow(rs_c * (gy - a - xh * b), gx)
+            elif part is not None:
+                for k in range(cols):
+                    gv = _widen(g[r, k])
+                    run[c, 0, k] += gv * ((_widen(x[r, k]) - mu_c) * rs_c)
+                    run[c, 1, k] += gv
+        if part is not None:
             for k in range(cols):
-                gy = _widen(g[r, k]) * _widen(weight[k]) if weight is not None else _widen(g[r, k])
-                xh = (_widen(x[r, k]) - mu_c) * rs_c
-                gx[r, k] = _narrow(rs_c * (gy - a - xh * b), gx)
-        elif part is not None:
-            for k in range(cols):
-                gv = _widen(g[r, k])
-                part[c, 0, k] += gv * ((_widen(x[r, k]) - mu_c) * rs_c)
-                part[c, 1, k] += gv
+                part[c, 0, k] += run[c, 0, k]
+                part[c, 1, k] += run[c, 1, k]
 
 
 @njit(**_FMA_REDUCE)
@@ -757,23 +771,23 @@ def _layer_norm_param_sums(part, gw, gb):
 
 
 @njit(**_FMA)
-def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb, part, chunks):
+def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb, part, run, chunks):
     rows = x.shape[0]
     per = _count(rows, chunks)
     for c in range(chunks):
         lo, hi = _bounds(c, rows, per)
-        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, lo, hi)
+        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
     if part is not None:
         _layer_norm_param_sums(part, gw, gb)
 
 
 @njit(**_FMA_PARALLEL)
-def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb, part, chunks):
+def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb, part, run, chunks):
     rows = x.shape[0]
     per = _count(rows, chunks)
     for c in prange(chunks):
         lo, hi = _bounds(c, rows, per)
-        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, lo, hi)
+        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
     if part is not None:
         _layer_norm_param_sums(part, gw, gb)
 
@@ -792,10 +806,11 @@ def layer_norm_backward(
     all in one pass over the rows (NOTE [ Numba layer norm backward ])."""
     rows, cols = x.shape
     chunks = _ln_chunks(rows, cols)
-    part = None
+    part = run = None
     if grad_weight is not None or grad_bias is not None:
-        # Each chunk zeroes its own sums; their dtype is the compute precision's.
-        part = np.empty((chunks, 2, cols), np.float64 if x.dtype == np.float64 else np.float32)
+        # Each chunk zeroes its own sums; the running sums are in compute precision.
+        part = np.empty((chunks, 2, cols), np.float64)
+        run = np.empty((chunks, 2, cols), np.float64 if x.dtype == np.float64 else np.float32)
     if rows == 0 or cols == 0:
         if part is not None:
             part.fill(0.0)
@@ -807,7 +822,7 @@ def layer_norm_backward(
         else _layer_norm_backward_serial
     )
     opt = [None if a is None else _bits(a) for a in (weight, grad_x, grad_weight, grad_bias)]
-    kernel(_bits(x), opt[0], mean, rstd, _bits(grad_out), opt[1], opt[2], opt[3], part, chunks)
+    kernel(_bits(x), opt[0], mean, rstd, _bits(grad_out), opt[1], opt[2], opt[3], part, run, chunks)
 
 
 # ----------------------------------------------------------------------------- rms norm backward

@@ -518,11 +518,12 @@ def _softmax_strided_parallel(x, out, log):
 # of them interleaved leave about four terms per partial sum), and the variance is the centred
 # sum of squares of the second pass, so there is no cancellation as in E[x^2] - E[x]^2; the
 # per-row scalars (1 / sqrt(var + eps)) are float64. The float64 sums of the form before cost a
-# float32 -> float64 conversion per element and pass, which made the kernel compute-bound (1.5x
-# a copy's CPU time at (2048, 256) float32; now about 1.2x); PyTorch accumulates float32 rows in
-# float32 too. The row function indexes the 2-D arrays itself (no per-row views) and asks for
-# 512-bit vectors (NOTE [ 512-bit vectors ]). Rows are independent, so the parallel kernel is a
-# prange over rows, one contiguous share of them per thread.
+# float32 -> float64 conversion per element and pass, which made the kernel compute-bound: at
+# (2048, 256) float32 on one thread it took 1.43x the CPU time of a copy of x, now 1.23x (fastest
+# of 15 rounds interleaved in one process, on a loaded 2-core machine). PyTorch accumulates
+# float32 rows in float32 too. The row function indexes the 2-D arrays itself (no per-row views)
+# and asks for 512-bit vectors (NOTE [ 512-bit vectors ]). Rows are independent, so the parallel
+# kernel is a prange over rows, one contiguous share of them per thread.
 
 
 @njit(**_FMA_REDUCE)
