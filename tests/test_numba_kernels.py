@@ -341,7 +341,9 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
 
 
 # (rows, cols): one row; fewer rows than chunks; rows that leave the last chunks short or empty
-# (33 rows in chunks of 2); the GPT example's width past the parallel threshold.
+# (33 rows in chunks of 2); the GPT example's width past the parallel threshold (with the budget
+# cut to two chunks, 150 rows each: runs of _LN_RUN = 64, 64 and 22 rows, NOTE [ Numba layer norm
+# backward ]).
 _LN_BACKWARD_SHAPES = [(1, 7), (5, 3), (33, 37), (300, 256)]
 
 

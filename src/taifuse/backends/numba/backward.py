@@ -708,52 +708,53 @@ def _ln_chunks(rows: int, cols: int) -> int:
 
 
 @njit(**_FMA_REDUCE)
-def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, run, c, r0, r1):
-    # Rows r0 .. r1: grad_x, and part[c, 0] = sum g * xhat, part[c, 1] = sum g over the columns,
-    # through the running sums run[c] (NOTE [ Numba layer norm backward ]).
+def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, run, c, r0, r1):
+    # Rows r0 .. r1: grad_x, and run[c, 0] += g * xhat, run[c, 1] += g over the columns.
     _prefer_wide_vectors()
     cols = x.shape[1]
-    v0 = _widen(x[0, 0])
-    zero = _like(0.0, v0)
+    v0 = _widen(x[r0, 0])
     inv_cols = _like(1.0 / cols, v0)
-    if part is not None:
-        for k in range(cols):
-            part[c, 0, k] = 0.0
-            part[c, 1, k] = 0.0
-    for lo in range(r0, r1, _LN_RUN):
-        if part is not None:
+    for r in range(r0, r1):
+        mu_c, rs_c = _like(mean[r], v0), _like(rstd[r], v0)
+        if gx is not None:
+            s_gy = _like(0.0, v0)
+            s_gyx = _like(0.0, v0)
             for k in range(cols):
-                run[c, 0, k] = zero
-                run[c, 1, k] = zero
-        for r in range(lo, min(lo + _LN_RUN, r1)):
-            mu_c, rs_c = _like(mean[r], v0), _like(rstd[r], v0)
-            if gx is not None:
-                s_gy = zero
-                s_gyx = zero
-                for k in range(cols):
-                    gv = _widen(g[r, k])
-                    xh = (_widen(x[r, k]) - mu_c) * rs_c
-                    gy = gv * _widen(weight[k]) if weight is not None else gv
-                    s_gy += gy
-                    s_gyx += gy * xh
-                    if part is not None:
-                        run[c, 0, k] += gv * xh
-                        run[c, 1, k] += gv
-                a = s_gy * inv_cols
-                b = s_gyx * inv_cols
-                for k in range(cols):
-                    gy = _widen(g[r, k]) * _widen(weight[k]) if weight is not None else _widen(g[r, k])
-                    xh = (_widen(x[r, k]) - mu_c) * rs_c
-                    gx[r, k] = _narrow(rs_c * (gy - a - xh * b), gx)
-            elif part is not None:
-                for k in range(cols):
-                    gv = _widen(g[r, k])
-                    run[c, 0, k] += gv * ((_widen(x[r, k]) - mu_c) * rs_c)
+                gv = _widen(g[r, k])
+                xh = (_widen(x[r, k]) - mu_c) * rs_c
+                gy = gv * _widen(weight[k]) if weight is not None else gv
+                s_gy += gy
+                s_gyx += gy * xh
+                if run is not None:
+                    run[c, 0, k] += gv * xh
                     run[c, 1, k] += gv
-        if part is not None:
+            a = s_gy * inv_cols
+            b = s_gyx * inv_cols
             for k in range(cols):
-                part[c, 0, k] += run[c, 0, k]
-                part[c, 1, k] += run[c, 1, k]
+                gy = _widen(g[r, k]) * _widen(weight[k]) if weight is not None else _widen(g[r, k])
+                xh = (_widen(x[r, k]) - mu_c) * rs_c
+                gx[r, k] = _narrow(rs_c * (gy - a - xh * b), gx)
+        elif run is not None:
+            for k in range(cols):
+                gv = _widen(g[r, k])
+                run[c, 0, k] += gv * ((_widen(x[r, k]) - mu_c) * rs_c)
+                run[c, 1, k] += gv
+
+
+@njit(**_FMA)
+def _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, c, r0, r1):
+    # Chunk c's rows r0 .. r1, their column sums into part[c] through runs of _LN_RUN rows in run[c].
+    if part is None:
+        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, None, c, r0, r1)
+        return
+    cols = x.shape[1]
+    part[c] = 0.0
+    for lo in range(r0, r1, _LN_RUN):
+        run[c] = 0.0
+        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, run, c, lo, min(lo + _LN_RUN, r1))
+        for k in range(cols):
+            part[c, 0, k] += run[c, 0, k]
+            part[c, 1, k] += run[c, 1, k]
 
 
 @njit(**_FMA_REDUCE)
@@ -776,7 +777,7 @@ def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb, part, run,
     per = _count(rows, chunks)
     for c in range(chunks):
         lo, hi = _bounds(c, rows, per)
-        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
+        _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
     if part is not None:
         _layer_norm_param_sums(part, gw, gb)
 
@@ -787,7 +788,7 @@ def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb, part, ru
     per = _count(rows, chunks)
     for c in prange(chunks):
         lo, hi = _bounds(c, rows, per)
-        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
+        _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
     if part is not None:
         _layer_norm_param_sums(part, gw, gb)
 
