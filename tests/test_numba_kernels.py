@@ -341,7 +341,9 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
 
 
 # (rows, cols): one row; fewer rows than chunks; rows that leave the last chunks short or empty
-# (33 rows in chunks of 2); the GPT example's width past the parallel threshold.
+# (33 rows in chunks of 2); the GPT example's width past the parallel threshold (with the budget
+# cut to two chunks, 150 rows each: runs of _LN_RUN = 64, 64 and 22 rows, NOTE [ Numba layer norm
+# backward ]).
 _LN_BACKWARD_SHAPES = [(1, 7), (5, 3), (33, 37), (300, 256)]
 
 
@@ -381,6 +383,74 @@ def test_layer_norm_backward_one_pass(dtype, rows, cols, force_path, monkeypatch
                     np.testing.assert_array_equal(serial, par)
                     # The column sums add `rows` terms of |g * xhat| up to ~10.
                     assert_close(serial, expect, dtype, scale=20.0 * max(1.0, math.sqrt(rows)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(37, 257), (64, 256), (5, 1001)])
+def test_layer_norm_compute_precision_sums_on_offset_rows(dtype, rows, cols, force_path):
+    """The layer norm kernels sum in compute precision (NOTE [ Numba layer norm ], float32 for
+    float16 and float32 rows): rows far from zero mean (an offset 100 x their spread, the hard
+    case for a one-pass variance) against the float64 reference, forward and backward, serial and
+    parallel bit-identical. The bound is the conditioning of the problem: an error of a few units
+    in the last place of the compute precision at the rows' magnitude, times rstd (so in xhat's
+    units), carried through each output's formula, plus the rounding of the stored result."""
+    rng = np.random.default_rng(7)
+    spread = rng.uniform(0.5, 2.0, (rows, 1))
+    x = 100.0 * spread * rng.choice([-1.0, 1.0], (rows, 1)) + spread * rng.standard_normal((rows, cols))
+    x = x.astype(dtype)
+    w = rng.uniform(0.5, 1.5, cols).astype(dtype)
+    b = rng.standard_normal(cols).astype(dtype)
+    g = rng.standard_normal((rows, cols)).astype(dtype)
+    x64, w64, b64, g64 = (a.astype(np.float64) for a in (x, w, b, g))
+    want = np.empty_like(x64), np.empty(rows), np.empty(rows)
+    ref.layer_norm(x64, w64, b64, 1e-5, *want)
+    want_g = np.empty_like(x64), np.empty(cols), np.empty(cols)
+    ref.layer_norm_backward(x64, w64, want[1], want[2], g64, *want_g)
+
+    stats = np.float64 if dtype == np.float64 else np.float32
+    runs = []
+    for parallel in (False, True):
+        force_path(parallel)
+        out, mean, rstd = np.empty_like(x), np.empty(rows, stats), np.empty(rows, stats)
+        nb.layer_norm(x, w, b, 1e-5, out, mean, rstd)
+        grads = np.empty_like(x), np.empty(cols, dtype), np.empty(cols, dtype)
+        nb.layer_norm_backward(x, w, mean, rstd, g, *grads)
+        runs.append((out, mean, rstd, *grads))
+    for serial, par in zip(*runs):
+        np.testing.assert_array_equal(serial, par)
+
+    out, mean, rstd, gx, gw, gb = runs[0]
+    eps_c = np.finfo(stats).eps
+    eps_s = np.finfo(dtype).eps
+    rs = want[2][:, None]
+    # xhat's error: 8 units in the last place of the compute precision at the row's largest |x|.
+    e_xh = 8 * eps_c * np.abs(x64).max(axis=1, keepdims=True) * rs
+    gy = g64 * w64
+    xh = (x64 - want[1][:, None]) * rs
+    a_row = np.abs(gy.mean(axis=1, keepdims=True))  # grad_x = rstd * (gy - a - xhat * b)
+    b_row = np.abs((gy * xh).mean(axis=1, keepdims=True))
+    gy_row = np.abs(gy).mean(axis=1, keepdims=True)  # bounds b's error: mean(gy * xhat's error)
+    bounds = {
+        "mean": (mean, want[1], 8 * eps_c * np.abs(x64).max(axis=1)),
+        "rstd": (rstd, want[2], 8 * eps_c * want[2]),
+        "out": (out, want[0], e_xh * np.abs(w64) + 2 * eps_s * np.abs(want[0])),
+        "grad_x": (
+            gx,
+            want_g[0],
+            rs
+            * (e_xh * (b_row + np.abs(xh) * gy_row) + 8 * eps_c * (np.abs(gy) + a_row + np.abs(xh) * b_row))
+            + 2 * eps_s * np.abs(want_g[0]),
+        ),
+        "grad_weight": (gw, want_g[1], (np.abs(g64) * e_xh).sum(axis=0) * 2 + 2 * eps_s * np.abs(want_g[1])),
+        "grad_bias": (
+            gb,
+            want_g[2],
+            4 * rows * eps_c * np.abs(g64).sum(axis=0) + 2 * eps_s * np.abs(want_g[2]),
+        ),
+    }
+    for what, (got, expect, bound) in bounds.items():
+        err = np.abs(got.astype(np.float64) - expect)
+        assert (err <= bound).all(), f"{what}: worst err/bound {(err / bound).max():.3g}"
 
 
 def test_layer_norm_backward_float64_finite_differences():

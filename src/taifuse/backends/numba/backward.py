@@ -686,16 +686,20 @@ def log_softmax_backward(y: np.ndarray, grad_out: np.ndarray, grad_in: np.ndarra
 # One pass over the rows computes everything: the rows are cut into a fixed number of chunks
 # (``_ln_chunks``, from the shape alone), and a chunk's rows each read x and the output gradient
 # once (the second pass over the row, which writes grad_x, finds it in L1) while adding the row's
-# g * xhat and g into the chunk's own float64 column sums; the chunks' sums are added in chunk
-# order at the end. The weight and bias gradients thus need no second sweep over x and g (the
-# earlier form read both twice: once by rows for grad_x, once by column tiles for the sums), and
+# g * xhat and g into the chunk's own column sums; the chunks' sums are added in chunk order, in
+# float64, at the end. The weight and bias gradients thus need no second sweep over x and g, and
 # as the chunks do not depend on the thread count, the serial and parallel kernels give the same
-# bits. F.layer_norm forward and backward on Tensors at the GPT example's (16, 128, 256) float32
-# with weight and bias: 1373 -> 809 us on two threads, 1167 -> 922 us on one (PyTorch: 1644 us);
-# the backward's row in the profiler went from 12-14% to 37-44% of the copy bandwidth of its
-# cache level. Measured as in NOTE [ Numba layer norm ] (forward.py).
+# bits. The row sums and the column sums accumulate in compute precision (float32 for float32 and
+# float16, as NOTE [ Numba layer norm ] in forward.py): a chunk adds its rows' g * xhat and g into
+# running sums in that precision, and every _LN_RUN rows (and at the chunk's end) adds those into
+# its float64 sums and restarts them, so that no float32 sum has more than _LN_RUN terms however
+# many rows a chunk has. That keeps the loops over a row free of float32 -> float64 conversions;
+# with them the kernel was compute-bound: at (2048, 256) float32 on one thread it took 1.60x the
+# CPU time of a kernel reading two such arrays and writing one, now 1.16x (measured as in NOTE
+# [ Numba layer norm ]).
 _LN_CHUNKS = 32  # row chunks of the weight and bias gradient sums, at most
 _LN_PARTIAL_BYTES = 1 << 22  # their float64 partial sums, at most (past one chunk)
+_LN_RUN = 64  # rows a chunk's compute-precision running sums add before they go into its float64 sums
 
 
 def _ln_chunks(rows: int, cols: int) -> int:
@@ -704,36 +708,53 @@ def _ln_chunks(rows: int, cols: int) -> int:
 
 
 @njit(**_FMA_REDUCE)
-def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, r0, r1):
-    # Rows r0 .. r1: grad_x, and part[c, 0] += g * xhat, part[c, 1] += g over the columns.
+def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, run, c, r0, r1):
+    # Rows r0 .. r1: grad_x, and run[c, 0] += g * xhat, run[c, 1] += g over the columns.
     _prefer_wide_vectors()
     cols = x.shape[1]
+    v0 = _widen(x[r0, 0])
+    inv_cols = _like(1.0 / cols, v0)
     for r in range(r0, r1):
-        v0 = _widen(x[r, 0])
         mu_c, rs_c = _like(mean[r], v0), _like(rstd[r], v0)
         if gx is not None:
-            s_gy = 0.0
-            s_gyx = 0.0
+            s_gy = _like(0.0, v0)
+            s_gyx = _like(0.0, v0)
             for k in range(cols):
                 gv = _widen(g[r, k])
                 xh = (_widen(x[r, k]) - mu_c) * rs_c
                 gy = gv * _widen(weight[k]) if weight is not None else gv
                 s_gy += gy
                 s_gyx += gy * xh
-                if part is not None:
-                    part[c, 0, k] += gv * xh
-                    part[c, 1, k] += gv
-            a = _like(s_gy / cols, v0)
-            b = _like(s_gyx / cols, v0)
+                if run is not None:
+                    run[c, 0, k] += gv * xh
+                    run[c, 1, k] += gv
+            a = s_gy * inv_cols
+            b = s_gyx * inv_cols
             for k in range(cols):
                 gy = _widen(g[r, k]) * _widen(weight[k]) if weight is not None else _widen(g[r, k])
                 xh = (_widen(x[r, k]) - mu_c) * rs_c
                 gx[r, k] = _narrow(rs_c * (gy - a - xh * b), gx)
-        elif part is not None:
+        elif run is not None:
             for k in range(cols):
                 gv = _widen(g[r, k])
-                part[c, 0, k] += gv * ((_widen(x[r, k]) - mu_c) * rs_c)
-                part[c, 1, k] += gv
+                run[c, 0, k] += gv * ((_widen(x[r, k]) - mu_c) * rs_c)
+                run[c, 1, k] += gv
+
+
+@njit(**_FMA)
+def _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, c, r0, r1):
+    # Chunk c's rows r0 .. r1, their column sums into part[c] through runs of _LN_RUN rows in run[c].
+    if part is None:
+        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, None, c, r0, r1)
+        return
+    cols = x.shape[1]
+    part[c] = 0.0
+    for lo in range(r0, r1, _LN_RUN):
+        run[c] = 0.0
+        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, run, c, lo, min(lo + _LN_RUN, r1))
+        for k in range(cols):
+            part[c, 0, k] += run[c, 0, k]
+            part[c, 1, k] += run[c, 1, k]
 
 
 @njit(**_FMA_REDUCE)
@@ -751,23 +772,23 @@ def _layer_norm_param_sums(part, gw, gb):
 
 
 @njit(**_FMA)
-def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb, part, chunks):
+def _layer_norm_backward_serial(x, weight, mean, rstd, g, gx, gw, gb, part, run, chunks):
     rows = x.shape[0]
     per = _count(rows, chunks)
     for c in range(chunks):
         lo, hi = _bounds(c, rows, per)
-        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, lo, hi)
+        _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
     if part is not None:
         _layer_norm_param_sums(part, gw, gb)
 
 
 @njit(**_FMA_PARALLEL)
-def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb, part, chunks):
+def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb, part, run, chunks):
     rows = x.shape[0]
     per = _count(rows, chunks)
     for c in prange(chunks):
         lo, hi = _bounds(c, rows, per)
-        _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, part, c, lo, hi)
+        _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
     if part is not None:
         _layer_norm_param_sums(part, gw, gb)
 
@@ -786,11 +807,14 @@ def layer_norm_backward(
     all in one pass over the rows (NOTE [ Numba layer norm backward ])."""
     rows, cols = x.shape
     chunks = _ln_chunks(rows, cols)
-    part = None
+    part = run = None
     if grad_weight is not None or grad_bias is not None:
-        part = np.zeros((chunks, 2, cols), np.float64)
+        # Each chunk zeroes its own sums; the running sums are in compute precision.
+        part = np.empty((chunks, 2, cols), np.float64)
+        run = np.empty((chunks, 2, cols), np.float64 if x.dtype == np.float64 else np.float32)
     if rows == 0 or cols == 0:
         if part is not None:
+            part.fill(0.0)
             _layer_norm_param_sums(part, grad_weight, grad_bias)
         return
     kernel = (
@@ -799,7 +823,7 @@ def layer_norm_backward(
         else _layer_norm_backward_serial
     )
     opt = [None if a is None else _bits(a) for a in (weight, grad_x, grad_weight, grad_bias)]
-    kernel(_bits(x), opt[0], mean, rstd, _bits(grad_out), opt[1], opt[2], opt[3], part, chunks)
+    kernel(_bits(x), opt[0], mean, rstd, _bits(grad_out), opt[1], opt[2], opt[3], part, run, chunks)
 
 
 # ----------------------------------------------------------------------------- rms norm backward
