@@ -340,6 +340,29 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
         np.testing.assert_allclose(gr, wr, rtol=1e-6)
 
 
+def _integer_blind(signature: tuple) -> tuple:
+    return tuple("integer" if isinstance(t, numba.types.Integer) else t for t in signature)
+
+
+def test_helpers_compile_once_for_the_serial_and_the_parallel_kernel(force_path):
+    """NOTE [ One integer type per helper argument ]: a helper that a serial kernel calls with the
+    constant 0 and a parallel one with its prange index (or a host loop with a Python int) compiles
+    once per dtype, not once per integer type (Literal[int](0), uint64, int64)."""
+    from taifuse.backends.numba import batch_norm as nb_batch_norm
+
+    x = _inputs((600, 4, 1), np.float32)
+    for parallel in (False, True):
+        force_path(parallel)
+        nb.relu(x[:3], np.empty_like(x[:3]))  # a tiny op: _unary_small
+        big = _inputs(nb_forward._SMALL_UNARY + 5, np.float32)
+        nb.relu(big, np.empty_like(big))
+        nb.softmax(x[:3, :, :], np.empty_like(x[:3]))
+        nb.batch_norm_stats(x, np.empty(4, np.float32), np.empty(4, np.float32))
+    for helper in (nb_forward._unary_block, nb_forward._softmax_rows, nb_batch_norm._stats_rows):
+        blind = [_integer_blind(sig) for sig in helper.signatures]
+        assert len(blind) == len(set(blind)), f"{helper.py_func.__name__}: {helper.signatures}"
+
+
 # (rows, cols): one row; fewer rows than chunks; rows that leave the last chunks short or empty
 # (33 rows in chunks of 2); the GPT example's width past the parallel threshold (with the budget
 # cut to two chunks, 150 rows each: runs of _LN_RUN = 64, 64 and 22 rows, NOTE [ Numba layer norm

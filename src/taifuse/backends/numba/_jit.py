@@ -623,6 +623,17 @@ _LEAKY_RELU = int(Activation.LEAKY_RELU)
 # argument types, and a jitted function's type does not match across processes (checked with
 # Numba 0.68: such a driver missed the cache and compiled again in every new process).
 
+# NOTE [ One integer type per helper argument ]
+# Numba compiles a jitted function once per tuple of argument types, called from Python or from
+# another jitted function alike, and each compile of a block or row function costs ~0.3-1 s of CPU
+# the first time (the on-disk cache then keeps it; CI starts with an empty cache). Inside jitted
+# code an integer constant is typed as its literal (``0`` is ``Literal[int](0)``) and a prange
+# index as ``uint64``, while the host's Python ints, the shapes and _bounds' results are int64: a
+# serial kernel passing ``0`` and a parallel one passing its prange index would each compile the
+# shared helper once more for the same dtypes. Jitted callers therefore pass such an argument as
+# ``np.int64(...)`` (compiled to the same constant or register; helpers inlined with
+# inline="always" are typed in their caller and need none).
+
 
 @njit(**_FMA_INLINE)
 def _count(n, size):

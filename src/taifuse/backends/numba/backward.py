@@ -158,7 +158,7 @@ def _unary_backward_span(x, g, out, op, param, lo, hi):
 
 @njit(**_FMA)
 def _unary_backward_serial(x, g, out, op, param):
-    _unary_backward_span(x, g, out, op, param, 0, x.size)
+    _unary_backward_span(x, g, out, op, param, np.int64(0), x.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -225,7 +225,7 @@ def _mul_relu_backward_span(a, b, g, ga, gb, lo, hi):
 
 @njit(**_FMA)
 def _mul_relu_backward_serial(a, b, g, ga, gb):
-    _mul_relu_backward_span(a, b, g, ga, gb, 0, a.size)
+    _mul_relu_backward_span(a, b, g, ga, gb, np.int64(0), a.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -287,9 +287,9 @@ def _affine_rows(scale, g, gx, lo, hi):
 @njit(**_FMA)
 def _affine_backward_serial(x, scale, g, gx, gs, gb):
     if gx is not None:
-        _affine_rows(scale, g, gx, 0, g.shape[0])
+        _affine_rows(scale, g, gx, np.int64(0), g.shape[0])
     if gs is not None or gb is not None:
-        _affine_cols(x, g, gs, gb, 0, g.shape[1])
+        _affine_cols(x, g, gs, gb, np.int64(0), g.shape[1])
 
 
 @njit(**_FMA_PARALLEL)
@@ -297,7 +297,7 @@ def _affine_backward_parallel(x, scale, g, gx, gs, gb):
     rows, cols = g.shape
     if gx is not None:
         for r in prange(rows):
-            _affine_rows(scale, g, gx, r, r + 1)
+            _affine_rows(scale, g, gx, np.int64(r), r + 1)
     if gs is not None or gb is not None:
         tiles = _count(cols, _COL_TILE)
         for item in prange(tiles):
@@ -423,7 +423,7 @@ def _bias_cols(g, gb, lo, hi):
 
 @njit(**_FMA)
 def _linear_epilogue_serial(pre, g, op, gp, gb):
-    _linear_epilogue_cols(pre, g, op, gp, gb, 0, g.shape[1])
+    _linear_epilogue_cols(pre, g, op, gp, gb, np.int64(0), g.shape[1])
 
 
 @njit(**_FMA_PARALLEL)
@@ -437,7 +437,7 @@ def _linear_epilogue_parallel(pre, g, op, gp, gb):
 
 @njit(**_FMA)
 def _bias_grad_serial(g, gb):
-    _bias_cols(g, gb, 0, g.shape[1])
+    _bias_cols(g, gb, np.int64(0), g.shape[1])
 
 
 @njit(**_FMA_PARALLEL)
@@ -618,7 +618,7 @@ def _softmax_backward_rows_serial(y, g, out, log):
 @njit(**_FMA_PARALLEL)
 def _softmax_backward_rows_parallel(y, g, out, log):
     for r in prange(y.shape[0]):
-        _softmax_backward_row(y, g, out, r, log)
+        _softmax_backward_row(y, g, out, np.int64(r), log)
 
 
 @njit(**_FMA_REDUCE)
@@ -650,7 +650,7 @@ def _softmax_backward_strided_serial(y, g, out, log):
 @njit(**_FMA_PARALLEL)
 def _softmax_backward_strided_parallel(y, g, out, log):
     for a in prange(y.shape[0]):
-        _softmax_backward_strided(y, g, out, a, log)
+        _softmax_backward_strided(y, g, out, np.int64(a), log)
 
 
 def _softmax_like_backward(y: np.ndarray, g: np.ndarray, out: np.ndarray, log: bool) -> None:
@@ -866,7 +866,7 @@ def _rms_norm_backward_serial(x, weight, rstd, g, gx, gw):
         for r in range(x.shape[0]):
             _rms_norm_backward_row(x, weight, rstd, g, gx, r)
     if gw is not None:
-        _rms_norm_weight_cols(x, rstd, g, gw, 0, x.shape[1])
+        _rms_norm_weight_cols(x, rstd, g, gw, np.int64(0), x.shape[1])
 
 
 @njit(**_FMA_PARALLEL)
@@ -874,7 +874,7 @@ def _rms_norm_backward_parallel(x, weight, rstd, g, gx, gw):
     rows, cols = x.shape
     if gx is not None:
         for r in prange(rows):
-            _rms_norm_backward_row(x, weight, rstd, g, gx, r)
+            _rms_norm_backward_row(x, weight, rstd, g, gx, np.int64(r))
     if gw is not None:
         for item in prange(_count(cols, _COL_TILE)):
             lo, hi = _bounds(item, cols, _COL_TILE)
@@ -984,7 +984,7 @@ def _embedding_rows(order, starts, g, gw, padding_idx, acc, lo, hi):
 def _embedding_backward_serial(indices, g, gw, padding_idx, starts, order, cuts, acc):
     _embedding_zero(gw)
     _embedding_sort(indices, starts, order)
-    _embedding_rows(order, starts, g, gw, padding_idx, acc[0], 0, gw.shape[0])
+    _embedding_rows(order, starts, g, gw, padding_idx, acc[0], np.int64(0), gw.shape[0])
 
 
 @njit(**_FMA_PARALLEL)
@@ -1037,7 +1037,7 @@ def _mse_span(x, t, out, reduction, lo, hi):
 
 @njit(**_FMA)
 def _mse_serial(x, t, out, reduction):
-    s = _mse_span(x, t, out, reduction, 0, x.size)
+    s = _mse_span(x, t, out, reduction, np.int64(0), x.size)
     if reduction != _NONE:
         out[0] = _narrow(s / x.size if reduction == _MEAN else s, out)
 
@@ -1078,7 +1078,7 @@ def _mse_backward_span(x, t, g, out, reduction, scale, lo, hi):
 
 @njit(**_FMA)
 def _mse_backward_serial(x, t, g, out, reduction, scale):
-    _mse_backward_span(x, t, g, out, reduction, scale, 0, x.size)
+    _mse_backward_span(x, t, g, out, reduction, scale, np.int64(0), x.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -1133,7 +1133,7 @@ def _cross_entropy_serial(x, target, out, reduction, lse):
 def _cross_entropy_parallel(x, target, out, reduction, lse, losses):
     rows = x.shape[0]
     for r in prange(rows):
-        losses[r] = _cross_entropy_row(x, target, lse, r)
+        losses[r] = _cross_entropy_row(x, target, lse, np.int64(r))
     if reduction == _NONE:
         for r in range(rows):
             out[r] = _narrow(losses[r], out)
@@ -1177,7 +1177,7 @@ def _cross_entropy_backward_serial(x, target, lse, g, out, reduction, scale):
 @njit(**_FMA_PARALLEL)
 def _cross_entropy_backward_parallel(x, target, lse, g, out, reduction, scale):
     for r in prange(x.shape[0]):
-        _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, r)
+        _cross_entropy_backward_row(x, target, lse, g, out, reduction, scale, np.int64(r))
 
 
 def cross_entropy_backward(

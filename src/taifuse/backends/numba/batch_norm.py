@@ -100,7 +100,7 @@ def _stats_rows(x, shift, s1, s2, blk):
 @njit(**_REDUCE_PARALLEL)
 def _stats_rows_parallel(x, shift, s1, s2):
     for blk in prange(s1.shape[0]):
-        _stats_rows(x, shift, s1, s2, blk)
+        _stats_rows(x, shift, s1, s2, np.int64(blk))  # NOTE [ One integer type per helper argument ]
 
 
 @njit(**_FMA_REDUCE)
@@ -155,7 +155,7 @@ def _backward_rows(x, g, mean, scale, shift, relu, t1, t2, blk):
 @njit(**_REDUCE_PARALLEL)
 def _backward_rows_parallel(x, g, mean, scale, shift, relu, t1, t2):
     for blk in prange(t1.shape[0]):
-        _backward_rows(x, g, mean, scale, shift, relu, t1, t2, blk)
+        _backward_rows(x, g, mean, scale, shift, relu, t1, t2, np.int64(blk))  # as _stats_rows_parallel
 
 
 # ----------------------------------------------------------------------------- second level

@@ -110,7 +110,7 @@ def _unary_inplace_block(x, op, param, lo, hi):
 
 @njit(**_FMA)
 def _unary_serial(x, out, op, param):
-    _unary_block(x, out, op, param, 0, x.size)
+    _unary_block(x, out, op, param, np.int64(0), x.size)
 
 
 # Below this many elements a unary op is serial under every threading layer, transcendental or
@@ -125,11 +125,11 @@ def _unary_small(x, out, op, param):
     # by np.may_share_memory: a tiny op's fixed cost (the ``step`` bench suite's per-op rows).
     xs, os = x.ctypes.data, out.ctypes.data
     if xs == os:  # out is x: NOTE [ Spans, blocks and in-place kernels ]
-        _unary_inplace_block(out, op, param, 0, out.size)
+        _unary_inplace_block(out, op, param, np.int64(0), out.size)
     elif xs < os + out.nbytes and os < xs + x.nbytes:  # a shifted view: x read from a copy
-        _unary_block(x.copy(), out, op, param, 0, x.size)
+        _unary_block(x.copy(), out, op, param, np.int64(0), x.size)
     else:
-        _unary_block(x, out, op, param, 0, x.size)
+        _unary_block(x, out, op, param, np.int64(0), x.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -142,7 +142,7 @@ def _unary_parallel(x, out, op, param):
 
 @njit(**_FMA)
 def _unary_inplace_serial(x, op, param):
-    _unary_inplace_block(x, op, param, 0, x.size)
+    _unary_inplace_block(x, op, param, np.int64(0), x.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -174,7 +174,7 @@ def _binary_block(a, b, out, op, lo, hi):
 
 @njit(**_FMA)
 def _binary_serial(a, b, out, op):
-    _binary_block(a, b, out, op, 0, a.size)
+    _binary_block(a, b, out, op, np.int64(0), a.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -210,7 +210,7 @@ def _dropout_block(x, out, key, threshold, scale, lo, hi):
 
 @njit(**_FMA)
 def _dropout_serial(x, out, key, threshold, scale):
-    _dropout_block(x, out, key, threshold, scale, 0, x.size)
+    _dropout_block(x, out, key, threshold, scale, np.int64(0), x.size)
 
 
 @njit(**_FMA_PARALLEL)
@@ -241,7 +241,7 @@ def _affine_rows(x, scale, bias, out, r0, r1, lo, hi):
 
 @njit(**_FMA)
 def _affine_serial(x, scale, bias, out):
-    _affine_rows(x, scale, bias, out, 0, x.shape[0], 0, x.shape[1])
+    _affine_rows(x, scale, bias, out, np.int64(0), x.shape[0], np.int64(0), x.shape[1])
 
 
 @njit(**_FMA_INLINE)
@@ -350,7 +350,7 @@ def _bias_act_keep_rows(pre, b, op, out, r0, r1, lo, hi):
 
 @njit(**_FMA)
 def _bias_act_keep_serial(pre, b, op, out):
-    _bias_act_keep_rows(pre, b, op, out, 0, pre.shape[0], 0, pre.shape[1])
+    _bias_act_keep_rows(pre, b, op, out, np.int64(0), pre.shape[0], np.int64(0), pre.shape[1])
 
 
 @njit(**_FMA_PARALLEL)
@@ -385,7 +385,7 @@ def _bias_act_inplace_rows(y, b, op, r0, r1, lo, hi):
 
 @njit(**_FMA)
 def _bias_act_serial(y, b, op, pre, out):
-    _bias_act_rows(y, b, op, pre, out, 0, y.shape[0], 0, y.shape[1])
+    _bias_act_rows(y, b, op, pre, out, np.int64(0), y.shape[0], np.int64(0), y.shape[1])
 
 
 @njit(**_FMA_PARALLEL)
@@ -399,7 +399,7 @@ def _bias_act_parallel(y, b, op, pre, out):
 
 @njit(**_FMA)
 def _bias_act_inplace_serial(y, b, op):
-    _bias_act_inplace_rows(y, b, op, 0, y.shape[0], 0, y.shape[1])
+    _bias_act_inplace_rows(y, b, op, np.int64(0), y.shape[0], np.int64(0), y.shape[1])
 
 
 @njit(**_FMA_PARALLEL)
@@ -444,13 +444,13 @@ def _softmax_rows(x, out, r0, r1, log):
 
 @njit(**_FMA)
 def _softmax_rows_serial(x, out, log):
-    _softmax_rows(x, out, 0, x.shape[0], log)
+    _softmax_rows(x, out, np.int64(0), x.shape[0], log)
 
 
 @njit(**_FMA_PARALLEL)
 def _softmax_rows_parallel(x, out, log):
     for r in prange(x.shape[0]):
-        _softmax_rows(x, out, r, r + 1, log)
+        _softmax_rows(x, out, np.int64(r), r + 1, log)
 
 
 @njit(**_FMA)
@@ -495,7 +495,7 @@ def _softmax_strided_tile(x, out, a, lo, hi, log):
 @njit(**_FMA)
 def _softmax_strided_serial(x, out, log):
     for a in range(x.shape[0]):
-        _softmax_strided_tile(x, out, a, 0, x.shape[2], log)
+        _softmax_strided_tile(x, out, a, np.int64(0), x.shape[2], log)
 
 
 @njit(**_FMA_PARALLEL)
