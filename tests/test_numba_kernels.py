@@ -19,6 +19,7 @@ from taifuse.backends import _host
 from taifuse.backends import numba as nb
 from taifuse.backends import reference as ref
 from taifuse.backends.numba import _jit as nb_jit
+from taifuse.backends.numba import backward as nb_backward
 from taifuse.backends.numba import forward as nb_forward
 from taifuse.backends.numba._jit import _COL_TILE
 
@@ -358,7 +359,20 @@ def test_helpers_compile_once_for_the_serial_and_the_parallel_kernel(force_path)
         nb.relu(big, np.empty_like(big))
         nb.softmax(x[:3, :, :], np.empty_like(x[:3]))
         nb.batch_norm_stats(x, np.empty(4, np.float32), np.empty(4, np.float32))
-    for helper in (nb_forward._unary_block, nb_forward._softmax_rows, nb_batch_norm._stats_rows):
+        rows = x.reshape(600, 4)
+        w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+        out, mean, rstd = np.empty_like(rows), np.empty(600, np.float32), np.empty(600, np.float32)
+        nb.layer_norm(rows, w, b, 1e-5, out, mean, rstd)
+        grads = (np.empty_like(rows), np.empty_like(w), np.empty_like(b))
+        nb.layer_norm_backward(rows, w, mean, rstd, np.ones_like(rows), *grads)
+    helpers = (
+        nb_forward._unary_block,
+        nb_forward._softmax_rows,
+        nb_batch_norm._stats_rows,
+        nb_forward._layer_norm_row,
+        nb_backward._layer_norm_backward_chunk,
+    )
+    for helper in helpers:
         blind = [_integer_blind(sig) for sig in helper.signatures]
         assert len(blind) == len(set(blind)), f"{helper.py_func.__name__}: {helper.signatures}"
 

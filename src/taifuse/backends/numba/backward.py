@@ -787,8 +787,9 @@ def _layer_norm_backward_parallel(x, weight, mean, rstd, g, gx, gw, gb, part, ru
     rows = x.shape[0]
     per = _count(rows, chunks)
     for c in prange(chunks):
-        lo, hi = _bounds(c, rows, per)
-        _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, c, lo, hi)
+        ci = np.int64(c)  # NOTE [ One integer type per helper argument ] in _jit.py
+        lo, hi = _bounds(ci, rows, per)
+        _layer_norm_backward_chunk(x, weight, mean, rstd, g, gx, part, run, ci, lo, hi)
     if part is not None:
         _layer_norm_param_sums(part, gw, gb)
 

@@ -571,7 +571,7 @@ def _layer_norm_serial(x, weight, bias, eps, out, mean, rstd):
 @njit(**_FMA_PARALLEL)
 def _layer_norm_parallel(x, weight, bias, eps, out, mean, rstd):
     for r in prange(x.shape[0]):
-        _layer_norm_row(x, weight, bias, eps, out, mean, rstd, r)
+        _layer_norm_row(x, weight, bias, eps, out, mean, rstd, np.int64(r))
 
 
 # ----------------------------------------------------------------------------- rms norm
