@@ -41,6 +41,10 @@ ENV_KEYS = (
 SMALL_RUN = ("--quick", "--suite", "elementwise", "--processes", "2", "--blocks", "5", "--no-progress")
 ALLOWED = set(stats.VERDICTS) | {"not a comparison"}
 
+# The module-scoped first run is shared by three tests: under pytest-xdist (``--dist loadgroup``,
+# pyproject.toml) they run in one worker, or each worker would run its own minute-long bench.
+pytestmark = pytest.mark.xdist_group("bench_cli")
+
 
 # NOTE: one thread per library. This test checks the machinery (files, rows, the --baseline path
 # on unchanged code), not speed; on a shared 2-core machine a 2-thread parallel region waits for

@@ -162,10 +162,12 @@ def find_batch_size(
         try:
             step(size)
             times: list[float] = []
-            while len(times) < repeats or sum(times) < min_time:
+            elapsed = 0.0  # a running total: sum(times) each step was quadratic for a fast step
+            while len(times) < repeats or elapsed < min_time:
                 t0 = time.perf_counter()
                 step(size)
                 times.append(time.perf_counter() - t0)
+                elapsed += times[-1]
             median = statistics.median(times)
         except Exception as exc:
             if not _is_out_of_memory(exc):
