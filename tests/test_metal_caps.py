@@ -2,7 +2,7 @@
 
 Taichi allows one AOT module per process, so the check runs ``python -m
 taifuse.backends.metal_check`` in a subprocess (exit 2 = no Vulkan here: skip), once for all three
-tests: every kernel plus the two deliberate failures.
+checks: every kernel plus the two deliberate failures.
 """
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ import pytest
 
 pytest.importorskip("taichi")
 
-# One worker under pytest-xdist runs the shared check (``--dist loadgroup``, pyproject.toml).
-pytestmark = [pytest.mark.vulkan, pytest.mark.xdist_group("metal_check")]
+pytestmark = pytest.mark.vulkan
 
 
 SELFTESTS = ("selftest_f64", "selftest_bindings")
 
 
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory):
+def _checked(out):
     """One run of the check over every kernel plus the two that must fail (each whole run compiles
-    all 200-odd kernels, ~40 s of CPU, so the three tests share it)."""
-    out = tmp_path_factory.mktemp("metal_check")
+    all 200-odd kernels, ~40 s of CPU, so one test makes all three checks: under pytest-xdist a
+    shared module fixture runs once per worker)."""
     flags = ("--msl",) if shutil.which("spirv-cross") else ()
     result = subprocess.run(
         [
@@ -54,12 +52,18 @@ def _failures(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
 
 
-def test_every_kernel_passes_metal_capabilities_and_binding_limit(checked):
+def test_every_kernel_passes_metal_capabilities_and_the_check_can_fail(tmp_path):
+    result, aot, flags = _checked(tmp_path)
+    _every_kernel_passes(result, aot, flags)
+    _a_float64_kernel_fails_and_is_named(result)
+    _a_kernel_with_too_many_buffers_fails(result)
+
+
+def _every_kernel_passes(result, aot, flags) -> None:
     import importlib
 
     from taifuse.backends import _spec
 
-    result, aot, flags = checked
     # The modules the spec names for a Taichi kernel, and the Tensor math: a new kernel module is
     # checked with no edit here.
     modules = ["tensor_math", *dict.fromkeys(k.module for k in _spec.KERNELS if "taichi" in k.backends)]
@@ -89,13 +93,11 @@ def test_every_kernel_passes_metal_capabilities_and_binding_limit(checked):
         assert spvs and len(list(aot.glob("*.metal"))) == len(spvs)
 
 
-def test_a_float64_kernel_fails_the_check_and_is_named(checked):
-    result, _, _ = checked
+def _a_float64_kernel_fails_and_is_named(result) -> None:
     (line,) = [line for line in _failures(result) if line.startswith("FAIL selftest_f64")]
     assert "f64" in line.removeprefix("FAIL selftest_f64")
 
 
-def test_a_kernel_with_too_many_buffers_fails_the_check(checked):
-    result, _, _ = checked
+def _a_kernel_with_too_many_buffers_fails(result) -> None:
     (line,) = [line for line in _failures(result) if line.startswith("FAIL selftest_bindings")]
     assert "Metal allows 31" in line
