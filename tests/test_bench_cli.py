@@ -37,8 +37,13 @@ ENV_KEYS = (
     "fingerprint",
     "load_average",
 )
-# One suite, two processes per case, five ABBA blocks: both runs stay near a minute each on 2 cores.
-SMALL_RUN = ("--quick", "--suite", "elementwise", "--processes", "2", "--blocks", "5", "--no-progress")
+# One suite's small cases (--case: its 150M-element cases took 151 of a run's 189 s), two processes
+# per case, five ABBA blocks: both runs stay well under a minute each on 2 cores.
+SMALL_CASES = ("elementwise/gelu(approximate='tanh')", "elementwise/silu", "elementwise/add_relu", "elementwise/affine")
+SMALL_RUN = (
+    "--quick", "--suite", "elementwise", *(a for c in SMALL_CASES for a in ("--case", c)),
+    "--processes", "2", "--blocks", "5", "--no-progress",
+)  # fmt: skip
 ALLOWED = set(stats.VERDICTS) | {"not a comparison"}
 
 
@@ -70,6 +75,7 @@ def _check_json(out) -> None:
     result = json.loads((out / "results.json").read_text())
     rows = result["rows"]
     assert {r["kind"] for r in rows} >= {"roofline", "first_call", "control", "compare"}
+    assert {f"{r['suite']}/{r['case']}" for r in rows if r["kind"] == "compare"} == set(SMALL_CASES)
     for row in rows:
         for key in ROW_KEYS:
             assert row.get(key) is not None, (row["id"], key)
@@ -162,6 +168,24 @@ def test_out_that_cannot_be_a_directory_is_refused_before_measuring(no_measuring
     out = a_file / "sub" if under else a_file
     err = _refused(capsys, tmp_path, "--out", str(out))
     assert "--out" in err and "not a directory" in err
+
+
+def test_a_case_pattern_that_matches_nothing_is_refused_before_measuring(no_measuring, capsys, tmp_path):
+    out = tmp_path / "out"
+    err = _refused(capsys, tmp_path, "--out", str(out), "--case", "elementwise/silu", "--case", "elementwise/nope*")
+    assert "--case 'elementwise/nope*' matches no case" in err and "elementwise/silu" in err
+
+
+def test_case_patterns_select_by_shell_pattern_in_suite_order():
+    import taifuse.bench
+    from taifuse.bench.suites import load_cases
+
+    cases = load_cases(["elementwise"], quick=True, compare_torch=False)
+    ids = [c.id for c in taifuse.bench.select_cases(cases, ["*150M elements", "elementwise/silu"])]
+    assert ids == [c.id for c in cases if c.id.endswith("150M elements") or c.id == "elementwise/silu"]
+    assert "elementwise/silu" in ids and len(ids) == 1 + sum(c.id.endswith("150M elements") for c in cases) > 2
+    exact = taifuse.bench.select_cases(cases, ["elementwise/gelu(approximate='tanh')"])
+    assert [c.id for c in exact] == ["elementwise/gelu(approximate='tanh')"]  # not its 150M twin
 
 
 def _fake_measuring(monkeypatch):

@@ -47,6 +47,9 @@ def _add_bench_parser(sub) -> None:
     )
     bench.add_argument("--suite", action="append", choices=suite_names(), metavar="NAME",
                        help=f"run only this suite (repeatable); one of {', '.join(suite_names())}")
+    bench.add_argument("--case", action="append", metavar="PATTERN",
+                       help="run only the cases whose id (as in results.json, e.g. 'elementwise/silu', "
+                            "'cnn/*') matches this shell-style pattern (repeatable)")
     bench.add_argument("--quick", action="store_true", help="fewer processes and samples (same sizes), for CI")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--baseline", metavar="FILE",
@@ -85,6 +88,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
         result = taifuse.bench.run(
             args.suite, quick=args.quick, out=args.out, baseline=args.baseline, compare_torch=args.compare_torch,
             torch_device=args.torch_device, progress=not args.no_progress, command=" ".join(["taifuse", *argv]), plan=plan,
+            case_patterns=args.case,
         )
     except taifuse.bench.BenchArgumentError as e:  # raised before anything is measured
         print(f"taifuse bench: error: {e}", file=sys.stderr)

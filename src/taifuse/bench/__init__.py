@@ -25,7 +25,7 @@ from typing import Any
 from taifuse.bench.case import Case, Variant
 from taifuse.bench.harness import FULL, GOALS, QUICK, Plan
 
-__all__ = ["FULL", "GOALS", "QUICK", "BenchArgumentError", "Case", "Plan", "Variant", "check_out", "run"]
+__all__ = ["FULL", "GOALS", "QUICK", "BenchArgumentError", "Case", "Plan", "Variant", "check_out", "run", "select_cases"]
 
 
 class BenchArgumentError(ValueError):
@@ -70,6 +70,19 @@ def _progress(total: int, enabled: bool):
     return None
 
 
+def select_cases(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
+    """The cases whose id matches one of ``patterns`` (``fnmatch``: ``*``, ``?``, ``[seq]``;
+    case-sensitive), in their order. Raises :class:`BenchArgumentError` naming a pattern that
+    matches none of them, with the ids there are."""
+    import fnmatch
+
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(c.id, pattern) for c in cases):
+            ids = ", ".join(c.id for c in cases)
+            raise BenchArgumentError(f"--case {pattern!r} matches no case of the suites chosen (their ids: {ids})")
+    return [c for c in cases if any(fnmatch.fnmatchcase(c.id, p) for p in patterns)]
+
+
 def run(
     suites: Sequence[str] | None = None,
     *,
@@ -82,6 +95,7 @@ def run(
     plan: Plan | None = None,
     command: str | None = None,
     cases: Sequence[Case] | None = None,
+    case_patterns: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Measure the named suites (all when ``suites`` is empty) and return the result dict.
 
@@ -102,13 +116,15 @@ def run(
         cases: run these cases instead of whole suites (a script may drop baselines it does not
             need with ``dataclasses.replace(case, baselines=...)``); ``suites`` is then ignored.
             Each must come from a registered suite: worker processes rebuild cases by id.
+        case_patterns: keep only the cases whose id matches one of these shell-style patterns
+            (:func:`select_cases`; ``taifuse bench --case``).
 
     Returns a dict with ``environment``, ``method``, ``plan``, ``rows`` and, with ``baseline``,
     ``baseline`` (whose ``status`` is ``"regression"``, ``"ok"`` or ``"not comparable"``).
 
     Raises :class:`BenchArgumentError` before measuring anything when ``out`` is not a directory
-    that exists or can be created, or ``baseline`` is missing, not JSON, or lacks what the
-    comparison needs. The results are written to ``out`` before they are compared with
+    that exists or can be created, ``baseline`` is missing, not JSON, or lacks what the
+    comparison needs, or a pattern of ``case_patterns`` matches no case. The results are written to ``out`` before they are compared with
     ``baseline``, so a comparison that fails cannot lose a run.
     """
     from taifuse.bench import baseline as baseline_mod
@@ -145,7 +161,7 @@ def run(
         try:
             return run(
                 suites, quick=quick, out=out, baseline=baseline, compare_torch=compare_torch,
-                progress=progress, plan=plan, command=command, cases=cases,
+                progress=progress, plan=plan, command=command, cases=cases, case_patterns=case_patterns,
             )
         finally:
             if saved is None:
@@ -158,6 +174,8 @@ def run(
         if cases is not None
         else load_cases(list(suites or []), quick=quick, compare_torch=compare_torch)
     )
+    if case_patterns:
+        cases = select_cases(cases, case_patterns)
     load_before = env_mod.load_average()
     backend, backend_info = _active_backend()
     worker_env = worker_environment(backend, backend_info)
