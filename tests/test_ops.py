@@ -111,6 +111,32 @@ def test_linear(backend, activation, with_bias, dtype, data):
     check_op(backend, "linear", x, w, bias, activation=activation)
 
 
+@pytest.mark.parametrize("tiles", [(1, 8), (3, 3), (8, 8), (9, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_linear_on_each_launch_size(backend, tiles, monkeypatch):
+    # The shared-memory linear launches 8 or 64 blocks for a product of at most 8 or 64 output
+    # tiles of 64 x 64, else one block per tile (NOTE [ The dispatch size of a runtime range ]):
+    # 8, 9, 64 and 72 tiles, each with a ragged last tile, land on each side of both bounds.
+    (tn, tm), rng = tiles, np.random.default_rng(sum(tiles))
+    n, m = 64 * tn - 5, 64 * tm - 3
+    x = rng.standard_normal((n, 19)).astype(F32)
+    w = (rng.standard_normal((m, 19)) / np.sqrt(19)).astype(F32)
+    launched = []
+    if backend.name == "taichi" and backend.arch != "cpu":
+        from taifuse.backends.taichi import forward
+
+        kernels = forward.linear_kernels_for(np.dtype(F32))
+        def spy(name, kernel):
+            return lambda *args: (launched.append(name), kernel(*args))
+
+        for name in ("linear_act_shared", *(f"linear_act_shared_{g}" for g in forward.SHARED_GRIDS)):
+            monkeypatch.setattr(kernels, name, spy(name, getattr(kernels, name)))
+    check_op(backend, "linear", x, w, rng.standard_normal(m).astype(F32), activation="relu")
+    if launched:
+        tile_count = tn * tm
+        want = next((f"linear_act_shared_{g}" for g in (8, 64) if tile_count <= g), "linear_act_shared")
+        assert set(launched) == {want}, f"{tile_count} tiles launched {launched}"
+
+
 # ----------------------------------------------------------------------------- row reductions
 
 

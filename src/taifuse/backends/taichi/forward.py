@@ -53,6 +53,20 @@ BLOCK_N = 64
 BLOCK_M = 64
 BLOCK_K = 16
 BLOCK_THREADS = (BLOCK_N // TILE_N) * (BLOCK_M // TILE_M)
+# Launch sizes, in blocks, of the shared-memory linear's small-product kernels (NOTE [ The dispatch
+# size of a runtime range ]): a product of at most that many output tiles launches the smallest
+# that covers them; a larger one launches one block per tile (a runtime range).
+SHARED_GRIDS = (8, 64)
+
+# NOTE [ The dispatch size of a runtime range ]
+# Taichi 1.7's SPIR-V code generator launches a parallel loop whose range is known only at run time
+# (`for g in range(blocks * BLOCK_THREADS)`) as a grid-stride loop over 131072 threads, whatever
+# the range: 512 blocks of 256 threads for the shared-memory linear, all but a few of them finding
+# no work on a small product. A GPU retires an idle block in microseconds; lavapipe (the CPU Vulkan
+# of the Linux tests) spends ~0.2 ms of CPU on each idle block of a kernel with barriers, so a
+# linear of a few tiles cost ~90 ms of CPU per launch whatever its size (loaded machine). A
+# constant range launches exactly its length, so a product of at most 8 (64) tiles goes to a kernel
+# of 8 (64) blocks: ~4 ms there. A larger product keeps the runtime range: its blocks are busy.
 
 # ----------------------------------------------------------------------------- kernels
 #
@@ -244,67 +258,84 @@ def linear_kernels_for(dtype: np.dtype) -> SimpleNamespace:
                         v += ti.cast(b[m0 + j], ti.f32)
                     out[(n0 + i) * m_cols + m0 + j] = ti.cast(M.activate(v, act), T)
 
-    @ti.kernel
-    def linear_act_shared(
-        x: X, w: X, b: X, out: X, n_rows: ti.i32, m_cols: ti.i32, k_dim: ti.i32, has_bias: ti.i32, act: ti.i32
-    ):
-        # Same contract as linear_act, for archs with threadgroup memory (Metal, Vulkan, CUDA).
-        # Loop index g = block * BLOCK_THREADS + thread: the launch has exactly BLOCK_THREADS threads
-        # per block, so every thread of a block reaches each barrier the same number of times.
-        blocks_m = (m_cols + BLOCK_M - 1) // BLOCK_M
-        blocks = ((n_rows + BLOCK_N - 1) // BLOCK_N) * blocks_m
-        ti.loop_config(block_dim=BLOCK_THREADS)
-        for g in range(blocks * BLOCK_THREADS):
-            tid = g % BLOCK_THREADS
-            blk = g // BLOCK_THREADS
-            n_base = (blk // blocks_m) * BLOCK_N
-            m_base = (blk % blocks_m) * BLOCK_M
-            ty = tid // (BLOCK_M // TILE_M)
-            tx = tid % (BLOCK_M // TILE_M)
-            # K-major staging: a thread's TILE_N (TILE_M) operands for one k are contiguous.
-            xs = ti.simt.block.SharedArray((BLOCK_K * BLOCK_N,), ti.f32)
-            ws = ti.simt.block.SharedArray((BLOCK_K * BLOCK_M,), ti.f32)
-            acc = ti.Matrix.zero(ti.f32, TILE_N, TILE_M)
-            for chunk in range((k_dim + BLOCK_K - 1) // BLOCK_K):
-                k0 = chunk * BLOCK_K
-                # Cooperative, coalesced loads: consecutive threads read consecutive k of a row.
-                for r in ti.static(range(BLOCK_K * BLOCK_N // BLOCK_THREADS)):
-                    e = tid + r * BLOCK_THREADS
-                    row = e // BLOCK_K
-                    kk = e % BLOCK_K
-                    v = 0.0
-                    if n_base + row < n_rows and k0 + kk < k_dim:
-                        v = ti.cast(x[(n_base + row) * k_dim + k0 + kk], ti.f32)
-                    xs[kk * BLOCK_N + row] = v
-                for r in ti.static(range(BLOCK_K * BLOCK_M // BLOCK_THREADS)):
-                    e = tid + r * BLOCK_THREADS
-                    col = e // BLOCK_K
-                    kk = e % BLOCK_K
-                    v = 0.0
-                    if m_base + col < m_cols and k0 + kk < k_dim:
-                        v = ti.cast(w[(m_base + col) * k_dim + k0 + kk], ti.f32)
-                    ws[kk * BLOCK_M + col] = v
-                ti.simt.block.sync()
-                for kk in range(BLOCK_K):
-                    xv = ti.Vector.zero(ti.f32, TILE_N)
-                    wv = ti.Vector.zero(ti.f32, TILE_M)
-                    for i in ti.static(range(TILE_N)):
-                        xv[i] = xs[kk * BLOCK_N + ty * TILE_N + i]
-                    for j in ti.static(range(TILE_M)):
-                        wv[j] = ws[kk * BLOCK_M + tx * TILE_M + j]
+    def make_shared(grid: int):
+        @ti.kernel
+        def linear_act_shared(
+            x: X,
+            w: X,
+            b: X,
+            out: X,
+            n_rows: ti.i32,
+            m_cols: ti.i32,
+            k_dim: ti.i32,
+            has_bias: ti.i32,
+            act: ti.i32,
+        ):
+            # Same contract as linear_act, for archs with threadgroup memory (Metal, Vulkan, CUDA).
+            # Loop index g = block * BLOCK_THREADS + thread: the launch has exactly BLOCK_THREADS threads
+            # per block, so every thread of a block reaches each barrier the same number of times.
+            # grid = 0: one block per output tile (a runtime range); else exactly `grid` blocks (a
+            # constant range, NOTE [ The dispatch size of a runtime range ]), block g // BLOCK_THREADS
+            # computing tiles g // BLOCK_THREADS, + grid, ... (at most one each: the caller's choice).
+            blocks_m = (m_cols + BLOCK_M - 1) // BLOCK_M
+            blocks = ((n_rows + BLOCK_N - 1) // BLOCK_N) * blocks_m
+            ti.loop_config(block_dim=BLOCK_THREADS)
+            for g in range(blocks * BLOCK_THREADS if ti.static(grid == 0) else grid * BLOCK_THREADS):
+                tid = g % BLOCK_THREADS
+                ty = tid // (BLOCK_M // TILE_M)
+                tx = tid % (BLOCK_M // TILE_M)
+                # K-major staging: a thread's TILE_N (TILE_M) operands for one k are contiguous.
+                xs = ti.simt.block.SharedArray((BLOCK_K * BLOCK_N,), ti.f32)
+                ws = ti.simt.block.SharedArray((BLOCK_K * BLOCK_M,), ti.f32)
+                blk = g // BLOCK_THREADS
+                while blk < blocks:
+                    n_base = (blk // blocks_m) * BLOCK_N
+                    m_base = (blk % blocks_m) * BLOCK_M
+                    acc = ti.Matrix.zero(ti.f32, TILE_N, TILE_M)
+                    for chunk in range((k_dim + BLOCK_K - 1) // BLOCK_K):
+                        k0 = chunk * BLOCK_K
+                        # Cooperative, coalesced loads: consecutive threads read consecutive k of a row.
+                        for r in ti.static(range(BLOCK_K * BLOCK_N // BLOCK_THREADS)):
+                            e = tid + r * BLOCK_THREADS
+                            row = e // BLOCK_K
+                            kk = e % BLOCK_K
+                            v = 0.0
+                            if n_base + row < n_rows and k0 + kk < k_dim:
+                                v = ti.cast(x[(n_base + row) * k_dim + k0 + kk], ti.f32)
+                            xs[kk * BLOCK_N + row] = v
+                        for r in ti.static(range(BLOCK_K * BLOCK_M // BLOCK_THREADS)):
+                            e = tid + r * BLOCK_THREADS
+                            col = e // BLOCK_K
+                            kk = e % BLOCK_K
+                            v = 0.0
+                            if m_base + col < m_cols and k0 + kk < k_dim:
+                                v = ti.cast(w[(m_base + col) * k_dim + k0 + kk], ti.f32)
+                            ws[kk * BLOCK_M + col] = v
+                        ti.simt.block.sync()
+                        for kk in range(BLOCK_K):
+                            xv = ti.Vector.zero(ti.f32, TILE_N)
+                            wv = ti.Vector.zero(ti.f32, TILE_M)
+                            for i in ti.static(range(TILE_N)):
+                                xv[i] = xs[kk * BLOCK_N + ty * TILE_N + i]
+                            for j in ti.static(range(TILE_M)):
+                                wv[j] = ws[kk * BLOCK_M + tx * TILE_M + j]
+                            for i, j in ti.static(ti.ndrange(TILE_N, TILE_M)):
+                                acc[i, j] += xv[i] * wv[j]
+                        ti.simt.block.sync()  # the next chunk overwrites xs/ws
                     for i, j in ti.static(ti.ndrange(TILE_N, TILE_M)):
-                        acc[i, j] += xv[i] * wv[j]
-                ti.simt.block.sync()  # the next chunk overwrites xs/ws
-            for i, j in ti.static(ti.ndrange(TILE_N, TILE_M)):
-                n = n_base + ty * TILE_N + i
-                m = m_base + tx * TILE_M + j
-                if n < n_rows and m < m_cols:
-                    v = acc[i, j]
-                    if has_bias != 0:
-                        v += ti.cast(b[m], ti.f32)
-                    out[n * m_cols + m] = ti.cast(M.activate(v, act), T)
+                        n = n_base + ty * TILE_N + i
+                        m = m_base + tx * TILE_M + j
+                        if n < n_rows and m < m_cols:
+                            v = acc[i, j]
+                            if has_bias != 0:
+                                v += ti.cast(b[m], ti.f32)
+                            out[n * m_cols + m] = ti.cast(M.activate(v, act), T)
+                    blk += blocks if ti.static(grid == 0) else grid
 
-    return SimpleNamespace(linear_act=linear_act, linear_act_shared=linear_act_shared)
+        return linear_act_shared
+
+    small = {f"linear_act_shared_{grid}": make_shared(grid) for grid in SHARED_GRIDS}
+    return SimpleNamespace(linear_act=linear_act, linear_act_shared=make_shared(0), **small)
 
 
 @functools.cache
@@ -613,7 +644,12 @@ def linear_act(
     n_rows, k_dim = x.shape
     m_cols = w.shape[0]
     kernels = linear_kernels_for(x.dtype)
-    kernel = kernels.linear_act_shared if _on_gpu() else kernels.linear_act
+    if _on_gpu():
+        blocks = -(-n_rows // BLOCK_N) * -(-m_cols // BLOCK_M)
+        grid = next((g for g in SHARED_GRIDS if blocks <= g), None)
+        kernel = kernels.linear_act_shared if grid is None else getattr(kernels, f"linear_act_shared_{grid}")
+    else:
+        kernel = kernels.linear_act
     # With k_dim = 0, x and w are empty (no storage) and the kernels' K loops read nothing: a
     # stand-in gets them launched, and out is activation(bias), or zeros without a bias.
     kernel(
