@@ -127,6 +127,92 @@ def test_long_sums_take_several_passes(taichi):
     np.testing.assert_allclose(cols, a.astype(np.float64).sum(axis=1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("partials", [1024, 1025, 16384, 16385, 3 * 20000])
+def test_sum_on_each_launch_size(taichi, partials, op, monkeypatch):
+    """A GPU launches a reduction pass of at most 1024 (16384) partials as a constant range of
+    exactly 1024 (16384) threads, a larger one as a runtime range (NOTE [ The dispatch size of a
+    runtime range ] in forward.py): sizes on each side of both bounds, one pass each (rows of 3
+    terms), and a two-pass one (3 rows of 20000: 237 partials, then 3)."""
+    from taifuse.backends.taichi import tensor_math as tm
+    from taifuse.backends.taichi._runtime import _on_gpu
+
+    rows, cols = (partials, 3) if partials < 3 * 20000 else (3, 20000)
+    a = np.random.default_rng(partials).standard_normal((rows, cols)).astype(np.float32)
+    launched = []
+    if _on_gpu():
+        kernels = tm.reduce_kernels_for(np.dtype(np.float32))
+        for name, kernel in list(vars(kernels).items()):
+            monkeypatch.setattr(
+                kernels, name, lambda *args, _n=name, _k=kernel: (launched.append(_n), _k(*args))
+            )
+    got = getattr(tm.TENSOR_MATH, op)(taichi.from_numpy(a), (1,), False).numpy()
+    _close(got, getattr(a.astype(np.float64), op)(axis=1), np.float32)
+    if launched:
+        stem = "reduce" if op == "sum" else "max"
+        want = {
+            1024: [f"{stem}_same_1024"],
+            1025: [f"{stem}_same_16384"],
+            16384: [f"{stem}_same_16384"],
+            16385: [f"{stem}_same"],
+            3 * 20000: [f"{stem}_to_f32_1024", f"{stem}_same_1024"],
+        }[partials]
+        assert launched == want
+
+
+@pytest.mark.parametrize("tiles", [(1, 32, 32), (5, 5, 41), (4, 64, 64), (1, 113, 145)], ids=str)
+def test_matmul_on_each_launch_size(taichi, tiles):
+    """A GPU launches a matmul of at most 1024 (16384) output tiles of TILE x TILE, batches
+    included, as a constant range of exactly 1024 (16384) threads, a larger one as a runtime range
+    (NOTE [ The dispatch size of a runtime range ] in forward.py): 1024, 1025, 16384 and 16385
+    tiles, each with ragged edge tiles."""
+    from taifuse.backends.taichi import tensor_math as tm
+    from taifuse.backends.taichi._runtime import _on_gpu
+
+    batch, tn, tm_ = tiles
+    rng = np.random.default_rng(sum(tiles))
+    a = rng.standard_normal((batch, tm.TILE * tn - 1, 3)).astype(np.float32)
+    b = rng.standard_normal((batch, 3, tm.TILE * tm_ - 3)).astype(np.float32)
+    kernels = tm.matmul_kernels_for(np.dtype(np.float32))
+    launched = []
+    names = ["matmul", *(f"matmul_{g}" for g in tm.SMALL_GRIDS)]
+    with pytest.MonkeyPatch.context() as mp:
+        for name in names:
+            kernel = getattr(kernels, name)
+            mp.setattr(kernels, name, lambda *args, _n=name, _k=kernel: (launched.append(_n), _k(*args)))
+        got = tm.TENSOR_MATH.matmul(taichi.from_numpy(a), taichi.from_numpy(b)).numpy()
+    _close(got, a.astype(np.float64) @ b.astype(np.float64), np.float32)
+    count = batch * tn * tm_
+    want = next((f"matmul_{g}" for g in (1024, 16384) if count <= g), "matmul") if _on_gpu() else "matmul"
+    assert launched == [want], f"{count} tiles launched {launched}"
+
+
+@pytest.mark.parametrize("n", [1024, 1025, 16384, 16385])
+def test_add_inplace_on_each_launch_size(taichi, n):
+    """A GPU launches an in-place op with an array operand on at most 1024 (16384) elements as a
+    constant range of exactly 1024 (16384) threads, a larger one as a runtime range (NOTE [ The
+    dispatch size of a runtime range ] in forward.py): sizes on each side of both bounds, the
+    operand broadcast along the first axis (a strided read)."""
+    from taifuse.backends.taichi import tensor_math as tm
+    from taifuse.backends.taichi._runtime import _on_gpu
+
+    rng = np.random.default_rng(n)
+    acc = rng.standard_normal((n // 5, 5) if n % 5 == 0 else (n,)).astype(np.float32)
+    b = rng.standard_normal(acc.shape[-1]).astype(np.float32)
+    kernels = tm.elementwise_kernels_for(np.dtype(np.float32))
+    launched = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ["inplace", *(f"inplace_{g}" for g in tm.SMALL_GRIDS)]:
+            kernel = getattr(kernels, name)
+            mp.setattr(kernels, name, lambda *args, _n=name, _k=kernel: (launched.append(_n), _k(*args)))
+        d = taichi.from_numpy(acc)
+        tm.TENSOR_MATH.sub_(d, taichi.from_numpy(b))
+        got = d.numpy()
+    _close(got, acc.astype(np.float64) - b, np.float32)
+    want = next((f"inplace_{g}" for g in (1024, 16384) if n <= g), "inplace") if _on_gpu() else "inplace"
+    assert launched == [want], f"{n} elements launched {launched}"
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize(
     "sa, sb",

@@ -67,6 +67,9 @@ SHARED_GRIDS = (8, 64)
 # linear of a few tiles cost ~90 ms of CPU per launch whatever its size (loaded machine). A
 # constant range launches exactly its length, so a product of at most 8 (64) tiles goes to a kernel
 # of 8 (64) blocks: ~4 ms there. A larger product keeps the runtime range: its blocks are busy.
+# Kernels without barriers pay too (~10-20 ms of CPU per launch on lavapipe, loaded machine, for a
+# reduction pass, a matmul or an in-place op of a few elements): tensor_math launches those of at
+# most 1024 (16384) threads' work as a constant range of exactly that many (SMALL_GRIDS).
 
 # ----------------------------------------------------------------------------- kernels
 #

@@ -42,6 +42,7 @@ from taifuse.backends.taichi._runtime import (
     INDEX_DTYPE,
     _import_taichi,
     _nd,
+    _on_gpu,
     _ti_dtype,
     from_numpy,
     is_array,
@@ -49,6 +50,11 @@ from taifuse.backends.taichi._runtime import (
 
 MAX_DIMS = 6  # dimensions a kernel indexes after merging (NOTE [ Strided views in kernels ])
 REDUCE_CHUNK = 256  # terms one thread adds per reduction pass (NOTE [ Loop limits in reductions ])
+# Launch sizes, in threads, of the small kernels of the reduction passes and matmul (NOTE [ The
+# dispatch size of a runtime range ] in forward.py): on a GPU, a launch of at most that many threads'
+# work (partials, output tiles) launches the smallest that covers it; a larger one launches one
+# thread per item (a runtime range).
+SMALL_GRIDS = (1024, 16384)
 # Register tile of matmul: each thread owns TILE x TILE outputs.
 TILE = 4
 
@@ -150,11 +156,19 @@ def elementwise_kernels_for(dtype: Any) -> SimpleNamespace:
                 r = _apply(op, u, s)
             out[i] = ti.cast(r, T)
 
-    @ti.kernel
-    def inplace(acc: X, b: X, op: ti.i32, n: ti.i32, shape: V, sb: V):
-        for i in range(n):
-            v = ti.cast(b[_offset(i, shape, sb)], ti.f32)
-            acc[i] = ti.cast(_apply(op, ti.cast(acc[i], ti.f32), v), T)
+    def make_inplace(grid):
+        @ti.kernel
+        def inplace(acc: X, b: X, op: ti.i32, n: ti.i32, shape: V, sb: V):
+            # grid = 0: a runtime range of n; else exactly `grid` threads, the first n working (NOTE
+            # [ The dispatch size of a runtime range ] in forward.py): the caller's choice.
+            for i in range(n if ti.static(grid == 0) else grid):
+                if i < n:
+                    v = ti.cast(b[_offset(i, shape, sb)], ti.f32)
+                    acc[i] = ti.cast(_apply(op, ti.cast(acc[i], ti.f32), v), T)
+
+        return inplace
+
+    inplace = make_inplace(0)
 
     @ti.kernel
     def inplace_scalar(acc: X, s: ti.f32, op: ti.i32, n: ti.i32):
@@ -225,6 +239,7 @@ def elementwise_kernels_for(dtype: Any) -> SimpleNamespace:
         cast_from_f32=cast_from_f32,
         cast_to_f32=cast_to_f32,
         unary=unary,
+        **{f"inplace_{grid}": make_inplace(grid) for grid in SMALL_GRIDS},
     )
 
 
@@ -240,7 +255,7 @@ def reduce_kernels_for(dtype: Any) -> SimpleNamespace:
     F32 = ti.types.ndarray(dtype=ti.f32, ndim=1)
     V, _offset = _strided().V, _strided().offset
 
-    def make_reduce(IN, OUT, OUT_T, is_max):
+    def make_reduce(IN, OUT, OUT_T, is_max, grid):
         @ti.kernel
         def reduce(
             x: IN,
@@ -255,32 +270,40 @@ def reduce_kernels_for(dtype: Any) -> SimpleNamespace:
             scale: ti.f32,
         ):
             # out[o * chunks + c] = scale * the sum (or the NaN-propagating max) of terms
-            # c*REDUCE_CHUNK ... of output o's reduced set.
-            for t in range(n_out * chunks):
-                o = t // chunks
-                c = t % chunks
-                base = _offset(o, kshape, kstride)
-                s = 0.0
-                if ti.static(is_max):
-                    s = -ti.math.inf
-                for r in range(c * REDUCE_CHUNK, ti.min(c * REDUCE_CHUNK + REDUCE_CHUNK, r_total)):
-                    v = ti.cast(x[base + _offset(r, rshape, rstride)], ti.f32)
+            # c*REDUCE_CHUNK ... of output o's reduced set. grid = 0: a runtime range of one thread
+            # per partial; else exactly `grid` threads (a constant range, NOTE [ The dispatch size of
+            # a runtime range ] in forward.py), of which the first n_out * chunks work: the caller
+            # launches it only when they are at most `grid`.
+            for t in range(n_out * chunks if ti.static(grid == 0) else grid):
+                if t < n_out * chunks:
+                    o = t // chunks
+                    c = t % chunks
+                    base = _offset(o, kshape, kstride)
+                    s = 0.0
                     if ti.static(is_max):
-                        s = M.nan_max(s, v)
-                    else:
-                        s += v
-                out[t] = ti.cast(s * scale, OUT_T)
+                        s = -ti.math.inf
+                    for r in range(c * REDUCE_CHUNK, ti.min(c * REDUCE_CHUNK + REDUCE_CHUNK, r_total)):
+                        v = ti.cast(x[base + _offset(r, rshape, rstride)], ti.f32)
+                        if ti.static(is_max):
+                            s = M.nan_max(s, v)
+                        else:
+                            s += v
+                    out[t] = ti.cast(s * scale, OUT_T)
 
         return reduce
 
-    return SimpleNamespace(
-        reduce_to_f32=make_reduce(X, F32, ti.f32, False),
-        reduce_from_f32=make_reduce(F32, X, T, False),
-        reduce_same=make_reduce(X, X, T, False),
-        max_to_f32=make_reduce(X, F32, ti.f32, True),
-        max_from_f32=make_reduce(F32, X, T, True),
-        max_same=make_reduce(X, X, T, True),
-    )
+    kernels = {}
+    for grid in (0, *SMALL_GRIDS):
+        suffix = f"_{grid}" if grid else ""
+        kernels.update({
+            f"reduce_to_f32{suffix}": make_reduce(X, F32, ti.f32, False, grid),
+            f"reduce_from_f32{suffix}": make_reduce(F32, X, T, False, grid),
+            f"reduce_same{suffix}": make_reduce(X, X, T, False, grid),
+            f"max_to_f32{suffix}": make_reduce(X, F32, ti.f32, True, grid),
+            f"max_from_f32{suffix}": make_reduce(F32, X, T, True, grid),
+            f"max_same{suffix}": make_reduce(X, X, T, True, grid),
+        })  # fmt: skip
+    return SimpleNamespace(**kernels)
 
 
 @functools.cache
@@ -292,54 +315,62 @@ def matmul_kernels_for(dtype: Any) -> SimpleNamespace:
     X = ti.types.ndarray(dtype=T, ndim=1)
     V, _offset = _strided().V, _strided().offset
 
-    @ti.kernel
-    def matmul(
-        a: X,
-        b: X,
-        out: X,
-        n_rows: ti.i32,
-        m_cols: ti.i32,
-        k_dim: ti.i32,
-        batch: ti.i32,
-        bshape: V,
-        sa_batch: V,
-        sb_batch: V,
-        sa_n: ti.i32,
-        sa_k: ti.i32,
-        sb_k: ti.i32,
-        sb_m: ti.i32,
-    ):
-        # out[p, n, m] = sum_k a[p, n, k] * b[p, k, m] for out (batch, n_rows, m_cols) C-contiguous and
-        # a, b read through strides (NOTE [ Strided views in kernels ]). One TILE x TILE register tile
-        # per thread; edge tiles clamp their loads and mask their stores.
-        tiles_m = (m_cols + TILE - 1) // TILE
-        tiles = ((n_rows + TILE - 1) // TILE) * tiles_m
-        for t in range(batch * tiles):
-            p = t // tiles
-            tt = t % tiles
-            n0 = (tt // tiles_m) * TILE
-            m0 = (tt % tiles_m) * TILE
-            a0 = _offset(p, bshape, sa_batch)
-            b0 = _offset(p, bshape, sb_batch)
-            arow = ti.Vector([0] * TILE, dt=ti.i32)
-            bcol = ti.Vector([0] * TILE, dt=ti.i32)
-            for i in ti.static(range(TILE)):
-                arow[i] = a0 + ti.min(n0 + i, n_rows - 1) * sa_n
-                bcol[i] = b0 + ti.min(m0 + i, m_cols - 1) * sb_m
-            acc = ti.Matrix.zero(ti.f32, TILE, TILE)
-            for k in range(k_dim):
-                av = ti.Vector.zero(ti.f32, TILE)
-                bv = ti.Vector.zero(ti.f32, TILE)
-                for i in ti.static(range(TILE)):
-                    av[i] = ti.cast(a[arow[i] + k * sa_k], ti.f32)
-                    bv[i] = ti.cast(b[bcol[i] + k * sb_k], ti.f32)
-                for i, j in ti.static(ti.ndrange(TILE, TILE)):
-                    acc[i, j] += av[i] * bv[j]
-            for i, j in ti.static(ti.ndrange(TILE, TILE)):
-                if n0 + i < n_rows and m0 + j < m_cols:
-                    out[(p * n_rows + n0 + i) * m_cols + m0 + j] = ti.cast(acc[i, j], T)
+    def make_matmul(grid):
+        @ti.kernel
+        def matmul(
+            a: X,
+            b: X,
+            out: X,
+            n_rows: ti.i32,
+            m_cols: ti.i32,
+            k_dim: ti.i32,
+            batch: ti.i32,
+            bshape: V,
+            sa_batch: V,
+            sb_batch: V,
+            sa_n: ti.i32,
+            sa_k: ti.i32,
+            sb_k: ti.i32,
+            sb_m: ti.i32,
+        ):
+            # out[p, n, m] = sum_k a[p, n, k] * b[p, k, m] for out (batch, n_rows, m_cols) C-contiguous and
+            # a, b read through strides (NOTE [ Strided views in kernels ]). One TILE x TILE register tile
+            # per thread; edge tiles clamp their loads and mask their stores. grid = 0: a runtime range of
+            # one thread per tile; else exactly `grid` threads (a constant range, NOTE [ The dispatch
+            # size of a runtime range ] in forward.py), of which the first batch * tiles work: the
+            # caller launches it only when they are at most `grid`.
+            tiles_m = (m_cols + TILE - 1) // TILE
+            tiles = ((n_rows + TILE - 1) // TILE) * tiles_m
+            for t in range(batch * tiles if ti.static(grid == 0) else grid):
+                if t < batch * tiles:
+                    p = t // tiles
+                    tt = t % tiles
+                    n0 = (tt // tiles_m) * TILE
+                    m0 = (tt % tiles_m) * TILE
+                    a0 = _offset(p, bshape, sa_batch)
+                    b0 = _offset(p, bshape, sb_batch)
+                    arow = ti.Vector([0] * TILE, dt=ti.i32)
+                    bcol = ti.Vector([0] * TILE, dt=ti.i32)
+                    for i in ti.static(range(TILE)):
+                        arow[i] = a0 + ti.min(n0 + i, n_rows - 1) * sa_n
+                        bcol[i] = b0 + ti.min(m0 + i, m_cols - 1) * sb_m
+                    acc = ti.Matrix.zero(ti.f32, TILE, TILE)
+                    for k in range(k_dim):
+                        av = ti.Vector.zero(ti.f32, TILE)
+                        bv = ti.Vector.zero(ti.f32, TILE)
+                        for i in ti.static(range(TILE)):
+                            av[i] = ti.cast(a[arow[i] + k * sa_k], ti.f32)
+                            bv[i] = ti.cast(b[bcol[i] + k * sb_k], ti.f32)
+                        for i, j in ti.static(ti.ndrange(TILE, TILE)):
+                            acc[i, j] += av[i] * bv[j]
+                    for i, j in ti.static(ti.ndrange(TILE, TILE)):
+                        if n0 + i < n_rows and m0 + j < m_cols:
+                            out[(p * n_rows + n0 + i) * m_cols + m0 + j] = ti.cast(acc[i, j], T)
 
-    return SimpleNamespace(matmul=matmul)
+        return matmul
+
+    small = {f"matmul_{grid}": make_matmul(grid) for grid in SMALL_GRIDS}
+    return SimpleNamespace(matmul=make_matmul(0), **small)
 
 
 @functools.cache
@@ -570,17 +601,21 @@ def reduce_into(
     src = x
     while True:
         chunks = -(-r_total // REDUCE_CHUNK)
+        # A GPU launches a small pass as a constant range; the CPU has no idle blocks to save.
+        grid = next((g for g in SMALL_GRIDS if n_out * chunks <= g), None) if _on_gpu() else None
+        suffix = "" if grid is None else f"_{grid}"
         src_k = reduce_kernels_for(src.dtype)
         if chunks == 1:
             if src.dtype == out.dtype:
-                kernel = src_k.max_same if take_max else src_k.reduce_same
+                name = "max_same" if take_max else "reduce_same"
+                kernel = getattr(src_k, name + suffix)
             else:  # float32 partials into a float16 result
-                out_k = reduce_kernels_for(out.dtype)
-                kernel = out_k.max_from_f32 if take_max else out_k.reduce_from_f32
+                name = "max_from_f32" if take_max else "reduce_from_f32"
+                kernel = getattr(reduce_kernels_for(out.dtype), name + suffix)
             kernel(_nd(src), _nd(out), n_out, 1, r_total, kshape, kstride, rshape, rstride, float(scale))
             return
         partial = _new((n_out, chunks), np.float32)
-        (src_k.max_to_f32 if take_max else src_k.reduce_to_f32)(
+        getattr(src_k, ("max_to_f32" if take_max else "reduce_to_f32") + suffix)(
             _nd(src), _nd(partial), n_out, chunks, r_total, kshape, kstride, rshape, rstride, 1.0
         )
         # The next pass reduces each output's row of float32 partials.
@@ -843,7 +878,8 @@ class TaichiMath:
         if a.dtype != acc.dtype:
             raise TypeError(f"in-place operand has dtype {a.dtype}, the array {acc.dtype}")
         geo = _merge(acc.shape, _broadcast_strides(a.shape, acc.shape))
-        k.inplace(_nd(acc), _nd(a), op, acc.size, *geo)
+        grid = next((g for g in SMALL_GRIDS if acc.size <= g), None) if _on_gpu() else None
+        (k.inplace if grid is None else getattr(k, f"inplace_{grid}"))(_nd(acc), _nd(a), op, acc.size, *geo)
 
     @staticmethod
     def add_(acc: Any, a: Any) -> None:
@@ -1035,7 +1071,10 @@ def matmul_into(
         tuple(s * ra * ca for s in a_batch_strides),
         tuple(s * rb * cb for s in b_batch_strides),
     )
-    matmul_kernels_for(out.dtype).matmul(
+    tiles = batch * -(-n // TILE) * -(-m // TILE)
+    grid = next((g for g in SMALL_GRIDS if tiles <= g), None) if _on_gpu() else None
+    kernels = matmul_kernels_for(out.dtype)
+    (kernels.matmul if grid is None else getattr(kernels, f"matmul_{grid}"))(
         _nd(a), _nd(b), _nd(out), n, m, k, batch, bshape, sab, sbb, sa_n, sa_k, sb_k, sb_m
     )
 
