@@ -130,10 +130,11 @@ so the bits of the Python items (tested). OpenBLAS is held to one thread for the
 (``_blas_single_threaded``): its pthreads build then runs each call on the calling thread, and
 calls from several threads at once are safe (its buffers are allocated under a lock; NumPy's
 wheels ship that build). Where the address is not found the Python items run. At the CIFAR-like
-32 -> 64 layer the kernel did not win by a clear margin (a loaded machine's CPU time, 7
-interleaved rounds in subprocesses: forward 0.95x [0.81, 1.18], backward 1.06x [0.81, 1.63] of the
-Python items' speed): the per-call overhead it removes (~5 us over 192 calls a forward, ~1 ms) is
-a few percent of the products' time.
+32 -> 64 layer the kernel did not win by a clear margin in CPU time (a loaded machine's, 14
+interleaved rounds in subprocesses, the Python items' time over the kernel's: forward 0.98x [0.81,
+2.05], backward 1.04x [0.76, 1.63]; wall 1.34x and 1.17x, with niced processes on busy cores):
+the per-call overhead it removes (~5 us over 192 calls a forward, ~1 ms) is a few percent of the
+products' time.
 
 NOTE [ Pooling fast paths ]
 * ``MaxPool2d(2)`` (2 x 2 windows, stride 2, no dilation) with every window inside the input (no
