@@ -279,3 +279,49 @@ def test_blas_gemm_is_numpys_and_accumulates_strided_operands(monkeypatch):
     monkeypatch.setattr(_blas, "_found", None)
     assert _blas.gemm(np.float32) is not None
     assert _blas._found["library"] == ours[0]["filepath"]
+
+
+# Geometries whose items are implicit GEMMs of one image landing in place, which one parallel
+# Numba kernel runs, calling ?gemm itself (NOTE [ BLAS from Numba threads ]): odd sizes, N = 1.
+IN_NUMBA = {
+    "one-image-items": GEOMETRIES["one-image-items"],
+    "N1-odd": (1, 5, 7, 13, 7, (3, 3), (1, 1), (1, 1), (1, 1), 1, "relu", True),
+    "groups3-in-place": GEOMETRIES["groups3-in-place"],
+    "N1-dilation2-pre": (1, 3, 11, 40, 5, (3, 3), (1, 1), (2, 2), (2, 2), 1, "gelu", False),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("geometry", IN_NUMBA.values(), ids=IN_NUMBA.keys())
+def test_numba_conv2d_gemm_from_numba_matches_the_python_items(geometry, dtype, threads, banded, monkeypatch):
+    if _blas.address(dtype) is None:
+        pytest.skip("no OpenBLAS with CBLAS loaded: the forward takes the Python items")
+    monkeypatch.setattr(nb_conv, "IMPLICIT_MIN_K", 0)
+    taken = []
+    in_numba = nb_conv._Forward.in_numba
+    monkeypatch.setattr(nb_conv._Forward, "in_numba", lambda self: taken.append(in_numba(self)) or taken[-1])
+    x, wt, b, shape = _arrays(geometry, dtype)
+    *_, stride, padding, dilation, groups, act, _bias = geometry
+    keep = act in _SPLIT
+    results = []
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(_threads(threads))
+        for hidden in (False, True):  # the library's ?gemm address found, then not found: the fallback
+            if hidden:
+                monkeypatch.setattr(_blas, "address", lambda dtype: None)
+            out = np.empty(shape, dtype)
+            pre = np.empty(shape, dtype) if keep else None
+            nb_conv.conv2d(x, wt, b, stride, padding, dilation, groups, act, out, pre)
+            results.append((out, pre))
+    finally:
+        numba.set_num_threads(before)
+    assert taken == [True, False]
+    (out, pre), (out_py, pre_py) = results
+    np.testing.assert_array_equal(out, out_py)  # the same products on the same operands
+    if keep:
+        np.testing.assert_array_equal(pre, pre_py)
+    expected = np.empty(shape)
+    ref.conv2d(_f64(x), _f64(wt), _f64(b), stride, padding, dilation, groups, act, expected)
+    np.testing.assert_array_less(np.abs(out - expected), TOLERANCE[dtype] * _scale(x, wt, b, geometry, shape))

@@ -28,6 +28,7 @@ import pytest
 numba = pytest.importorskip("numba")
 
 from taifuse.backends import reference as ref
+from taifuse.backends.numba import _blas
 from taifuse.backends.numba import conv as nb_conv
 
 # (N, C, H, W, OC, (kh, kw), stride, padding, dilation, groups, activation)
@@ -219,3 +220,38 @@ def test_numba_conv2d_batch_norm_backward_work_items_match_the_reference(geometr
     np.testing.assert_array_less(np.abs(gw.astype(np.float64) - ew), TOLERANCE[dtype] * scale[1])
     np.testing.assert_allclose(gbb, ebb, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(gbw, ebw, rtol=1e-5, atol=1e-4)
+
+
+# Geometries whose parts one parallel Numba kernel runs, calling ?gemm itself (NOTE [ BLAS from
+# Numba threads ]): both orders of grad_w's product, groups, stride 2, steps of several images.
+IN_NUMBA = {
+    "small-images": GEOMETRIES["small-images"],
+    "1x1-stride2-groups2": GEOMETRIES["1x1-stride2-groups2"],
+    "7x7-dilation2-H!=W": GEOMETRIES["7x7-dilation2-H!=W"],
+    "N1-depthwise": GEOMETRIES["N1-depthwise"],
+    "N2-odd": (2, 33, 13, 7, 5, (3, 3), (1, 1), (1, 1), (1, 1), 1, "relu"),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("geometry", IN_NUMBA.values(), ids=IN_NUMBA.keys())
+def test_numba_conv2d_backward_gemm_from_numba_matches_the_python_items(
+    geometry, dtype, threads, monkeypatch
+):
+    """The kernel's parts give the Python items' bits (the same products, summed in the same
+    order), and where the library's ?gemm address is not found the Python items run."""
+    if _blas.address(np.float32) is None:
+        pytest.skip("no OpenBLAS with CBLAS loaded: the backward takes the Python items")
+    taken = []
+    in_numba = nb_conv._Backward._in_numba
+    monkeypatch.setattr(
+        nb_conv._Backward, "_in_numba", lambda self: taken.append(in_numba(self)) or taken[-1]
+    )
+    x, wt, pre, g = _arrays(geometry, dtype)
+    new = _backward(geometry, x, wt, pre, g, WANTS["all"], threads)
+    monkeypatch.setattr(_blas, "address", lambda dtype: None)
+    old = _backward(geometry, x, wt, pre, g, WANTS["all"], threads)
+    assert [t is not None for t in taken] == [True, False]
+    for what, a, b in zip(("grad_x", "grad_w", "grad_b"), new, old):
+        np.testing.assert_array_equal(a, b, err_msg=what)

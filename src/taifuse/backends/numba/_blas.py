@@ -16,6 +16,10 @@ calls from the workers then ran on both cores' spinning threads, 20-30 times slo
 ``cblas_sgemm`` or, as NumPy 2's wheels ship OpenBLAS, prefixed and suffixed
 (``scipy_cblas_sgemm64_``); its integers are 64-bit when ``openblas_get_config()`` says
 ``USE64BITINT``. A product of small known operands checks the binding once before it is used.
+
+``address(dtype)`` is the same function's raw address and whether its integers are 64-bit, for
+jitted code that calls it itself (``call_gemm``: NOTE [ BLAS from Numba threads ] in conv.py),
+with no Python, ctypes or GIL between the calls; None where ``gemm`` is None.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 _ROW_MAJOR, _NO_TRANS = 101, 111
 _PREFIXES = ("scipy_", "")
 _SUFFIXES = ("64_", "")
 _lock = threading.Lock()
-_found: dict | None = None  # dtype -> call, and "library": the path of the library bound
+_found: dict | None = None  # dtype -> call, ("address", dtype) -> (address, ilp64), "library": its path
 
 
 def _bind(dll, prefix: str, suffix: str) -> dict | None:
@@ -55,6 +62,7 @@ def _bind(dll, prefix: str, suffix: str) -> dict | None:
         if not _checks(call, dtype):
             return None
         out[np.dtype(dtype)] = call
+        out["address", np.dtype(dtype)] = (ctypes.cast(f, ctypes.c_void_p).value, integer is ctypes.c_int64)
     return out
 
 
@@ -101,3 +109,65 @@ def gemm(dtype) -> Callable | None:
             if _found is None:
                 _found = _find()
     return _found.get(np.dtype(dtype))
+
+
+def address(dtype) -> tuple[int, bool] | None:
+    """``(address, ilp64)`` of the CBLAS ``?gemm`` that ``gemm(dtype)`` calls, or None."""
+    gemm(dtype)
+    return _found.get(("address", np.dtype(dtype)))
+
+
+# CBLAS's enumerations (C ints whatever the library's integer width).
+NO_TRANS, TRANS = _NO_TRANS, 112
+
+
+@intrinsic
+def _cblas_gemm(typingctx, fn, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    # A call of the C function at address ``fn`` with these arguments' types (a, b, c: addresses).
+    sig = types.void(fn, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+
+    def codegen(context, builder, signature, args):
+        ptr = ir.IntType(8).as_pointer()
+        values, kinds = [], []
+        for i, (t, v) in enumerate(zip(signature.args[1:], args[1:])):
+            if i in (7, 9, 12):
+                values.append(builder.inttoptr(v, ptr))
+                kinds.append(ptr)
+            else:
+                values.append(v)
+                kinds.append(context.get_value_type(t))
+        f = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), kinds).as_pointer())
+        builder.call(f, values)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def call_gemm(fn, ilp64, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Row-major ``c = alpha * op(a) @ op(b) + beta * c`` through ``address``'s function from
+    jitted code (``ta``, ``tb``: ``NO_TRANS`` or ``TRANS``; ``alpha``, ``beta`` in its dtype; ``a``,
+    ``b``, ``c`` addresses), on the calling thread."""
+    i32 = np.int32
+    if ilp64:
+        i = np.int64
+        _cblas_gemm(
+            fn, i32(101), i32(ta), i32(tb), i(m), i(n), i(k), alpha, a, i(lda), b, i(ldb), beta, c, i(ldc)
+        )  # fmt: skip
+    else:
+        _cblas_gemm(
+            fn, i32(101), i32(ta), i32(tb), i32(m), i32(n), i32(k), alpha, a, i32(lda), b, i32(ldb), beta, c, i32(ldc)
+        )  # fmt: skip
+
+
+@intrinsic
+def take(typingctx, counter):
+    """``counter[0]`` before adding one to it, atomically: the next work item of a parallel loop
+    whose threads each take the next as they finish one (an int64 array)."""
+    sig = types.int64(counter)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return sig, codegen

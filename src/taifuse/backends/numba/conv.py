@@ -118,6 +118,24 @@ there, one thread: the layout ~0.03-0.05 ms, the three products ~0.35-0.5 ms (Op
 its rate on a 1024^3 product on the same loaded core: two images a product, or one product of ``K
 = C * kh * kw`` over nine shifted copies, ran no faster), the epilogue ~0.03 ms.
 
+NOTE [ BLAS from Numba threads ]
+Where the library's ``?gemm`` address is known (``_blas.address``), the forward's items that land
+in place (implicit GEMMs of one image, or of a band of its rows: ``_implicit_in_place``) and
+conv2d_backward's parts (``_backward_items``; not the per-tap grad_w, nor batch norm's fill, nor
+a backward without grad_x) run as ONE parallel Numba kernel whose threads each take the next item
+as they finish one (an atomic counter, ``_blas.take``), lay out its operands, call ``?gemm``
+themselves (``_blas.call_gemm``: the C function at its address, no Python, ctypes or GIL between
+calls) and run the epilogue: the same products on the same operands, summed in the same order,
+so the bits of the Python items (tested). OpenBLAS is held to one thread for the kernel
+(``_blas_single_threaded``): its pthreads build then runs each call on the calling thread, and
+calls from several threads at once are safe (its buffers are allocated under a lock; NumPy's
+wheels ship that build). Where the address is not found the Python items run. At the CIFAR-like
+32 -> 64 layer the kernel did not win by a clear margin in CPU time (a loaded machine's, 14
+interleaved rounds in subprocesses, the Python items' time over the kernel's: forward 0.98x [0.81,
+2.05], backward 1.04x [0.76, 1.63]; wall 1.34x and 1.17x, with niced processes on busy cores):
+the per-call overhead it removes (~5 us over 192 calls a forward, ~1 ms) is a few percent of the
+products' time.
+
 NOTE [ Pooling fast paths ]
 * ``MaxPool2d(2)`` (2 x 2 windows, stride 2, no dilation) with every window inside the input (no
   padding, and the last window ends inside: not ``ceil_mode`` on an odd size): ``_max_pool_2x2``
@@ -574,7 +592,7 @@ class _Forward:
         n, c, _, _ = x.shape
         oc, cg, kh, kw = w.shape
         scratch = pool.host_pool()
-        ct = _compute_dtype(x.dtype)
+        ct = self.ct = _compute_dtype(x.dtype)
         self.padded = tuple(stride) == (1, 1)
         self.gemm = _blas.gemm(ct) if self.padded and cg * kw >= IMPLICIT_MIN_K else None
         # The implicit GEMM's rows are as wide as the output's; im2col's at stride 1 are padded.
@@ -611,6 +629,12 @@ class _Forward:
 
     def items(self) -> list[tuple[int, int]]:
         return [(n0, band) for n0 in range(0, self.n, self.nb) for band in range(self.bands)]
+
+    def in_numba(self) -> bool:
+        """Whether every item is an implicit GEMM of one image landing in place and ``?gemm``'s
+        address is known: then one parallel Numba kernel runs them all (``_implicit_in_place``)."""
+        self.address = _blas.address(self.ct) if self.gemm is not None and self.into is not None else None
+        return self.address is not None
 
     def __call__(self, worker: int, item: tuple[int, int]) -> None:
         n0, band = item
@@ -665,6 +689,43 @@ class _Forward:
                 )  # fmt: skip
 
 
+@njit(**_FMA_PARALLEL)
+def _implicit_in_place(
+    x, wk, b, op, groups, kh, kw, ph, pw, dh, dw, oh, ow, band, xs, into, out, pre, bare, fn, ilp64, next_item
+):  # fmt: skip
+    # The forward's implicit GEMM items of one image each, landing in place (NOTE [ BLAS from Numba
+    # threads ]): item = (image, band of ``band`` output rows); each of the xs.shape[0] threads
+    # takes the next item as it finishes one, lays out its planes in its own xs[t], runs the
+    # ``kh`` products per group into ``into`` (out, or pre where kept) and the epilogue in place.
+    n, oc, p = into.shape
+    k = wk.shape[2]
+    ocg = oc // groups
+    size = wk.itemsize
+    bands = (oh + band - 1) // band
+    one, zero = _like(1.0, wk[0, 0, 0]), _like(0.0, wk[0, 0, 0])
+    for t in prange(xs.shape[0]):
+        xt = xs[t]
+        ld = xt.shape[1]
+        item = _blas.take(next_item)
+        while item < n * bands:
+            m, r = item // bands, item % bands
+            ra, rb = r * band, min(oh, (r + 1) * band)
+            c0, span = ra * ow, (rb - ra) * ow
+            _tap_planes(x, m, m + 1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xt)
+            for g in range(groups):
+                a = wk.ctypes.data + g * ocg * k * size
+                bb = xt.ctypes.data + g * k * ld * size
+                c = into.ctypes.data + ((m * oc + g * ocg) * p + c0) * size
+                for i in range(kh):
+                    _blas.call_gemm(
+                        fn, ilp64, _blas.NO_TRANS, _blas.NO_TRANS, ocg, span, k, one, a + i * oc * k * size, k,
+                        bb + i * dh * ow * size, ld, zero if i == 0 else one, c, p,
+                    )  # fmt: skip
+            if not bare:
+                _epilogue_in_place(b, op, m, c0, span, out, pre)
+            item = _blas.take(next_item)
+
+
 def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None) -> None:
     """See the reference's conv2d; NOTE [ Convolution on the host: im2col in blocks ]."""
     op = int(activation_code(activation))
@@ -695,6 +756,13 @@ def conv2d(x, w, b, stride, padding, dilation, groups, activation, out, pre=None
         x, w, stride, padding, dilation, groups, oh, ow, o3 if p3 is None else p3, epilogue, workers
     )
     # BLAS on one thread, on one worker too (NOTE [ Implicit GEMM on the host ]).
+    if fw.in_numba():
+        with _blas_single_threaded():
+            _implicit_in_place(
+                fw.x, fw.wk, bb, op, groups, *fw.geom[:2], *padding, *dilation, oh, ow, fw.band, fw.xs,
+                fw.into, o3, p3, bare, *fw.address, np.zeros(1, np.int64),
+            )  # fmt: skip
+        return
     _run(fw, fw.items(), workers, True)
 
 
@@ -713,7 +781,9 @@ def conv2d_backward(
     def fill(n0, n1, pitch, gp):
         _grad_pre_item(p3, g3, op, n0, n1, pitch, ow, gp, sums)
 
-    _Backward(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w).run()
+    bw = _Backward(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w)
+    bw.grad_pre = (p3, g3, op, sums)
+    bw.run()
     if grad_b is not None:  # the planes' sums, image by image in a fixed order
         np.copyto(grad_b, sums.sum(axis=0), casting="unsafe")
 
@@ -915,6 +985,7 @@ class _Backward:
         scratch = pool.host_pool()
         ct = _compute_dtype(x.dtype)
         self.ct, self.fill, self.grad_x, self.grad_w = ct, fill, grad_x, grad_w
+        self.grad_pre = None  # conv2d_backward's fill's arguments: the parts may run in Numba
         self.padded = tuple(stride) == (1, 1)
         self.pitch = ow + (kw - 1) * dilation[1] if self.padded else ow
         self.ow, self.span = ow, oh * self.pitch
@@ -961,7 +1032,22 @@ class _Backward:
             self.tmp = scratch.acquire((workers, *shape), ct)
 
     def run(self) -> None:
-        _run(self, self.items, self.workers, True)
+        address = self._in_numba()
+        if address is not None:
+            # One parallel Numba kernel runs the parts (NOTE [ BLAS from Numba threads ]).
+            p3, g3, op, sums = self.grad_pre
+            starts = np.array([n0 for _, n0, _ in self.items], np.int64)
+            ends = np.array([n1 for _, _, n1 in self.items], np.int64)
+            spare = np.empty((self.workers, 1, 1, 1), self.ct)  # for the scratch that the path needs not
+            with _blas_single_threaded():
+                _backward_items(
+                    self.x, self.w2, p3, g3, op, self.geom, self.padded, self.nb, starts, ends, self.gp,
+                    self.cols, spare[:, 0] if self.xpad is None else self.xpad, spare if self.acc is None else self.acc,
+                    self.gw, self.tmp, self.kmajor, sums, None if self.grad_x is None else _bits(self.grad_x),
+                    *address, np.zeros(1, np.int64),
+                )  # fmt: skip
+        else:
+            _run(self, self.items, self.workers, True)
         if self.grad_w is None:
             return
         groups, ocg = self.w2shape
@@ -971,6 +1057,14 @@ class _Backward:
         np.sum(self.gw, axis=0, out=total)  # the parts in their order: the same bits every run
         if total is not gw:
             _jit._convert(gw, total.transpose(0, 2, 1) if self.kmajor else total)
+
+    def _in_numba(self) -> tuple[int, bool] | None:
+        """``?gemm``'s address where one parallel Numba kernel can run the parts: the fill is
+        conv2d_backward's (``grad_pre`` set), both gradients' products are wanted (w2 is grad_x's),
+        and no step takes grad_w's per-tap products."""
+        if self.grad_pre is None or self.w2 is None or self.taps:
+            return None
+        return _blas.address(self.ct)
 
     def __call__(self, worker: int, item: tuple[int, int, int]) -> None:
         part, n0, n1 = item
@@ -1040,6 +1134,73 @@ class _Backward:
         else:
             np.copyto(acc, tap)
         return True
+
+
+@njit(**_FMA_PARALLEL)
+def _backward_items(
+    x, w2, pre, g, op, geom, padded, nb, starts, ends, gp, cols, xpad, acc, gw, tmp, kmajor, sums, gx, fn,
+    ilp64, next_item,
+):  # fmt: skip
+    # _Backward's parts on Numba's threads (NOTE [ BLAS from Numba threads ]), each step as
+    # _Backward._step with _grad_pre_item's fill: the same products on the same operands, summed
+    # in the same order. gw (None: no grad_w) and gx (None: no grad_x) as _Backward's.
+    kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = geom
+    groups, ocg, k = w2.shape
+    size = gp.itemsize
+    pitch = ow + (kw - 1) * dw if padded else ow
+    span = oh * pitch
+    ldg, ldc = gp.shape[2], cols.shape[2]
+    one, zero = _like(1.0, gp[0, 0, 0]), _like(0.0, gp[0, 0, 0])
+    nt, tr = _blas.NO_TRANS, _blas.TRANS
+    for t in prange(gp.shape[0]):
+        gpt, ct = gp[t], cols[t]
+        part = _blas.take(next_item)
+        while part < starts.size:
+            for s0 in range(starts[part], ends[part], nb):
+                s1 = min(ends[part], s0 + nb)
+                width = (s1 - s0) * span
+                _grad_pre_item(pre, g, op, s0, s1, pitch, ow, gpt, sums)
+                if gw is not None:
+                    if padded:
+                        _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
+                        if pitch != ow:
+                            _zero_junk(ct, width, ow, pitch)
+                    else:
+                        _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
+                    first = s0 == starts[part]
+                    dst = gw[part] if first else tmp[t]
+                    rows, columns = dst.shape[1], dst.shape[2]
+                    for q in range(groups):
+                        a = ct.ctypes.data + q * k * ldc * size
+                        b = gpt.ctypes.data + q * ocg * ldg * size
+                        c = dst[q].ctypes.data
+                        if kmajor:  # cols_g @ gp_g.T (K, OCg)
+                            _blas.call_gemm(
+                                fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
+                            )
+                        else:  # gp_g @ cols_g.T (OCg, K)
+                            _blas.call_gemm(
+                                fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
+                            )
+                    if not first:
+                        total = gw[part]
+                        for q in range(groups):
+                            for r in range(rows):
+                                for e in range(columns):
+                                    total[q, r, e] += dst[q, r, e]
+                if gx is not None:
+                    for q in range(groups):  # cols_g = w_g.T @ gp_g
+                        _blas.call_gemm(
+                            fn, ilp64, tr, nt, k, width, ocg, one, w2[q].ctypes.data, k,
+                            gpt.ctypes.data + q * ocg * ldg * size, ldg, zero, ct.ctypes.data + q * k * ldc * size, ldc,
+                        )  # fmt: skip
+                    if padded:
+                        if pitch != ow:
+                            _zero_junk(ct, width, ow, pitch)
+                        _col2im_padded(ct, s0, s1, kh, kw, ph, pw, dh, dw, oh, ow, xpad[t], gx)
+                    else:
+                        _col2im_item(ct, s0, s1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc[t], gx)
+            part = _blas.take(next_item)
 
 
 def _grad_w_product(gp, cols, out, kmajor: bool) -> None:
