@@ -130,11 +130,12 @@ so the bits of the Python items (tested). OpenBLAS is held to one thread for the
 (``_blas_single_threaded``): its pthreads build then runs each call on the calling thread, and
 calls from several threads at once are safe (its buffers are allocated under a lock; NumPy's
 wheels ship that build). Where the address is not found the Python items run. At the CIFAR-like
-32 -> 64 layer the kernel did not win by a clear margin in CPU time (a loaded machine's, 14
-interleaved rounds in subprocesses, the Python items' time over the kernel's: forward 0.98x [0.81,
-2.05], backward 1.04x [0.76, 1.63]; wall 1.34x and 1.17x, with niced processes on busy cores):
-the per-call overhead it removes (~5 us over 192 calls a forward, ~1 ms) is a few percent of the
-products' time.
+32 -> 64 layer (N = 64, bias + ReLU, 2 threads), on a quiet machine, 24 interleaved rounds in
+subprocesses, the Python items' wall time over the kernel's: forward 1.19x [1.03, 1.28], backward
+1.20x [1.13, 1.37], forward + backward 1.21x [1.10, 1.30] (medians, 95% bootstrap intervals; CPU
+time 1.11x and 1.15x). On a loaded machine (14 rounds) CPU time was a tie (0.98x, 1.04x): the
+per-call overhead it removes (~5 us over 192 calls a forward, ~1 ms) is a few percent of the
+products' time, and the rest of the gain is the threads no longer handing the GIL between calls.
 
 NOTE [ Pooling fast paths ]
 * ``MaxPool2d(2)`` (2 x 2 windows, stride 2, no dilation) with every window inside the input (no
