@@ -115,7 +115,14 @@ def test_a_real_mlp_returns_a_size_it_measured():
     assert found.batch_size in measured
     chosen = next(t for t in found.table if t.batch_size == found.batch_size)
     assert chosen.samples_per_s > 0 and chosen.pool_peak_bytes > 0
-    assert chosen.samples_per_s == max(t.samples_per_s for t in found.table)
+    # The chosen size is the fastest of the sizes kept; a size past it was stopped because it was not
+    # min_gain (5%) faster, so it may be a little faster by noise, never 5% faster.
+    assert chosen.samples_per_s == max(t.samples_per_s for t in found.table if t.stopped is None)
+    assert all(
+        t.samples_per_s < 1.05 * chosen.samples_per_s
+        for t in found.table
+        if t.stopped == "throughput stopped growing"
+    )
 
 
 @pytest.mark.parametrize(
