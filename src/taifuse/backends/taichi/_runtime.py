@@ -269,6 +269,15 @@ def _on_gpu() -> bool:
     return _state["requested"] != "cpu"
 
 
+def _launch_grid(work: int, grids: tuple[int, ...]) -> int | None:
+    """The constant launch size for ``work`` blocks or threads on a GPU arch: the smallest of ``grids``
+    that holds it, or None for a runtime range (work larger than every grid, or the CPU arch, which has
+    no idle blocks to save). NOTE [ The dispatch size of a runtime range ] in forward.py."""
+    if not _on_gpu():
+        return None
+    return next((g for g in grids if work <= g), None)
+
+
 def _half_arithmetic() -> bool:
     """Whether float16 data may be computed in float16 (NOTE [ float16 arithmetic in the elementwise
     kernels ]): on Metal and Vulkan. Not on CUDA: Taichi's CUDA code generator marks every function

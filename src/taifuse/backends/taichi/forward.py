@@ -37,6 +37,7 @@ from taifuse.backends.taichi._runtime import (
     DeviceArray,
     _half_arithmetic,
     _import_taichi,
+    _launch_grid,
     _nd,
     _on_gpu,
     _optional,
@@ -648,8 +649,7 @@ def linear_act(
     m_cols = w.shape[0]
     kernels = linear_kernels_for(x.dtype)
     if _on_gpu():
-        blocks = -(-n_rows // BLOCK_N) * -(-m_cols // BLOCK_M)
-        grid = next((g for g in SHARED_GRIDS if blocks <= g), None)
+        grid = _launch_grid(-(-n_rows // BLOCK_N) * -(-m_cols // BLOCK_M), SHARED_GRIDS)
         kernel = kernels.linear_act_shared if grid is None else getattr(kernels, f"linear_act_shared_{grid}")
     else:
         kernel = kernels.linear_act

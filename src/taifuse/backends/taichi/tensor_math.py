@@ -41,8 +41,8 @@ from taifuse.backends.taichi._runtime import (
     FLOAT_DTYPES,
     INDEX_DTYPE,
     _import_taichi,
+    _launch_grid,
     _nd,
-    _on_gpu,
     _ti_dtype,
     from_numpy,
     is_array,
@@ -602,7 +602,7 @@ def reduce_into(
     while True:
         chunks = -(-r_total // REDUCE_CHUNK)
         # A GPU launches a small pass as a constant range; the CPU has no idle blocks to save.
-        grid = next((g for g in SMALL_GRIDS if n_out * chunks <= g), None) if _on_gpu() else None
+        grid = _launch_grid(n_out * chunks, SMALL_GRIDS)
         suffix = "" if grid is None else f"_{grid}"
         src_k = reduce_kernels_for(src.dtype)
         if chunks == 1:
@@ -878,7 +878,7 @@ class TaichiMath:
         if a.dtype != acc.dtype:
             raise TypeError(f"in-place operand has dtype {a.dtype}, the array {acc.dtype}")
         geo = _merge(acc.shape, _broadcast_strides(a.shape, acc.shape))
-        grid = next((g for g in SMALL_GRIDS if acc.size <= g), None) if _on_gpu() else None
+        grid = _launch_grid(acc.size, SMALL_GRIDS)
         (k.inplace if grid is None else getattr(k, f"inplace_{grid}"))(_nd(acc), _nd(a), op, acc.size, *geo)
 
     @staticmethod
@@ -1072,7 +1072,7 @@ def matmul_into(
         tuple(s * rb * cb for s in b_batch_strides),
     )
     tiles = batch * -(-n // TILE) * -(-m // TILE)
-    grid = next((g for g in SMALL_GRIDS if tiles <= g), None) if _on_gpu() else None
+    grid = _launch_grid(tiles, SMALL_GRIDS)
     kernels = matmul_kernels_for(out.dtype)
     (kernels.matmul if grid is None else getattr(kernels, f"matmul_{grid}"))(
         _nd(a), _nd(b), _nd(out), n, m, k, batch, bshape, sab, sbb, sa_n, sa_k, sb_k, sb_m
