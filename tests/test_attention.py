@@ -491,9 +491,12 @@ def _heads_of_c_attn(rng, B, T, H, D, dtype):
 @pytest.mark.parametrize(
     "views, L, S, causal, mask_kind, p, dtype",
     [
-        (True, 70, 70, True, None, 0.0, F32),  # the GPT's case: c_attn's heads, two query blocks
-        (False, 70, 53, True, "bool", 0.25, F32),  # L > S, a fully masked row, dropout
-        (False, 37, 83, False, "float", 0.0, F64),  # L < S, float64 (dgemm)
+        (3, 70, 70, True, None, 0.0, F32),  # the GPT's case: c_attn's heads, two query blocks
+        # One head: out and the gradients, (B, T, 1, D) transposed, are C-contiguous and reach the
+        # kernels as (B, 1, n, d); the views' split must index them (it once wrote past them).
+        (1, 16, 16, True, None, 0.0, F32),
+        (0, 70, 53, True, "bool", 0.25, F32),  # L > S, a fully masked row, dropout
+        (0, 37, 83, False, "float", 0.0, F64),  # L < S, float64 (dgemm)
     ],
 )
 def test_numba_jitted_items_match_the_python_items(views, L, S, causal, mask_kind, p, dtype, monkeypatch):
@@ -501,7 +504,8 @@ def test_numba_jitted_items_match_the_python_items(views, L, S, causal, mask_kin
     the forward and the whole-scores backward run as jitted items that call it themselves (on k.T
     and v.T laid out per head); where it is not, the Python items run. Both give the float64
     reference's out, lse and gradients, and each other's within float32's (float64's) tolerance,
-    on one thread and two (the same bits)."""
+    on one thread and two (the same bits). ``views``: that many heads of c_attn's output (NOTE
+    [ Numba attention views ]), or 0 for (BH, n, d) arrays."""
     numba = pytest.importorskip("numba")
     import importlib
 
@@ -513,7 +517,7 @@ def test_numba_jitted_items_match_the_python_items(views, L, S, causal, mask_kin
         pytest.skip("no OpenBLAS ?gemm address: only the Python items exist here")
     rng = np.random.default_rng(L * S)
     if views:
-        q, k, v, empty = _heads_of_c_attn(rng, 2, L, 3, 16, dtype)
+        q, k, v, empty = _heads_of_c_attn(rng, 2, L, views, 16, dtype)
         mask = None
     else:
         q, k, v, mask = _inputs(rng, (3,), L, S, 16, 12, dtype, mask_kind, mask_batch=(3,))

@@ -411,6 +411,18 @@ def _run(task, items: list, workers: int, blas_may_thread: bool) -> None:
             f.result()
 
 
+def _run_jitted(kernel, args: tuple, items: int, workers: int) -> None:
+    """``kernel(*args, counter, w)`` on ``workers`` threads, each taking the next of ``items`` heads
+    from ``counter`` (NOTE [ BLAS from Numba threads in attention ]). A first call with no item left
+    compiles (or loads) the kernel for these argument types on the calling thread, so that the
+    workers only dispatch: a worker that compiled it while the other ran crashed LLVM (an abort
+    inside llvmlite, in test_nn's attention tests)."""
+    counter = np.full(1, items, np.int64)
+    kernel(*args, counter, 0)
+    counter[0] = 0
+    _run(lambda w, _: kernel(*args, counter, w), list(range(workers)), workers, True)
+
+
 def _blas_single_threaded():
     """A context in which BLAS calls run on the calling thread alone (NOTE [ Numba attention
     threads ])."""
@@ -499,16 +511,21 @@ def _heads(a: np.ndarray | None, bh: int) -> np.ndarray | None:
 
 
 def _jitted_views(bh: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...] | None:
-    """The arrays as (B, H, n, d) views for the jitted items (a (BH, n, d) one as (1, BH, n, d)),
-    or None where the items cannot take them: a strided array that is not (B, H, n, d), rows that
-    BLAS cannot step through (their stride under their length, or not whole elements), or an
-    empty dimension (NOTE [ BLAS from Numba threads in attention ])."""
+    """The arrays as (B, H, n, d) views of one (B, H) split for the jitted items (a (BH, n, d) one
+    reshaped to the (B, H, n, d) views' split, or to (1, BH)), or None where the items cannot take
+    them: a strided array that is not (B, H, n, d), two splits of the heads, rows that BLAS cannot
+    step through (their stride under their length, or not whole elements), or an empty dimension
+    (NOTE [ BLAS from Numba threads in attention ])."""
+    lead = {a.shape[:2] for a in arrays if a.ndim == 4} or {(1, bh)}
+    if len(lead) > 1:
+        return None
+    (split,) = lead
     out = []
     for a in arrays:
         if a.ndim != 4:
             if not a.flags.c_contiguous:
                 return None
-            a = a.reshape((1, bh) + a.shape[-2:])
+            a = a.reshape(split + a.shape[-2:])
         d, size = a.shape[-1], a.itemsize
         if 0 in a.shape or a.strides[3] != size or a.strides[2] % size or a.strides[2] < d * size:
             return None
@@ -554,26 +571,8 @@ def attention(
         workers = _workers(bh)
         host = pool.host_pool()
         buf, kt = host.acquire((workers, rows * S), ct), host.acquire((workers, e, S), ct)
-        counter = np.zeros(1, np.int64)
-        args = (
-            q4,
-            k4,
-            v4,
-            m,
-            is_causal,
-            sc_scale,
-            drop,
-            key,
-            threshold,
-            dscale,
-            o4,
-            lc,
-            rows,
-            buf,
-            kt,
-            *address,
-        )
-        _run(lambda w, _: _forward_items(*args, counter, w), list(range(workers)), workers, True)
+        args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, o4, lc, rows, buf, kt)
+        _run_jitted(_forward_items, args + address, bh, workers)
         if lc is not lse:
             np.copyto(lse, lc)
         return
@@ -655,10 +654,8 @@ def attention_backward(
         scores, dps = host.acquire((workers, L, S), ct), host.acquire((workers, L, S), ct)
         kt, vt = host.acquire((workers, e, S), ct), host.acquire((workers, ev, S), ct)
         q4, k4, v4, g4, dq4, dk4, dv4 = views
-        counter = np.zeros(1, np.int64)
         args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, lc, g4, dq4, dk4, dv4, rows)
-        args += (scores, dps, kt, vt, *address)
-        _run(lambda w, _: _backward_items(*args, counter, w), list(range(workers)), workers, True)
+        _run_jitted(_backward_items, args + (scores, dps, kt, vt) + address, bh, workers)
         return
     gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
     # Small heads keep a group's whole (L, S) scores and dP, and grad_k, grad_v are one product per
