@@ -411,15 +411,10 @@ def _run(task, items: list, workers: int, blas_may_thread: bool) -> None:
             f.result()
 
 
-def _run_jitted(kernel, args: tuple, items: int, workers: int) -> None:
-    """``kernel(*args, counter, w)`` on ``workers`` threads, each taking the next of ``items`` heads
-    from ``counter`` (NOTE [ BLAS from Numba threads in attention ]). A first call with no item left
-    compiles (or loads) the kernel for these argument types on the calling thread, so that the
-    workers only dispatch: a worker that compiled it while the other ran crashed LLVM (an abort
-    inside llvmlite, in test_nn's attention tests)."""
-    counter = np.full(1, items, np.int64)
-    kernel(*args, counter, 0)
-    counter[0] = 0
+def _run_jitted(kernel, args: tuple, workers: int) -> None:
+    """``kernel(*args, counter, w)`` on ``workers`` threads, each taking the next head from
+    ``counter`` as it finishes one (NOTE [ BLAS from Numba threads in attention ])."""
+    counter = np.zeros(1, np.int64)
     _run(lambda w, _: kernel(*args, counter, w), list(range(workers)), workers, True)
 
 
@@ -572,7 +567,7 @@ def attention(
         host = pool.host_pool()
         buf, kt = host.acquire((workers, rows * S), ct), host.acquire((workers, e, S), ct)
         args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, o4, lc, rows, buf, kt)
-        _run_jitted(_forward_items, args + address, bh, workers)
+        _run_jitted(_forward_items, args + address, workers)
         if lc is not lse:
             np.copyto(lse, lc)
         return
@@ -655,7 +650,7 @@ def attention_backward(
         kt, vt = host.acquire((workers, e, S), ct), host.acquire((workers, ev, S), ct)
         q4, k4, v4, g4, dq4, dk4, dv4 = views
         args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, lc, g4, dq4, dk4, dv4, rows)
-        _run_jitted(_backward_items, args + (scores, dps, kt, vt) + address, bh, workers)
+        _run_jitted(_backward_items, args + (scores, dps, kt, vt) + address, workers)
         return
     gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
     # Small heads keep a group's whole (L, S) scores and dP, and grad_k, grad_v are one product per
