@@ -77,9 +77,12 @@ backward asked for fewer gradients. Skipping the masked half of a causal diagona
 16 or 32 rows reading keys to their own last row) did not pay: the products of 16 rows ran at a
 quarter of the 64-row rate per flop, and the row kernels' loops (vectorized 64 wide) ran their
 remainders scalar. At the GPT step's (B=16, H=4, T=128, D=64) and the example GPT's (32, 4, 64, 32),
-causal, float32, the Python items took 1.13-1.17x the jitted items' CPU time forward and 1.36-1.38x
-backward (two threads; 1.15-1.17x and 1.17-1.36x on one; medians of 9 interleaved rounds of 5
-calls, a loaded 2-core machine).
+causal, float32, two threads, the Python items took 1.21x and 1.18x the jitted items' CPU time
+forward, 1.40x and 1.20x backward (medians of 11 interleaved rounds of 5 calls in one process; 1.15x,
+1.16x, 1.17x, 1.36x on one thread over 9 rounds; a loaded 2-core machine, whose wall times said
+nothing). Where the time goes then (one thread, the GPT step's forward, about 4.3 ms): the two
+products 50%, the row kernel 35% (its short rows: the max's 64-wide reduction alone costs 0.5 ns
+a score at 64 keys against 0.1 at 1024), laying out k.T 10%.
 
 NOTE [ Numba attention views ]
 Besides (BH, n, d) arrays, the kernels take q, k, v and grad_out as (B, H, n, d) arrays of any
