@@ -81,8 +81,8 @@ causal, float32, two threads, the Python items took 1.21x and 1.18x the jitted i
 forward, 1.40x and 1.20x backward (medians of 11 interleaved rounds of 5 calls in one process; 1.15x,
 1.16x, 1.17x, 1.36x on one thread over 9 rounds; a loaded 2-core machine, whose wall times said
 nothing). Where the time goes then (one thread, the GPT step's forward, about 4.3 ms): the two
-products 50%, the row kernel 35% (its short rows: the max's 64-wide reduction alone costs 0.5 ns
-a score at 64 keys against 0.1 at 1024), laying out k.T 10%.
+products 50%, the row kernel 35% (its short rows: a pass over 64 keys costs 2-5 times a score what
+it does over 1024; ``_row_max`` took the max's share down), laying out k.T 10%.
 
 NOTE [ Numba attention views ]
 Besides (BH, n, d) arrays, the kernels take q, k, v and grad_out as (B, H, n, d) arrays of any
