@@ -479,6 +479,103 @@ def test_numba_backward_key_sums_either_way(whole, L, S, causal, mask_kind, p, b
         assert np.all(gk[:, L:] == 0) and np.all(gv[:, L:] == 0)
 
 
+def _heads_of_c_attn(rng, B, T, H, D, dtype):
+    """q, k, v as CausalSelfAttention hands them to the kernels: (B, H, T, D) views of one (B, T,
+    3C) array, and an empty (B, H, T, D) view of a (B, T, H, D) array (for out and the gradients)."""
+    c = H * D
+    x = rng.standard_normal((B, T, 3 * c)).astype(dtype)
+    q, k, v = (x[..., i * c : (i + 1) * c].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))
+    return q, k, v, lambda: np.full((B, T, H, D), np.nan, dtype).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize(
+    "views, L, S, causal, mask_kind, p, dtype",
+    [
+        (3, 70, 70, True, None, 0.0, F32),  # the GPT's case: c_attn's heads, two query blocks
+        # One head: out and the gradients, (B, T, 1, D) transposed, are C-contiguous and reach the
+        # kernels as (B, 1, n, d); the views' split must index them (it once wrote past them).
+        (1, 16, 16, True, None, 0.0, F32),
+        (0, 70, 53, True, "bool", 0.25, F32),  # L > S, a fully masked row, dropout
+        (0, 37, 83, False, "float", 0.0, F64),  # L < S, float64 (dgemm)
+    ],
+)
+def test_numba_jitted_items_match_the_python_items(views, L, S, causal, mask_kind, p, dtype, monkeypatch):
+    """NOTE [ BLAS from Numba threads in attention ]: where the library's ?gemm address is found,
+    the forward and the whole-scores backward run as jitted items that call it themselves (on k.T
+    and v.T laid out per head); where it is not, the Python items run. Both give the float64
+    reference's out, lse and gradients, and each other's within float32's (float64's) tolerance,
+    on one thread and two (the same bits). ``views``: that many heads of c_attn's output (NOTE
+    [ Numba attention views ]), or 0 for (BH, n, d) arrays."""
+    numba = pytest.importorskip("numba")
+    import importlib
+
+    from taifuse.backends import numba as NB
+    from taifuse.backends.numba import _blas
+
+    kernels = importlib.import_module("taifuse.backends.numba.attention")
+    if _blas.address(dtype) is None:
+        pytest.skip("no OpenBLAS ?gemm address: only the Python items exist here")
+    rng = np.random.default_rng(L * S)
+    if views:
+        q, k, v, empty = _heads_of_c_attn(rng, 2, L, views, 16, dtype)
+        mask = None
+    else:
+        q, k, v, mask = _inputs(rng, (3,), L, S, 16, 12, dtype, mask_kind, mask_batch=(3,))
+        empty = None
+    if mask is not None and mask.dtype == bool:
+        mask = np.where(mask, 0.0, -np.inf).astype(dtype)
+    bh = math.prod(q.shape[:-2])
+    g = np.random.default_rng(3).standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(dtype)
+    calls = Counter()
+    for name in ("_forward_items", "_backward_items"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, name=name, real=real: (calls.update([name]), real(*a))[1]
+        )
+
+    def run():
+        out = empty() if views else np.full(q.shape[:-1] + v.shape[-1:], np.nan, dtype)
+        lse = np.empty((bh, L), dtype)
+        NB.attention(q, k, v, mask, causal, 0.3, p, 99, out, lse)
+        grads = [empty() if views else np.full(a.shape, np.nan, dtype) for a in (q, k, v)]
+        NB.attention_backward(q, k, v, mask, causal, 0.3, p, 99, out, lse, g, *grads)
+        return [np.array(a) for a in (out, lse, *grads)]
+
+    before = numba.get_num_threads()
+    runs = {}
+    try:
+        for hidden in (False, True):
+            if hidden:  # the jitted items ran (once per worker); from here they must not
+                assert calls["_forward_items"] >= 2 and calls["_backward_items"] >= 2, calls
+                seen = calls.copy()
+                monkeypatch.setattr(_blas, "address", lambda dtype: None)
+            for threads in (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,):
+                numba.set_num_threads(threads)
+                runs[hidden, threads] = run()
+    finally:
+        numba.set_num_threads(before)
+    assert calls == seen
+    n = len(runs) // 2
+    for a, b in zip(runs[False, 1], runs[False, n]):
+        np.testing.assert_array_equal(a, b)
+    g4 = g.reshape((bh,) + g.shape[-2:]).astype(F64)
+    q3, k3, v3 = (np.asarray(a, F64).reshape((bh,) + a.shape[-2:]) for a in (q, k, v))
+    ref = [np.empty(a, F64) for a in ((bh, L, v.shape[-1]), (bh, L), q3.shape, k3.shape, v3.shape)]
+    m64 = None if mask is None else mask.astype(F64)
+    R.attention(q3, k3, v3, m64, causal, 0.3, p, 99, ref[0], ref[1])
+    R.attention_backward(q3, k3, v3, m64, causal, 0.3, p, 99, ref[0], ref[1], g4, *ref[2:])
+    whats = ("out", "lse", "grad_q", "grad_k", "grad_v")
+    for jitted, python, r, what in zip(runs[False, 1], runs[True, 1], ref, whats):
+        jitted, python = (np.asarray(a, F64).reshape(r.shape) for a in (jitted, python))
+        masked = np.isneginf(r)  # a fully masked row's lse: -inf on every path
+        for got in (jitted, python):
+            np.testing.assert_array_equal(np.isneginf(got), masked, err_msg=what)
+            _close(np.where(masked, 0.0, got), np.where(masked, 0.0, r), dtype, what)
+        _close(
+            np.where(masked, 0.0, jitted), np.where(masked, 0.0, python), dtype, what + " vs the Python items"
+        )
+
+
 def _split_heads(x, heads):
     """CausalSelfAttention's q, k, v: c_attn's (B, T, 3C) output split and viewed as (B, H, T, D)."""
     b, t, c3 = x.shape
@@ -561,12 +658,17 @@ def test_numba_takes_the_heads_of_c_attn_as_views(dtype, causal, p, heads_per_gr
 def test_numba_one_worker_holds_blas_to_one_thread(monkeypatch):
     """NOTE [ Numba attention threads ]: one worker (one Numba thread, or a single block) runs its
     products with BLAS on one thread, as two workers do: OpenBLAS's team on these small products
-    cost several times their work. Fails where the lone worker left BLAS threaded."""
+    cost several times their work. Fails where the lone worker left BLAS threaded. The Python
+    items, whose row kernels are called from Python (the ?gemm address hidden: NOTE [ BLAS from
+    Numba threads in attention ])."""
     numba = pytest.importorskip("numba")
     threadpoolctl = pytest.importorskip("threadpoolctl")
     import importlib
 
+    from taifuse.backends.numba import _blas
+
     kernels = importlib.import_module("taifuse.backends.numba.attention")
+    monkeypatch.setattr(_blas, "address", lambda dtype: None)
     blas_threads = []
     real = kernels._softmax_rows
 

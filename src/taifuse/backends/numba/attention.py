@@ -56,6 +56,34 @@ left threaded, a 64 x 128 x 64 product went to OpenBLAS's team, whose wake-up an
 several times the product (B=16, H=4, L=S=128, E=64 causal forward on one Numba thread: 66-100
 ms of CPU time against 6.4 held to one, on a loaded 2-core machine).
 
+NOTE [ BLAS from Numba threads in attention ]
+Where the library's ``?gemm`` address is known (``_blas.address``; float32 and float64 inputs, no
+empty dimension, every array (BH, n, d) contiguous or a (B, H, n, d) view whose rows BLAS can step
+through), the forward and the whole-scores backward (all three gradients asked for) run as jitted
+items, one head each, that call ``?gemm`` themselves (``_blas.call_gemm``, as conv2d's: NOTE [ BLAS
+from Numba threads ] in conv.py), with no Python, ctypes or GIL between the products of a call: one
+jitted call per worker (``_run``'s threads, each taking the next head from an atomic counter,
+``_blas.take``) runs every product and row kernel of its heads. Not a parallel Numba kernel: its
+OpenMP threads spin at the closing barrier while a descheduled one finishes (two threads took 1.6x
+the CPU time of one on the loaded 2-core machine; Python threads sleep in ``f.result()``). A head's
+``k.T`` (and ``v.T`` in the backward) is laid out once in scratch, so that ``q_blk @ k.T`` and
+``grad_out_blk @ v.T`` run as untransposed products: OpenBLAS's kernels here took 1.7-2x as long on
+a transposed right operand (64 x 128 x 64 sgemm: 19 us against 11 us; 64 x 64 x 32: 4.9 against
+2.5 us, one thread, a loaded machine, the forced Haswell kernel or not). The blocks, row kernels
+and the order of every sum are the Python items' (the same products on other layouts: results
+agree to float32's rounding, tested against each other and the reference); the Python items run
+where the address is not found (another BLAS), and for float16, the block-summed backward and a
+backward asked for fewer gradients. Skipping the masked half of a causal diagonal block (blocks of
+16 or 32 rows reading keys to their own last row) did not pay: the products of 16 rows ran at a
+quarter of the 64-row rate per flop, and the row kernels' loops (vectorized 64 wide) ran their
+remainders scalar. At the GPT step's (B=16, H=4, T=128, D=64) and the example GPT's (32, 4, 64, 32),
+causal, float32, two threads, the Python items took 1.21x and 1.18x the jitted items' CPU time
+forward, 1.40x and 1.20x backward (medians of 11 interleaved rounds of 5 calls in one process; 1.15x,
+1.16x, 1.17x, 1.36x on one thread over 9 rounds; a loaded 2-core machine, whose wall times said
+nothing). Where the time goes then (one thread, the GPT step's forward, about 4.3 ms): the two
+products 50%, the row kernel 35% (its short rows: a pass over 64 keys costs 2-5 times a score what
+it does over 1024; ``_row_max`` took the max's share down), laying out k.T 10%.
+
 NOTE [ Numba attention views ]
 Besides (BH, n, d) arrays, the kernels take q, k, v and grad_out as (B, H, n, d) arrays of any
 strides whose last is one element: ``CausalSelfAttention``'s heads, split from c_attn's (B, T,
@@ -86,11 +114,13 @@ from threadpoolctl import ThreadpoolController
 
 from taifuse import pool
 from taifuse.backends._host import compute_dtype
+from taifuse.backends.numba import _blas
 from taifuse.backends.numba._jit import (
     _FMA,
     _FMA_REDUCE,
     _convert,
     _exp_neg,
+    _like,
     _maxnum,
     _prefer_wide_vectors,
 )
@@ -137,6 +167,25 @@ def _keep(bh, qi, j, L, S, key, threshold):
 # 512-bit vectors (NOTE [ 512-bit vectors ] in _jit.py).
 
 
+@njit(**_FMA)
+def _row_max(row, mrow, sn, lim, scale):
+    # max(row[j] * scale (+ mrow[j]) for j < lim), -inf for none: a function of its own, without
+    # the 512-bit preference of the row kernels that call it (NOTE [ 512-bit vectors ] in _jit.py).
+    # Over rows of 64 to 128 keys the maxnum reduction's closing steps across a 512-bit register
+    # cost more than its loop: the forward's row kernel on (8, 64, 64), (8, 64, 128) and (16, 64,
+    # 64) blocks took 55, 74 and 105 us with the max inlined, 44, 66 and 83 us so (fastest of 40
+    # interleaved calls, one thread, a loaded 2-core machine). The max is exact: the same bits.
+    ninf = row.dtype.type(-np.inf)
+    m = ninf
+    if mrow is None:
+        for j in range(sn):
+            m = _maxnum(m, row[j] * scale if j < lim else ninf)
+    else:
+        for j in range(sn):
+            m = _maxnum(m, row[j] * scale + mrow[j] if j < lim else ninf)
+    return m
+
+
 @njit(**_FMA_REDUCE)
 def _softmax_rows(sc, mask, h0, q0, L, S, causal, scale, drop, key, threshold, dscale, lse):
     # sc (g, nq, sn) holds q_blk @ k.T for heads h0 .. h0 + g; it becomes the probabilities
@@ -159,8 +208,7 @@ def _softmax_rows(sc, mask, h0, q0, L, S, causal, scale, drop, key, threshold, d
         m = ninf
         total = zero
         if mask is None:
-            for j in range(sn):
-                m = _maxnum(m, sc[g, i, j] * scale if j < lim else ninf)
+            m = _row_max(sc[g, i], None, sn, lim, scale)
             if m != ninf:
                 for j in range(sn):
                     e = _exp_neg(sc[g, i, j] * scale - m)
@@ -169,8 +217,7 @@ def _softmax_rows(sc, mask, h0, q0, L, S, causal, scale, drop, key, threshold, d
                     total += e
         else:
             mrow = mask[h if mask.shape[0] > 1 else 0, qi]
-            for j in range(sn):
-                m = _maxnum(m, sc[g, i, j] * scale + mrow[j] if j < lim else ninf)
+            m = _row_max(sc[g, i], mrow, sn, lim, scale)
             if m != ninf:
                 for j in range(sn):
                     e = _exp_neg(sc[g, i, j] * scale + mrow[j] - m)
@@ -248,6 +295,105 @@ def _gradient_rows(sc, dp, r0, nq, sn, mask, h0, q0, L, S, causal, scale, drop, 
                     sc[g, i, j] *= dscale
 
 
+@njit(**_FMA)
+def _transpose_into(a, kt):
+    # kt[:, :n] = a.T for an (n, d) matrix of any strides: the products then take their right
+    # operand untransposed (NOTE [ BLAS from Numba threads in attention ]).
+    n, d = a.shape
+    for j in range(n):
+        for c in range(d):
+            kt[c, j] = a[j, c]
+
+
+@njit(**_FMA)
+def _forward_items(
+    q, k, v, mask, causal, scale, drop, key, threshold, dscale, out, lse, rows, buf, kt, fn, ilp64, next_item, t
+):  # fmt: skip
+    # The forward's items on one thread (NOTE [ BLAS from Numba threads in attention ]): item h is
+    # flat head h, all its query blocks of ``rows`` rows; q, k, v, out (B, H, n, d) of any strides
+    # whose last is one element; buf[t] (rows * S) and kt[t] (E, S) this worker's scratch.
+    nb, nh, L, e = q.shape
+    S, ev = k.shape[2], v.shape[3]
+    size = q.itemsize
+    one, zero = _like(1.0, buf[0, 0]), _like(0.0, buf[0, 0])
+    nt = _blas.NO_TRANS
+    ldq, ldv, ldo = q.strides[2] // size, v.strides[2] // size, out.strides[2] // size
+    kth = kt[t]
+    kta = kth.ctypes.data
+    h = _blas.take(next_item)
+    while h < nb * nh:
+        b, hh = h // nh, h % nh
+        _transpose_into(k[b, hh], kth)
+        va = v[b, hh].ctypes.data
+        for q0 in range(0, L, rows):
+            q1 = min(q0 + rows, L)
+            sn = min(S, q1) if causal else S  # under is_causal the block's last row's keys
+            nq = q1 - q0
+            sc = buf[t, : nq * sn].reshape((1, nq, sn))
+            sa, qa, oa = sc.ctypes.data, q[b, hh, q0:].ctypes.data, out[b, hh, q0:].ctypes.data
+            _blas.call_gemm(fn, ilp64, nt, nt, nq, sn, e, one, qa, ldq, kta, S, zero, sa, sn)
+            _softmax_rows(sc, mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse)
+            _blas.call_gemm(fn, ilp64, nt, nt, nq, ev, sn, one, sa, sn, va, ldv, zero, oa, ldo)
+        h = _blas.take(next_item)
+
+
+@njit(**_FMA)
+def _backward_items(
+    q, k, v, mask, causal, scale, drop, key, threshold, dscale, lse, grad_out, grad_q, grad_k, grad_v, rows,
+    scores, dps, kt, vt, fn, ilp64, next_item, t,
+):  # fmt: skip
+    # The whole-scores backward's items on one thread (NOTE [ BLAS from Numba threads in
+    # attention ]): item h is flat head h; the arrays (B, H, n, d) of any strides whose last is one
+    # element; scores[t], dps[t] (L, S), kt[t] (E, S), vt[t] (Ev, S) this worker's scratch. The
+    # products and row kernels of the Python items' whole-scores path, one head at a time.
+    nb, nh, L, e = q.shape
+    S, ev = k.shape[2], v.shape[3]
+    size = q.itemsize
+    one, zero = _like(1.0, scores[0, 0, 0]), _like(0.0, scores[0, 0, 0])
+    nt, tr = _blas.NO_TRANS, _blas.TRANS
+    ldq, ldk, ldg = q.strides[2] // size, k.strides[2] // size, grad_out.strides[2] // size
+    ldgq, ldgk, ldgv = grad_q.strides[2] // size, grad_k.strides[2] // size, grad_v.strides[2] // size
+    seen = min(S, L) if causal else S
+    kth, vth = kt[t], vt[t]
+    kta, vta = kth.ctypes.data, vth.ctypes.data
+    sc_all, dp_all = scores[t : t + 1], dps[t : t + 1]
+    h = _blas.take(next_item)
+    while h < nb * nh:
+        b, hh = h // nh, h % nh
+        _transpose_into(k[b, hh], kth)
+        _transpose_into(v[b, hh], vth)
+        ka = k[b, hh].ctypes.data
+        for q0 in range(0, L, rows):
+            q1 = min(q0 + rows, L)
+            sn = min(S, q1) if causal else S
+            nq = q1 - q0
+            sa, pa = sc_all[0, q0:].ctypes.data, dp_all[0, q0:].ctypes.data
+            qa, ga, dqa = (
+                q[b, hh, q0:].ctypes.data,
+                grad_out[b, hh, q0:].ctypes.data,
+                grad_q[b, hh, q0:].ctypes.data,
+            )
+            _blas.call_gemm(fn, ilp64, nt, nt, nq, sn, e, one, qa, ldq, kta, S, zero, sa, S)
+            _blas.call_gemm(fn, ilp64, nt, nt, nq, sn, ev, one, ga, ldg, vta, S, zero, pa, S)
+            _gradient_rows(
+                sc_all, dp_all, q0, nq, sn, mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse
+            )  # fmt: skip
+            _blas.call_gemm(fn, ilp64, nt, nt, nq, e, sn, one, pa, S, ka, ldk, zero, dqa, ldgq)
+        # Keys k0 .. k1 are seen by rows from k0 on under is_causal (NOTE [ Numba attention blocks ]).
+        step = rows if causal else max(seen, 1)
+        for k0 in range(0, seen, step):
+            k1 = min(k0 + step, seen)
+            r0 = k0 if causal else 0
+            sa, pa = sc_all[0, r0, k0:].ctypes.data, dp_all[0, r0, k0:].ctypes.data
+            qa, ga = q[b, hh, r0:].ctypes.data, grad_out[b, hh, r0:].ctypes.data
+            dva, dka = grad_v[b, hh, k0:].ctypes.data, grad_k[b, hh, k0:].ctypes.data
+            _blas.call_gemm(fn, ilp64, tr, nt, k1 - k0, ev, L - r0, one, sa, S, ga, ldg, zero, dva, ldgv)
+            _blas.call_gemm(fn, ilp64, tr, nt, k1 - k0, e, L - r0, one, pa, S, qa, ldq, zero, dka, ldgk)
+        grad_k[b, hh, seen:] = zero
+        grad_v[b, hh, seen:] = zero
+        h = _blas.take(next_item)
+
+
 # ----------------------------------------------------------------------------- threads
 
 _executor: ThreadPoolExecutor | None = None
@@ -283,6 +429,13 @@ def _run(task, items: list, workers: int, blas_may_thread: bool) -> None:
     with _blas_single_threaded():
         for f in [executor.submit(worker, w) for w in range(workers)]:
             f.result()
+
+
+def _run_jitted(kernel, args: tuple, workers: int) -> None:
+    """``kernel(*args, counter, w)`` on ``workers`` threads, each taking the next head from
+    ``counter`` as it finishes one (NOTE [ BLAS from Numba threads in attention ])."""
+    counter = np.zeros(1, np.int64)
+    _run(lambda w, _: kernel(*args, counter, w), list(range(workers)), workers, True)
 
 
 def _blas_single_threaded():
@@ -372,6 +525,29 @@ def _heads(a: np.ndarray | None, bh: int) -> np.ndarray | None:
     return a.reshape((bh,) + a.shape[-2:])
 
 
+def _jitted_views(bh: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """The arrays as (B, H, n, d) views of one (B, H) split for the jitted items (a (BH, n, d) one
+    reshaped to the (B, H, n, d) views' split, or to (1, BH)), or None where the items cannot take
+    them: a strided array that is not (B, H, n, d), two splits of the heads, rows that BLAS cannot
+    step through (their stride under their length, or not whole elements), or an empty dimension
+    (NOTE [ BLAS from Numba threads in attention ])."""
+    lead = {a.shape[:2] for a in arrays if a.ndim == 4} or {(1, bh)}
+    if len(lead) > 1:
+        return None
+    (split,) = lead
+    out = []
+    for a in arrays:
+        if a.ndim != 4:
+            if not a.flags.c_contiguous:
+                return None
+            a = a.reshape(split + a.shape[-2:])
+        d, size = a.shape[-1], a.itemsize
+        if 0 in a.shape or a.strides[3] != size or a.strides[2] % size or a.strides[2] < d * size:
+            return None
+        out.append(a)
+    return tuple(out)
+
+
 def _rows_of(a: np.ndarray, h0: int, h1: int, lead: tuple[int, ...]) -> np.ndarray:
     """Heads ``h0 .. h1`` of a (BH, n, d) or (B, H, n, d) array, shaped as the stack ``lead``."""
     return _stack(a, h0, h1) if a.ndim == 4 else _like_stack(a[h0:h1], lead)
@@ -402,6 +578,19 @@ def attention(
     drop, key, threshold, dscale = _dropout_args(dropout_p, seed, ct)
     sc_scale = ct.type(scale)
     lc = lse if lse.dtype == ct else pool.host_pool().acquire(lse.shape, ct)
+    address = None if half else _blas.address(ct)
+    views = None if address is None else _jitted_views(bh, q, k, v, out)
+    if views is not None:
+        q4, k4, v4, o4 = views
+        rows = min(_BLOCK_Q, L)
+        workers = _workers(bh)
+        host = pool.host_pool()
+        buf, kt = host.acquire((workers, rows * S), ct), host.acquire((workers, e, S), ct)
+        args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, o4, lc, rows, buf, kt)
+        _run_jitted(_forward_items, args + address, workers)
+        if lc is not lse:
+            np.copyto(lse, lc)
+        return
     rows = min(_BLOCK_Q, L)
     gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
     # (first head, first row) of every block, the costliest first: under is_causal the last
@@ -470,11 +659,23 @@ def attention_backward(
     sc_scale = ct.type(scale)
     lc = lse if lse.dtype == ct else lse.astype(ct)
     rows = min(_BLOCK_Q, L)
+    whole = L <= rows or L * S <= _WHOLE_SCORES
+    grads = (grad_q, grad_k, grad_v)
+    address = None if half or not whole or any(g is None for g in grads) else _blas.address(ct)
+    views = None if address is None else _jitted_views(bh, q, k, v, grad_out, *grads)
+    if views is not None:
+        workers = _workers(bh)
+        host = pool.host_pool()
+        scores, dps = host.acquire((workers, L, S), ct), host.acquire((workers, L, S), ct)
+        kt, vt = host.acquire((workers, e, S), ct), host.acquire((workers, ev, S), ct)
+        q4, k4, v4, g4, dq4, dk4, dv4 = views
+        args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, lc, g4, dq4, dk4, dv4, rows)
+        _run_jitted(_backward_items, args + (scores, dps, kt, vt) + address, workers)
+        return
     gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
     # Small heads keep a group's whole (L, S) scores and dP, and grad_k, grad_v are one product per
     # block of keys written in place; larger ones sum them over query blocks through a scratch
     # product (NOTE [ Numba attention blocks ]).
-    whole = L <= rows or L * S <= _WHOLE_SCORES
     groups = list(range(0, bh, gs))
     workers = _workers(len(groups))
     # Per worker: the scores and dP (the group's whole, or a block's), one product's (S, max(E,
