@@ -429,7 +429,10 @@ def test_numba_backward_writes_only_the_gradients_asked_for():
         part = _numba_kernel_run(q, k, v, None, True, 0.0, want)
         for got, ref, asked in zip(part[2:], full[2:], want):
             if asked:
-                np.testing.assert_array_equal(got, ref)
+                # All three gradients take the jitted items and fewer take the Python items, whose
+                # products see k and v in another layout: equal bits on this machine's OpenBLAS
+                # kernels, not on every BLAS build, so the check is float32 rounding's.
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
             else:
                 assert got is None
 
