@@ -207,6 +207,36 @@ def test_one_argument_apply_takes_applys_steps(backend, op):
             out.sum().backward()
 
 
+@pytest.mark.parametrize("dims", [None, (0,), (1, 0)])
+@pytest.mark.parametrize("mean", [False, True])
+def test_one_tensor_apply_with_more_arguments_makes_applys_node(backend, dims, mean):
+    # Tensor.sum and mean call Function.apply_one with their dims and flags after the Tensor:
+    # the node, its needs_grad and parents, the result and the gradient are Function.apply's.
+    from taifuse._tensor_functions import Sum
+
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal((3, 5)).astype(np.float32)
+    results = []
+    for apply in (Sum.apply, Sum.apply_one):
+        x = taifuse.tensor(base, requires_grad=True)
+        h = x * 2.0
+        y = apply(h, dims, False, mean)
+        assert y.grad_fn.needs_grad == (True, False, False, False)
+        assert y.grad_fn.parents == (h.grad_fn, None, None, None)
+        y.sum().backward()
+        with taifuse.no_grad():
+            assert apply(h, dims, False, mean).grad_fn is None
+        const = apply(taifuse.tensor(base), dims, True, mean)
+        assert const.grad_fn is None and not const.requires_grad
+        results.append((y.numpy(), x.grad.numpy(), const.numpy()))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    axis = None if dims is None else tuple(dims)
+    ref = (base * 2.0).astype(np.float64)
+    ref = ref.mean(axis=axis) if mean else ref.sum(axis=axis)
+    np.testing.assert_allclose(results[1][0], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_one_argument_apply_refuses_tensors_of_another_backend(backend):
     if backend.param == "numpy":
         pytest.skip(SUBSET + "needs a second backend: the numpy one is the other")
@@ -305,3 +335,90 @@ def test_numba_linear_into_its_own_input(dtype):
             ref = act(wide @ w.astype(np.float64).T + b)
             tol = 2e-2 if dtype == np.float16 else 1e-5
             np.testing.assert_allclose(out.astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+def _scanned_release(node) -> set[str]:
+    """The fields the value-based release (NOTE [ Released nodes ]) would drop of ``node``."""
+    from taifuse._engine import Function
+
+    twin = Function()
+    twin.__dict__.update(node.__dict__)
+    twin.release()
+    return set(twin._freed)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_declared_saved_fields_are_what_the_scan_would_free(backend, activation):
+    # A Function that declares ``saved`` is released without the scan of its fields: the
+    # declaration must name every field the scan would drop (else its data outlives the backward),
+    # and the second backward still raises where, and only where, a dropped field is read again.
+    x = taifuse.tensor(np.ones((8, 16), np.float32), requires_grad=True)
+    w = taifuse.tensor(np.full((4, 16), 0.5, np.float32), requires_grad=True)
+    b = taifuse.tensor(np.ones(4, np.float32), requires_grad=True)
+    y = F.linear(x, w, b, activation)
+    loss = y.sum()
+    for node in (y.grad_fn, loss.grad_fn):
+        assert type(node).saved is not None
+        assert _scanned_release(node) <= set(type(node).saved)
+    lin = y.grad_fn
+    loss.backward()
+    assert lin.released and not set(type(lin).saved) & set(vars(lin))
+    np.testing.assert_allclose(w.grad.numpy(), np.full((4, 16), 8.0, np.float32), rtol=1e-6)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        lin.x  # noqa: B018
+    with pytest.raises(AttributeError):
+        lin.not_a_field  # noqa: B018
+    # A sum saved no data: its node runs again, as PyTorch's (a leaf's sum backpropagates twice).
+    s = x.sum()
+    s.backward()
+    s.backward()
+    np.testing.assert_array_equal(x.grad.numpy()[0], np.full(16, 2.0 + 4 * 0.5, np.float32))
+
+
+def test_graph_order_of_a_chain_and_of_a_branching_graph():
+    # _graph_order takes a chain (one creator per node) as it is and searches any other graph:
+    # both give every node after the nodes that computed its inputs, each node once.
+    from taifuse._engine import _graph_order
+
+    with taifuse.use_backend("numpy"):
+        x = taifuse.tensor(np.ones((2, 3), np.float32), requires_grad=True)
+        a = x * 2.0
+        b = a.sum(0)
+        c = b * 3.0
+        chain = _graph_order(c.grad_fn)
+        assert chain == [a.grad_fn, b.grad_fn, c.grad_fn]
+        d = a * a + b.sum()  # a reaches d twice, and b's sum joins it
+        order = _graph_order(d.grad_fn)
+        assert len(order) == len({id(n) for n in order}) == 5  # 2x, a * a, a.sum(0), b.sum(), +
+        position = {id(n): i for i, n in enumerate(order)}
+        for n in order:
+            for p in n.parents:
+                if p is not None and not isinstance(p, taifuse.Tensor):
+                    assert position[id(p)] < position[id(n)]
+        d.sum().backward()
+        # sum(d) = sum(4 x^2) + 6 * sum(2 x): its gradient 8 x + 12
+        np.testing.assert_allclose(x.grad.numpy(), np.full((2, 3), 8.0 + 12.0, np.float32), rtol=1e-6)
+
+
+def test_linear_of_tensors_repeats_the_checked_result_for_every_shape(backend):
+    # The autograd linear's forward keeps a plan per signature (_array_ops.linear_arrays): the
+    # 2-D product goes straight to the kernel, a batched or empty input takes the reshapes; every
+    # call, first or repeated, gives the reference's values, and a bad signature after a cached
+    # one still raises the checked path's error.
+    rng = np.random.default_rng(6)
+    w = taifuse.tensor(rng.standard_normal((4, 16)).astype(np.float32), requires_grad=True)
+    b = taifuse.tensor(rng.standard_normal(4).astype(np.float32), requires_grad=True)
+    for shape in ((8, 16), (2, 3, 16), (0, 16), (1, 16)):
+        xa = rng.standard_normal(shape).astype(np.float32)
+        ref = xa.astype(np.float64) @ w.numpy().T.astype(np.float64) + b.numpy()
+        for _ in range(2):
+            y = F.linear(taifuse.tensor(xa), w, b)
+            assert y.shape == shape[:-1] + (4,)
+            np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="linear: x has 15 features"):
+        F.linear(taifuse.tensor(np.ones((8, 15), np.float32)), w, b)
+    if backend.supports_f64:
+        with pytest.raises(TypeError, match="linear"):
+            F.linear(taifuse.tensor(np.ones((8, 16), np.float64)), w, b)

@@ -546,11 +546,35 @@ def linear_arrays(be: ModuleType, x: Any, weight: Any, bias: Any, activation: st
     records the autograd op itself). The checks run once per signature (NOTE [ Checked
     signatures ]); the arrays are ``be``'s already (C-contiguous where a kernel needs them, by
     ``Function.apply``): no conversion."""
-    if not _checked(_linear_signature(be, x, weight, bias, activation)):
+    # Keyed by what the checks depend on for a backend's own arrays (their dtypes and shapes):
+    # the output's shape, or None where the kernel call needs _linear_kernel's reshapes.
+    key = (
+        be, activation, x.dtype, x.shape, weight.dtype, weight.shape,
+        None if bias is None else (bias.dtype, bias.shape),
+    )  # fmt: skip
+    try:
+        plan = _LINEAR_PLANS[key]
+    except KeyError:
+        o = linear(x, weight, bias, activation)  # the checked path
+        if len(_LINEAR_PLANS) < _CHECKED_MAX:
+            shape = _linear_shape(x, weight)
+            _LINEAR_PLANS[key] = shape if x.ndim == 2 and x.shape[0] and shape[1] else None
+        return o
+    except TypeError:  # an unhashable shape: no plan
         return linear(x, weight, bias, activation)
-    o = pool.empty(be, _linear_shape(x, weight), x.dtype)
-    _linear_kernel(be, x, weight, bias, activation, o)
+    if plan is None:
+        o = pool.empty(be, _linear_shape(x, weight), x.dtype)
+        _linear_kernel(be, x, weight, bias, activation, o)
+    else:  # a non-empty 2-D product: the kernel's arguments as they are
+        o = pool.empty(be, plan, x.dtype)
+        be.linear_act(x, weight, bias, activation, o)
     return o
+
+
+# linear_arrays's signatures that passed the checks: (backend, activation, x's dtype and shape,
+# the weight's, the bias's or None) -> the output's shape, or None where the call takes
+# _linear_kernel's reshapes (NOTE [ Checked signatures ]).
+_LINEAR_PLANS: dict[tuple, tuple[int, ...] | None] = {}
 
 
 def linear_keep_pre(x: Any, weight: Any, bias: Any, activation: str | None) -> tuple[Any, Any]:

@@ -301,6 +301,7 @@ class _Linear(Op):
     """
 
     owns_grads = True  # gx, gw and gb are new arrays, one per input
+    saved = ("x", "w", "pre")  # NOTE [ Released nodes ]
 
     def forward(self, x: Any, w: Any, b: Any, activation: str | None) -> Any:
         self.x, self.w, self.activation, self.has_bias = x, w, activation, b is not None

@@ -138,8 +138,28 @@ class _NoGrads(dict):
         return value
 
 
+class _FirstNeeds(dict):
+    """``needs_grad`` of a node whose first argument alone can require grad, by argument count."""
+
+    def __missing__(self, n: int) -> tuple[bool, ...]:
+        self[n] = value = (True,) + (False,) * (n - 1)
+        return value
+
+
 _NO_GRADS = _NoGrads()
-_NO_GRADS_ONE, _NEEDS_ONE = _NO_GRADS[1], (True,)  # Function.apply_one's
+_FIRST_NEEDS = _FirstNeeds()
+_NO_GRADS_ONE, _NEEDS_ONE = _NO_GRADS[1], _FIRST_NEEDS[1]  # Function.apply_one's
+
+
+class _NoParents(dict):
+    """``parents`` of ``n`` arguments that are not Tensors (apply_one's after its first)."""
+
+    def __missing__(self, n: int) -> tuple[None, ...]:
+        self[n] = value = (None,) * n
+        return value
+
+
+_NO_PARENTS = _NoParents()
 
 
 class Function:
@@ -183,6 +203,10 @@ class Function:
     # what graph_node makes of them: release() then keeps their nodes, not their arrays.
     tensor_parents: bool = False
     released = False
+    # The fields this op's forward saves for its backward, when the subclass declares them:
+    # release() then drops exactly those, whatever they hold, instead of deciding field by field
+    # over the node's __dict__ (NOTE [ Released nodes ]). None: decided by value.
+    saved: tuple[str, ...] | None = None
     # True for the ops that compute on the active backend (the functional ops): ``apply`` checks
     # that the tensors live there and calls :meth:`wrong_backend` when they do not.
     on_active_backend = False
@@ -256,13 +280,15 @@ class Function:
         return out
 
     @classmethod
-    def apply_one(cls, a: Any) -> Any:
-        """:meth:`apply` of one positional argument and no keywords, without its loop over the
-        arguments and their lists: the unary activations' call (NOTE [ The lean apply ]). The same
-        steps in the same order: the backend check, the node, a contiguous copy of a strided
-        view, the profiler's hook, the output with its creator, a view's version counter."""
+    def apply_one(cls, a: Any, *rest: Any) -> Any:
+        """:meth:`apply` of one Tensor argument ``a`` and no keywords, without its loop over the
+        arguments and their lists: the unary activations' and the reductions' call (NOTE [ The
+        lean apply ]). ``rest``: the op's further positional arguments, none of them a Tensor (a
+        reduction's dims and flags). The same steps in the same order: the backend check, the
+        node, a contiguous copy of a strided view, the profiler's hook, the output with its
+        creator, a view's version counter."""
         if not isinstance(a, TensorCore):
-            return cls.apply(a)
+            return cls.apply(a, *rest)
         be = backend(a)
         if cls.on_active_backend:
             active = backends.active()
@@ -272,16 +298,19 @@ class Function:
         ctx = cls()
         ctx.be = be
         ctx.m = math_for(be)
-        ctx.needs_grad = _NEEDS_ONE if record else _NO_GRADS_ONE
+        if rest:
+            ctx.needs_grad = _FIRST_NEEDS[len(rest) + 1] if record else _NO_GRADS[len(rest) + 1]
+        else:
+            ctx.needs_grad = _NEEDS_ONE if record else _NO_GRADS_ONE
         x = data(a)
         if not cls.strided and base(a) is not None and _strided(x):
             x = ctx.m.contiguous(x)  # through the math object, as apply's
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
-        result = ctx.forward(x) if rec is None else rec.forward(ctx, (x,), {})
+        result = ctx.forward(x, *rest) if rec is None else rec.forward(ctx, (x, *rest), {})
         if record:
             out = wrap(result, be, ctx)
             creator = node(a)
-            ctx.parents = (a if creator is None else creator,)  # graph_node(a)
+            ctx.parents = (a if creator is None else creator,) + _NO_PARENTS[len(rest)]  # graph_node(a)
             ctx.epoch = INPLACE_EPOCH[0]
         else:
             out = wrap(result, be)
@@ -300,6 +329,13 @@ class Function:
         ``retain_graph``), so that the intermediates are freed while the output lives on; keep
         the shapes, dims and dtypes, and the links to the inputs (NOTE [ Released nodes ])."""
         state = self.__dict__
+        saved = self.saved
+        # Declared fields: no scan (NOTE [ Released nodes ]); a checkpoint's node keeps its own way.
+        if saved is not None and not self.tensor_parents:
+            for k in saved:
+                state.pop(k, None)
+            self.released = True
+            return
         freed = []
         for k, v in state.items():
             kind = type(v)  # the exact types first: most fields are arrays, floats, ints, flags, None
@@ -324,7 +360,7 @@ class Function:
 
     def __getattr__(self, name: str) -> Any:
         # Only called for a name the instance lacks: one that release() dropped is needed again.
-        if name in self.__dict__.get("_freed", ()):
+        if name in self.__dict__.get("_freed", ()) or (self.released and name in (self.saved or ())):
             raise RuntimeError(_SECOND_BACKWARD)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -388,7 +424,9 @@ def _kept_arrays(ctx: Function) -> list:
 # PyTorch's "second time" error when, and only when, it is reached again. What counts as kept is
 # decided by value (_is_metadata), not per subclass: ints, strings, dtypes, flags and tuples of
 # them; arrays, Tensors, floats (a scalar operand: PyTorch saves it as a tensor too) and callables
-# go.
+# go. A subclass that declares its ``saved`` fields (the ops of the smallest steps: linear, sum)
+# has exactly those dropped, without that scan of its fields (about 1.4 us a node); a test checks
+# that each declaration names every field the scan would drop (tests/test_lean_dispatch.py).
 _KEPT_ON_RELEASE = frozenset({"be", "m", "needs_grad", "parents", "released", "_freed", "profile_signature"})
 
 
@@ -445,8 +483,32 @@ def _creator(parent: TensorCore | Function | None) -> Function | None:
 def _graph_order(root: Function) -> list[Function]:
     """Nodes reachable from ``root``, each after every node that computed one of its inputs.
 
-    An iterative depth-first post-order: recursion would overflow on long chains.
+    An iterative depth-first post-order: recursion would overflow on long chains. A chain (each
+    node with at most one creator among its inputs, once: a small step's graph) is its own
+    order, found without the search's stack and set.
     """
+    chain = [root]
+    fn: Function | None = root
+    while fn is not None:
+        after = None
+        for p in fn.parents:
+            if p is None:
+                continue
+            creator = p if isinstance(p, Function) else node(p)  # _creator(p)
+            if creator is None:
+                continue
+            if after is not None:  # a second creator: not a chain
+                return _searched_order(root)
+            after = creator
+        if after is not None:
+            chain.append(after)
+        fn = after
+    chain.reverse()
+    return chain
+
+
+def _searched_order(root: Function) -> list[Function]:
+    """:func:`_graph_order` of any graph: the depth-first search."""
     order: list[Function] = []
     seen: set[int] = set()
     stack: list[tuple[Function, bool]] = [(root, False)]

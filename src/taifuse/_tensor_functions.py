@@ -258,6 +258,8 @@ class _MatMul(_Method):
 
 
 class _Sum(_Method):
+    saved = ()  # shapes and flags only: a second backward runs, as PyTorch's (NOTE [ Released nodes ])
+
     def forward(self, a: Any, dims: tuple[int, ...] | None, keepdim: bool, mean: bool) -> Any:
         self.in_shape = shape_of(a)
         self.dims = tuple(range(a.ndim)) if dims is None else dims

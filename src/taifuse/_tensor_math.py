@@ -127,7 +127,24 @@ def _wide(x: np.ndarray, buf: np.ndarray) -> np.ndarray:
 _SQUARES_BLOCK = 1 << 15
 
 
+# (shape, axis, keepdims) -> the reduction's shape: a small step repeats a few (a dict hit is
+# about a tenth of the computation's time, a sizable part of a small sum's).
+_REDUCED_SHAPES: dict[tuple, tuple[int, ...]] = {}
+
+
 def _reduced_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None, keepdims: bool) -> tuple[int, ...]:
+    try:
+        return _REDUCED_SHAPES[shape, axis, keepdims]
+    except KeyError:
+        out = _REDUCED_SHAPES[shape, axis, keepdims] = _reduce_shape(shape, axis, keepdims)
+        if len(_REDUCED_SHAPES) > 4096:
+            _REDUCED_SHAPES.clear()
+        return out
+    except TypeError:  # an unhashable axis (a list)
+        return _reduce_shape(shape, axis, keepdims)
+
+
+def _reduce_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None, keepdims: bool) -> tuple[int, ...]:
     axes = range(len(shape)) if axis is None else [d % len(shape) for d in axis]
     if keepdims:
         return tuple(1 if i in axes else n for i, n in enumerate(shape))

@@ -643,12 +643,12 @@ class Tensor(TensorCore):
         """Sum over ``dim`` (all dimensions when ``None``)."""
         (a,) = autocast_args("float32", self)
         dims = None if dim is None else _normalize_dims(dim, self.ndim, "sum")
-        return Sum.apply(a, dims, bool(keepdim), False)
+        return Sum.apply_one(a, dims, bool(keepdim), False)
 
     def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
         """Mean over ``dim`` (all dimensions when ``None``)."""
         (a,) = autocast_args("float32", self)
-        return Sum.apply(a, _normalize_dims(dim, self.ndim, "mean"), bool(keepdim), True)
+        return Sum.apply_one(a, _normalize_dims(dim, self.ndim, "mean"), bool(keepdim), True)
 
     def reshape(self, *shape: Any) -> Tensor:
         """The same data in ``shape`` (one entry may be -1): a view when the strides allow one

@@ -751,6 +751,9 @@ def _readable(a: np.ndarray, out: np.ndarray) -> np.ndarray:
     Kernels read and write element i (or row r) together, so ``out`` may be ``a`` itself; only a
     partial overlap (``out`` a shifted view of ``a``) needs the copy.
     """
+    # Two arrays that each own their memory are apart, or one array: no overlap test (a small op's case).
+    if a.base is None and out.base is None:
+        return a
     if np.may_share_memory(a, out) and not _same_data(a, out):
         return a.copy()
     return a

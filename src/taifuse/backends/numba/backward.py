@@ -24,6 +24,7 @@ from taifuse.backends.numba._jit import (
     _EXP2_HI,
     _EXP2_LO,
     _F32_ONE,
+    _FLOAT16,
     _FMA,
     _FMA_INLINE,
     _FMA_PARALLEL,
@@ -469,7 +470,7 @@ def linear_act_backward(
     it is written.
     """
     op = int(activation_code(activation))
-    if x.dtype == np.float16:
+    if x.dtype == _FLOAT16:  # the dtype, not np.float16: == then converts nothing
         _linear_backward_half(x, w, pre, grad_out, op, grad_x, grad_w, grad_b)
         return
     gp = grad_pre
@@ -483,10 +484,11 @@ def linear_act_backward(
         epilogue(_bits(pre), _bits(grad_out), op, gp, None if grad_b is None else _bits(grad_b))
     elif grad_b is not None:
         (_bias_grad_parallel if par else _bias_grad_serial)(_bits(grad_out), _bits(grad_b))
+    # np.dot: the BLAS products without np.matmul's ufunc dispatch, as linear_act's
     if grad_x is not None:
-        np.matmul(gp, w, out=grad_x)
+        np.dot(gp, w, out=grad_x)
     if grad_w is not None:
-        np.matmul(gp.T, x, out=grad_w)
+        np.dot(gp.T, x, out=grad_w)
 
 
 def _grad_pre_chunk(pre, grad_out, op, gp, gb) -> None:
