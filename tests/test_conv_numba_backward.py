@@ -163,13 +163,49 @@ def test_numba_conv2d_backward_geometries_take_the_paths_named(geometry):
     assert (bw.taps, bw.kmajor) == PATHS[geometry]
 
 
+def test_numba_conv2d_backward_takes_one_part_a_step():
+    """Each step of images is a part of its own (its grad_w sum written by its first product), so
+    that the worker to finish first waits at most one step: twenty 32 x 32 images, twenty parts;
+    with steps of four 16 x 16 images, five parts; BACKWARD_PARTS caps them (ten images, two a part)."""
+
+    def parts(n, size):
+        x = np.zeros((n, 8, size, size), np.float32)
+        wt = np.zeros((16, 8, 3, 3), np.float32)
+        gw = np.empty(wt.shape, np.float32)
+        bw = nb_conv._Backward(x, wt, None, 16, (1, 1), (1, 1), (1, 1), 1, size, size, None, gw)
+        return [n1 - n0 for _, n0, n1 in bw.items]
+
+    assert parts(20, 32) == [1] * 20
+    assert parts(20, 16) == [4] * 5
+    before = nb_conv.BACKWARD_PARTS
+    try:
+        nb_conv.BACKWARD_PARTS = 5
+        assert parts(10, 32) == [2] * 5
+    finally:
+        nb_conv.BACKWARD_PARTS = before
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_numba_sum_parts_gives_numpys_sum_over_the_parts(dtype):
+    """The parts' grad_w sums are added on Numba's threads in the parts' order: NumPy's
+    ``sum(axis=0)`` bits (each element summed in order), over a ragged last block of elements."""
+    rng = np.random.default_rng(5)
+    parts = (rng.standard_normal((13, 3 * 4096 + 77)) * 10.0 ** rng.integers(-3, 4, (13, 1))).astype(dtype)
+    out = np.empty(parts.shape[1], dtype)
+    nb_conv._sum_parts(parts, out)
+    np.testing.assert_array_equal(out, np.sum(parts, axis=0))
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_numba_conv2d_backward_keeps_infinities_where_the_reference_has_them():
+@pytest.mark.parametrize("geometry", ["one-image-taps", "one-image-columns"])
+def test_numba_conv2d_backward_keeps_infinities_where_the_reference_has_them(geometry):
     """The per-tap weight gradient reads each padded row's junk columns against zeros of grad_pre
-    (0 * inf is NaN), so an image with an inf takes the columns instead; and the columns' gradient
-    is zeroed in those columns before col2im, so an infinite weight reaches only the input
-    positions it multiplies. Inf and NaN land where the float64 reference puts them."""
-    geometry = GEOMETRIES["one-image-taps"]
+    (0 * inf is NaN), so an image with an inf takes the columns instead, whose junk columns are
+    zeroed before the product where the image holds an inf or NaN (skipped for a finite image:
+    its junk times 0 adds only zeros); and the columns' gradient is zeroed in those columns before
+    col2im where the weight holds one, so an infinite weight reaches only the input positions it
+    multiplies. Inf and NaN land where the float64 reference puts them."""
+    geometry = GEOMETRIES[geometry]
     x, wt, pre, g = _arrays(geometry, np.float32, seed=2)
     x[1, 2, 5, 31] = np.inf  # the last column: its padded row's junk columns read it
     wt[3, 1, 0, 2] = -np.inf

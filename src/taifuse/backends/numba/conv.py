@@ -33,21 +33,29 @@ rate; per-phase figures in docs/cnn.md. Every output element is written by one i
 result does not depend on which thread runs it.
 
 The backward runs as the forward does, on the same Python threads with BLAS on one thread per
-call (``_Backward``). Its items are parts of consecutive images, at most ``BACKWARD_PARTS`` (more
-only where Numba has more threads), each taken a step of whole images at a time: one image, or as
+call (``_Backward``). Its items are parts of consecutive images, each taken a step of whole images
+at a time, as many parts as steps (a part's grad_w sum written by its first product, no sum to add
+into) up to ``BACKWARD_PARTS`` and ``PARTS_MAX_BYTES`` of sums (more only where Numba has more
+threads): the workers take parts as they finish one, so the last to finish waits at most one step
+(eight parts of eight images at 32 -> 64, N = 64, left one worker 9-15 ms idle at the end on a loaded
+machine). A step is one image, or as
 many small ones as make ``ITEM_MIN_COLUMNS`` output pixels (never a band of an image: two bands'
 col2im would add into the same input rows). A step writes its grad_pre = grad_out * act'(pre) (or batch norm's input
 gradient, ``conv2d_batch_norm_backward``) channel-major into the worker's scratch at the columns'
 pitch, with each plane's float64 sum for grad_b; rebuilds the step's columns as the forward's;
 adds ``grad_pre_g @ cols_g.T`` (or its transpose) into the part's own grad_w sum; and writes
 ``w_g.T @ grad_pre_g`` over the columns, which col2im adds into the step's images of grad_x (no other item writes them).
-The parts' sums are added in their order at the end: the result does not depend on which worker
+The parts' sums are added in their order at the end (``_sum_parts``: blocks of elements on Numba's
+threads, each element's sum in the parts' order): the result does not depend on which worker
 took a part, nor on the thread count up to ``BACKWARD_PARTS`` threads (tested bit for bit). At
 stride 1 the columns are ``_im2col_padded``'s, at the padded width, and col2im is its adjoint:
 each tap's row one contiguous shifted add into the image's zero-padded planes, whose inside is
 then grad_x (elsewhere, one shifted add per output row over the columns whose input is inside).
-grad_pre's junk columns are zero, and the columns' junk is zeroed before each product, so that
-no inf or NaN in x or w meets a junk column (0 * inf is NaN). The columns' grad_w product runs
+grad_pre's junk columns are zero, so a junk column adds +-0 to every sum (the same bits); the
+columns' junk is zeroed before grad_w's product only where the step's images hold an inf or NaN,
+and before col2im only where the weight does (``_all_finite``, 0.004 ms an image against
+``_zero_junk``'s 0.03 ms a pass), so that no inf or NaN meets a junk column (0 * inf is NaN). The
+columns' grad_w product runs
 in the order whose output has more rows, ``cols_g @ grad_pre_g.T`` (K, OCg) where K = C * kh *
 kw is the larger (every layer but a first one's), summed in that order and transposed once at
 the end (``_grad_w_product``): 0.54 against 0.70 ms a 32 x 32 image at 32 -> 64, one BLAS thread
@@ -796,27 +804,31 @@ def conv2d_backward(
 def _grad_pre_item(pre, g, op, n0, n1, pitch, ow, gp, sums):
     # Images [n0, n1) on the calling thread (a backward work item): gp[o, (n - n0) * OH * pitch +
     # r * pitch + q] = g[n, o, r * OW + q] * act'(pre[n, o, r * OW + q]), channel-major at the
-    # item's pitch (the columns q >= OW are left alone), and sums[n, o] = the plane's float64 sum
-    # (for grad_b).
+    # item's pitch (the columns q >= OW are left alone: zero), and sums[n, o] = the plane's
+    # float64 sum (for grad_b), one sum over the plane at the pitch, its zero columns included.
+    # Without an activation the rows are copied by index: a slice per 32-element row took twice
+    # the time (0.09 against 0.04 ms an image's 64 planes, one thread, a loaded machine).
     oc, p = g.shape[1], g.shape[2]
     width = p if pitch == ow else ow  # one run per plane where the pitch adds no columns
     runs = p // width
+    span = (p // ow) * pitch
     for n in range(n0, n1):
-        base = (n - n0) * (p // ow) * pitch
+        base = (n - n0) * span
         for o in range(oc):
-            s = 0.0
-            for r in range(runs):
-                dst = gp[o, base + r * pitch : base + r * pitch + width]
-                src = g[n, o, r * width : (r + 1) * width]
-                if op == _IDENTITY:
+            plane = gp[o, base : base + span]
+            src = g[n, o]
+            if op == _IDENTITY:
+                for r in range(runs):
                     for q in range(width):
-                        dst[q] = _widen(src[q])
-                else:
-                    _grad_pre_span(pre[n, o, r * width : (r + 1) * width], src, op, dst)
-                if sums is not None:
-                    s += _span_sum(dst)
+                        plane[r * pitch + q] = _widen(src[r * width + q])
+            else:
+                for r in range(runs):
+                    _grad_pre_span(
+                        pre[n, o, r * width : (r + 1) * width], src[r * width : (r + 1) * width], op,
+                        plane[r * pitch : r * pitch + width],
+                    )  # fmt: skip
             if sums is not None:
-                sums[n, o] = s
+                sums[n, o] = _span_sum(plane)
 
 
 @njit(**_FMA_INLINE)
@@ -862,6 +874,20 @@ def _zero_junk(a, width, ow, pitch):
         for s in range(0, width, pitch):
             for q in range(s + ow, s + pitch):
                 dst[q] = 0
+
+
+@njit(**_FMA_REDUCE)
+def _all_finite(a):
+    # Whether every value of ``a`` (C-contiguous) is finite: v * 0 is NaN for an inf or NaN, 0
+    # otherwise (a sum that vectorizes, where a per-element test did not).
+    flat = a.ravel()
+    if flat.size == 0:
+        return True
+    zero = _like(0.0, _widen(flat[0]))
+    acc = zero
+    for e in range(flat.size):
+        acc += _widen(flat[e]) * zero
+    return acc == 0
 
 
 @njit(**_FMA)
@@ -951,10 +977,10 @@ def _col2im_item(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx)
                     dst[a, b] = _narrow(plane[a, b], gx)
 
 
-# The backward's images are shared out as at most BACKWARD_PARTS runs of consecutive images (more
-# where Numba has more threads), each summing grad_w in scratch of its own (at most
-# PARTS_MAX_BYTES for all parts); the parts are added in their order at the end.
-BACKWARD_PARTS = 8
+# The backward's images are shared out as runs of consecutive images, one step each up to
+# BACKWARD_PARTS runs (more where Numba has more threads), each summing grad_w in scratch of its
+# own (at most PARTS_MAX_BYTES for all parts); the parts are added in their order at the end.
+BACKWARD_PARTS = 64
 PARTS_MAX_BYTES = 16 * 1024 * 1024
 # grad_w takes one product per tap, without the columns, from TAPS_MIN_CHANNELS input channels up
 # to (not including) TAPS_MAX_CHANNELS: per image at 32 x 32, the columns' copy and one product
@@ -1023,6 +1049,9 @@ class _Backward:
             self.acc = scratch.acquire((workers, c, h, wd), ct)
         self.w2 = _as_compute(w, scratch).reshape(groups, ocg, k) if grad_x is not None else None
         self.w2shape = (groups, ocg)
+        # The columns' junk columns need zeroing only where a non-finite value meets them (NOTE
+        # [ Convolution on the host: im2col in blocks ]).
+        self.w_finite = self.w2 is not None and bool(_all_finite(self.w2))
         self.gw = self.tmp = None
         # The columns' product writes grad_w's transpose (K, OCg) where K is the larger
         # (_grad_w_product); the parts' sums keep that order until run() transposes their total.
@@ -1044,7 +1073,7 @@ class _Backward:
                 _backward_items(
                     self.x, self.w2, p3, g3, op, self.geom, self.padded, self.nb, starts, ends, self.gp,
                     self.cols, spare[:, 0] if self.xpad is None else self.xpad, spare if self.acc is None else self.acc,
-                    self.gw, self.tmp, self.kmajor, sums, None if self.grad_x is None else _bits(self.grad_x),
+                    self.gw, self.tmp, self.kmajor, sums, None if self.grad_x is None else _bits(self.grad_x), self.w_finite,
                     *address, np.zeros(1, np.int64),
                 )  # fmt: skip
         else:
@@ -1055,7 +1084,11 @@ class _Backward:
         gw = self.grad_w.reshape(groups, ocg, -1)
         direct = gw.dtype == self.ct and not self.kmajor
         total = gw if direct else pool.host_pool().acquire(self.gw.shape[1:], self.ct)
-        np.sum(self.gw, axis=0, out=total)  # the parts in their order: the same bits every run
+        parts = self.gw.reshape(len(self.items), -1)
+        if _jit._parallel(parts.size):  # the parts in their order: the same bits every run
+            _sum_parts(parts, total.reshape(-1))
+        else:
+            np.sum(self.gw, axis=0, out=total)
         if total is not gw:
             _jit._convert(gw, total.transpose(0, 2, 1) if self.kmajor else total)
 
@@ -1089,7 +1122,7 @@ class _Backward:
                 )
             else:
                 _im2col_block(self.x, n0, n1, 0, oh, *self.geom, cols_rows)
-            if junk:
+            if junk and not _all_finite(self.x[n0:n1]):  # else junk * 0 adds +-0: the same bits
                 _zero_junk(cols_rows, width, ow, self.pitch)
             acc = self.gw[part]
             if add:
@@ -1108,7 +1141,7 @@ class _Backward:
                 )
             gx = _bits(self.grad_x)
             if self.padded:
-                if junk:
+                if junk and not self.w_finite:  # else the columns' junk is w.T @ 0 = +0
                     _zero_junk(cols_rows, width, ow, self.pitch)
                 _col2im_padded(cols_rows, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, self.xpad[worker], gx)
             else:
@@ -1139,8 +1172,8 @@ class _Backward:
 
 @njit(**_FMA_PARALLEL)
 def _backward_items(
-    x, w2, pre, g, op, geom, padded, nb, starts, ends, gp, cols, xpad, acc, gw, tmp, kmajor, sums, gx, fn,
-    ilp64, next_item,
+    x, w2, pre, g, op, geom, padded, nb, starts, ends, gp, cols, xpad, acc, gw, tmp, kmajor, sums, gx, w_finite,
+    fn, ilp64, next_item,
 ):  # fmt: skip
     # _Backward's parts on Numba's threads (NOTE [ BLAS from Numba threads ]), each step as
     # _Backward._step with _grad_pre_item's fill: the same products on the same operands, summed
@@ -1164,7 +1197,7 @@ def _backward_items(
                 if gw is not None:
                     if padded:
                         _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
-                        if pitch != ow:
+                        if pitch != ow and not _all_finite(x[s0:s1]):
                             _zero_junk(ct, width, ow, pitch)
                     else:
                         _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
@@ -1196,12 +1229,28 @@ def _backward_items(
                             gpt.ctypes.data + q * ocg * ldg * size, ldg, zero, ct.ctypes.data + q * k * ldc * size, ldc,
                         )  # fmt: skip
                     if padded:
-                        if pitch != ow:
+                        if pitch != ow and not w_finite:
                             _zero_junk(ct, width, ow, pitch)
                         _col2im_padded(ct, s0, s1, kh, kw, ph, pw, dh, dw, oh, ow, xpad[t], gx)
                     else:
                         _col2im_item(ct, s0, s1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc[t], gx)
             part = _blas.take(next_item)
+
+
+@njit(**_FMA_PARALLEL)
+def _sum_parts(parts, out):
+    # out = parts[0] + parts[1] + ... element by element, in the parts' order (np.sum(parts,
+    # axis=0)'s order and bits), blocks of elements on Numba's threads.
+    count, size = parts.shape
+    block = 4096
+    for b in prange(-(-size // block)):
+        lo, hi = b * block, min(size, (b + 1) * block)
+        dst = out[lo:hi]
+        _copy(dst, parts[0, lo:hi])
+        for q in range(1, count):
+            src = parts[q, lo:hi]
+            for e in range(hi - lo):
+                dst[e] += src[e]
 
 
 def _grad_w_product(gp, cols, out, kmajor: bool) -> None:
