@@ -65,7 +65,17 @@ tap, ``grad_pre @ xpad[:, off : off + span].T`` over a strided view of the image
 (saving the columns' copy); those views' junk columns are real values, so an image holding an
 inf or NaN takes the columns instead. Under 8 input channels (the first layer's 3) the nine thin
 products lose to the columns' one; from 32 the columns' one product, in its (K, OCg) order, wins
-back its copy (each of the nine products repacks grad_pre). A dot-product kernel for grad_w at the first
+back its copy (each of the nine products repacks grad_pre). Where the columns' product would run
+in its (K, OCg) order with one image a step, one group and stride 1 (the 32 -> 64 layer, and a
+first layer with more output channels than taps takes the (OCg, K) order and the columns), grad_w
+is instead one product per kernel row i over the image's padded planes shifted per kernel column,
+``xs[(c, j), i * dh * WP:][:, :span] @ grad_pre.T`` (C * kw rows, ``_kw_planes``; conv-gw's 951cb1a
+at the padded width): kw copies of the planes instead of the columns' kh * kw, and each element
+sums the same products in the same order as the columns' product (the same bits, checked at 32
+-> 64); its rows come out (i, c, j), permuted once at the end, and an image holding an inf or
+NaN has the copies' junk columns zeroed. One thread, a 32 x 32 image's step (loaded machine,
+medians of 8 interleaved rounds over 64 images): 1.33 against 1.51 ms with the columns; the
+whole backward's CPU time moved by less than this machine's noise. A dot-product kernel for grad_w at the first
 layer's K = 27 taps ran 2-3x slower than BLAS's product there (a loaded machine's ratio), so
 every layer takes BLAS. grad_x as an implicit GEMM (the forward's, on grad_pre's planes padded by
 the kernel's reach less the padding, with the weight flipped and its channels swapped: 9711173)
@@ -916,6 +926,43 @@ def _pad_image(x, n, kh, kw, ph, pw, dh, dw, oh, ow, xpad):
 
 
 @njit(**_FMA)
+def _kw_planes(x, n, kh, kw, ph, pw, dh, dw, oh, ow, xs):
+    # Image n's zero-padded planes at stride 1 (_im2col_padded's, at WP = OW + (kw - 1) * dw), one
+    # row per input channel and kernel column: xs[c * kw + j, e] = plane_c[e + j * dw] for e <
+    # rows * WP, rows = OH + (kh - 1) * dh. Kernel row i's columns are then the rows' runs from
+    # i * dh * WP (NOTE [ Convolution on the host: im2col in blocks ]): row (c, 0) is the plane
+    # itself (with its (kw - 1) * dw zeros after the last row), the others its shifted copies.
+    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    wp = ow + (kw - 1) * dw
+    rows = oh + (kh - 1) * dh
+    size = rows * wp
+    lo, hi = min(pw, wp), min(wp, pw + w)
+    for c in range(c_dim):
+        plane = xs[c * kw]
+        for pr in range(rows):
+            ih = pr - ph
+            o = pr * wp
+            if ih < 0 or ih >= h:
+                for q in range(wp):
+                    plane[o + q] = 0
+                continue
+            src = x[n, c, ih]
+            for q in range(lo):
+                plane[o + q] = 0
+            for q in range(lo, hi):
+                plane[o + q] = _widen(src[q - pw])
+            for q in range(hi, wp):
+                plane[o + q] = 0
+        for q in range(size, size + (kw - 1) * dw):
+            plane[q] = 0
+        for j in range(1, kw):
+            dst = xs[c * kw + j, :size]
+            src = plane[j * dw : j * dw + size]
+            for e in range(size):
+                dst[e] = src[e]
+
+
+@njit(**_FMA)
 def _col2im_padded(gcols, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, xpad, gx):
     # The adjoint of _im2col_padded for whole images [n0, n1) (stride 1), on the calling thread:
     # each tap's row of gcols (junk columns zeroed) is added into the image's zero-padded plane
@@ -1052,10 +1099,19 @@ class _Backward:
         # The columns' junk columns need zeroing only where a non-finite value meets them (NOTE
         # [ Convolution on the host: im2col in blocks ]).
         self.w_finite = self.w2 is not None and bool(_all_finite(self.w2))
-        self.gw = self.tmp = None
+        self.gw = self.tmp = self.xs = None
         # The columns' product writes grad_w's transpose (K, OCg) where K is the larger
         # (_grad_w_product); the parts' sums keep that order until run() transposes their total.
         self.kmajor = k > ocg
+        # Or, with one image a step and one group at stride 1, one product per kernel row over the
+        # image's planes shifted per kernel column (``_kw_planes``), no columns: its rows (i, c, j).
+        self.kwrows = self.padded and groups == 1 and self.nb == 1 and self.kmajor and not self.taps
+        self.kwrows = self.kwrows and grad_w is not None
+        if self.kwrows:
+            rows = oh + (kh - 1) * dilation[0]
+            self.xs = scratch.acquire(
+                (workers, c * kw, rows * self.pitch + (kw - 1) * dilation[1] + _ROW_PAD), ct
+            )
         if grad_w is not None:
             shape = (groups, k, ocg) if self.kmajor else (groups, ocg, k)
             self.gw = scratch.acquire((len(self.items), *shape), ct)
@@ -1074,6 +1130,7 @@ class _Backward:
                     self.x, self.w2, p3, g3, op, self.geom, self.padded, self.nb, starts, ends, self.gp,
                     self.cols, spare[:, 0] if self.xpad is None else self.xpad, spare if self.acc is None else self.acc,
                     self.gw, self.tmp, self.kmajor, sums, None if self.grad_x is None else _bits(self.grad_x), self.w_finite,
+                    self.kwrows, spare[:, 0] if self.xs is None else self.xs,
                     *address, np.zeros(1, np.int64),
                 )  # fmt: skip
         else:
@@ -1089,7 +1146,10 @@ class _Backward:
             _sum_parts(parts, total.reshape(-1))
         else:
             np.sum(self.gw, axis=0, out=total)
-        if total is not gw:
+        if self.kwrows:  # rows (i, c, j) -> grad_w (OC, C, kh, kw)
+            kh, kw = self.geom[:2]
+            _jit._convert(self.grad_w, total.reshape(kh, -1, kw, ocg).transpose(3, 1, 0, 2))
+        elif total is not gw:
             _jit._convert(gw, total.transpose(0, 2, 1) if self.kmajor else total)
 
     def _in_numba(self) -> tuple[int, bool] | None:
@@ -1115,7 +1175,9 @@ class _Backward:
         gp, cols_rows = gp_rows[:, :width], self.cols[worker]
         cols = cols_rows[:, :width]
         junk = self.pitch != ow
-        if self.grad_w is not None and not (self.taps and self._grad_w_taps(worker, part, n0, gp, add)):
+        if self.kwrows:
+            self._grad_w_kw_rows(worker, part, n0, gp, add)
+        elif self.grad_w is not None and not (self.taps and self._grad_w_taps(worker, part, n0, gp, add)):
             if self.padded:
                 _im2col_padded(
                     self.x, n0, n1, 0, oh, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols_rows
@@ -1147,6 +1209,22 @@ class _Backward:
             else:
                 _col2im_item(cols_rows, n0, n1, *self.geom, self.acc[worker], gx)
 
+    def _grad_w_kw_rows(self, worker: int, part: int, n: int, gp, add: bool) -> None:
+        """The part's grad_w (+)= one product per kernel row i, ``xs[:, i * dh * WP:][:, :span] @
+        gp.T`` into its rows (i, c, j), over image ``n``'s shifted planes (``_kw_planes``), whose
+        junk columns are zeroed where the image holds an inf or NaN."""
+        kh, kw, _, _, ph, pw, dh, dw, oh, ow = self.geom
+        xs = self.xs[worker]
+        _kw_planes(self.x, n, kh, kw, ph, pw, dh, dw, oh, ow, xs)
+        if not _all_finite(self.x[n : n + 1]):
+            _zero_junk(xs, (oh + (kh - 1) * dh) * self.pitch, ow, self.pitch)
+        acc = self.tmp[worker] if add else self.gw[part]
+        out = acc[0].reshape(kh, -1, acc.shape[2])
+        for i in range(kh):
+            np.matmul(xs[:, i * dh * self.pitch : i * dh * self.pitch + self.span], gp.T, out=out[i])
+        if add:
+            self.gw[part] += acc
+
     def _grad_w_taps(self, worker: int, part: int, n: int, gp, add: bool) -> bool:
         """The part's grad_w (+)= one product per tap, ``gp @ xpad[:, off : off + span].T``, where
         image ``n`` is finite (else False: the junk columns would multiply an inf by 0)."""
@@ -1173,7 +1251,7 @@ class _Backward:
 @njit(**_FMA_PARALLEL)
 def _backward_items(
     x, w2, pre, g, op, geom, padded, nb, starts, ends, gp, cols, xpad, acc, gw, tmp, kmajor, sums, gx, w_finite,
-    fn, ilp64, next_item,
+    kwrows, xs, fn, ilp64, next_item,
 ):  # fmt: skip
     # _Backward's parts on Numba's threads (NOTE [ BLAS from Numba threads ]), each step as
     # _Backward._step with _grad_pre_item's fill: the same products on the same operands, summed
@@ -1195,27 +1273,40 @@ def _backward_items(
                 width = (s1 - s0) * span
                 _grad_pre_item(pre, g, op, s0, s1, pitch, ow, gpt, sums)
                 if gw is not None:
-                    if padded:
-                        _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
-                        if pitch != ow and not _all_finite(x[s0:s1]):
-                            _zero_junk(ct, width, ow, pitch)
-                    else:
-                        _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
                     first = s0 == starts[part]
                     dst = gw[part] if first else tmp[t]
                     rows, columns = dst.shape[1], dst.shape[2]
-                    for q in range(groups):
-                        a = ct.ctypes.data + q * k * ldc * size
-                        b = gpt.ctypes.data + q * ocg * ldg * size
-                        c = dst[q].ctypes.data
-                        if kmajor:  # cols_g @ gp_g.T (K, OCg)
+                    if kwrows:  # as _Backward._grad_w_kw_rows: rows (i, c, j)
+                        xst = xs[t]
+                        _kw_planes(x, s0, kh, kw, ph, pw, dh, dw, oh, ow, xst)
+                        if not _all_finite(x[s0:s1]):
+                            _zero_junk(xst, (oh + (kh - 1) * dh) * pitch, ow, pitch)
+                        ckw = rows // kh
+                        for i in range(kh):
                             _blas.call_gemm(
-                                fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
-                            )
-                        else:  # gp_g @ cols_g.T (OCg, K)
-                            _blas.call_gemm(
-                                fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
-                            )
+                                fn, ilp64, nt, tr, ckw, columns, width, one, xst.ctypes.data + i * dh * pitch * size,
+                                xs.shape[2], gpt.ctypes.data, ldg, zero, dst.ctypes.data + i * ckw * columns * size,
+                                columns,
+                            )  # fmt: skip
+                    else:
+                        if padded:
+                            _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
+                            if pitch != ow and not _all_finite(x[s0:s1]):
+                                _zero_junk(ct, width, ow, pitch)
+                        else:
+                            _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
+                        for q in range(groups):
+                            a = ct.ctypes.data + q * k * ldc * size
+                            b = gpt.ctypes.data + q * ocg * ldg * size
+                            c = dst[q].ctypes.data
+                            if kmajor:  # cols_g @ gp_g.T (K, OCg)
+                                _blas.call_gemm(
+                                    fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
+                                )  # fmt: skip
+                            else:  # gp_g @ cols_g.T (OCg, K)
+                                _blas.call_gemm(
+                                    fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
+                                )  # fmt: skip
                     if not first:
                         total = gw[part]
                         for q in range(groups):
