@@ -46,6 +46,8 @@ GEOMETRIES = {
     "one-image-columns": (3, 32, 32, 32, 5, (3, 3), (1, 1), (1, 1), (1, 1), 1, "relu"),
     "N1-depthwise": (1, 4, 32, 33, 8, (3, 3), (1, 1), (1, 1), (1, 1), 4, "relu"),
     "N1-few-channels": (1, 3, 32, 32, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1, None),
+    # 1,122 output pixels, a 3 x 5 kernel dilated 2 x 1: grad_w one product per kernel row
+    "kw-rows-dilated": (2, 3, 34, 33, 4, (3, 5), (1, 1), (2, 2), (2, 1), 1, "gelu"),
 }
 TOLERANCE = {np.float32: 2e-5, np.float16: 1e-3, np.float64: 1e-12}
 WANTS = {
@@ -133,24 +135,25 @@ def test_numba_conv2d_backward_gives_the_same_bits_on_one_and_two_threads(geomet
             np.testing.assert_array_equal(a, b, err_msg=what)
 
 
-# geometry -> (grad_w per tap, grad_w's columns product as (K, OC) per group)
+# geometry -> (grad_w per tap, grad_w's product as (K, OC) per group, one product per kernel row)
 PATHS = {
-    "small-images": (False, True),  # K = 27 > OC = 5
-    "steps-of-several": (False, True),
-    "one-image-taps": (True, True),
-    "1x1-stride2-groups2": (False, False),  # K = 2 < OCg = 3
-    "7x7-dilation2-H!=W": (False, True),
-    "dilation2-taps": (True, True),
-    "one-image-columns": (False, True),
-    "N1-depthwise": (False, True),  # K = 9 > OCg = 2, four groups
-    "N1-few-channels": (False, True),
+    "small-images": (False, True, False),  # K = 27 > OC = 5, eleven images a step
+    "steps-of-several": (False, True, False),
+    "one-image-taps": (True, True, False),
+    "1x1-stride2-groups2": (False, False, False),  # K = 2 < OCg = 3
+    "7x7-dilation2-H!=W": (False, True, False),  # stride 2
+    "dilation2-taps": (True, True, False),
+    "one-image-columns": (False, True, True),
+    "N1-depthwise": (False, True, False),  # K = 9 > OCg = 2, four groups
+    "N1-few-channels": (False, True, True),
+    "kw-rows-dilated": (False, True, True),
 }
 
 
 @pytest.mark.parametrize("geometry", PATHS, ids=PATHS.keys())
 def test_numba_conv2d_backward_geometries_take_the_paths_named(geometry):
-    """The geometries above reach the per-tap weight gradient and both orders of the columns'
-    product (with one group and with several), as their comments say."""
+    """The geometries above reach the per-tap weight gradient, both orders of the columns' product
+    (with one group and with several) and the products per kernel row, as their comments say."""
     n, c, h, w, oc, (kh, kw), stride, padding, dilation, groups, _act = GEOMETRIES[geometry]
     x = np.zeros((n, c, h, w), np.float32)
     wt = np.zeros((oc, c // groups, kh, kw), np.float32)
@@ -160,16 +163,52 @@ def test_numba_conv2d_backward_geometries_take_the_paths_named(geometry):
     )
     gw = np.empty(wt.shape, np.float32)
     bw = nb_conv._Backward(x, wt, None, oc, stride, padding, dilation, groups, oh, ow, None, gw)
-    assert (bw.taps, bw.kmajor) == PATHS[geometry]
+    assert (bw.taps, bw.kmajor, bw.kwrows) == PATHS[geometry]
+
+
+def test_numba_conv2d_backward_takes_one_part_a_step():
+    """Each step of images is a part of its own (its grad_w sum written by its first product), so
+    that the worker to finish first waits at most one step: twenty 32 x 32 images, twenty parts;
+    with steps of four 16 x 16 images, five parts; BACKWARD_PARTS caps them (ten images, two a part)."""
+
+    def parts(n, size):
+        x = np.zeros((n, 8, size, size), np.float32)
+        wt = np.zeros((16, 8, 3, 3), np.float32)
+        gw = np.empty(wt.shape, np.float32)
+        bw = nb_conv._Backward(x, wt, None, 16, (1, 1), (1, 1), (1, 1), 1, size, size, None, gw)
+        return [n1 - n0 for _, n0, n1 in bw.items]
+
+    assert parts(20, 32) == [1] * 20
+    assert parts(20, 16) == [4] * 5
+    before = nb_conv.BACKWARD_PARTS
+    try:
+        nb_conv.BACKWARD_PARTS = 5
+        assert parts(10, 32) == [2] * 5
+    finally:
+        nb_conv.BACKWARD_PARTS = before
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_numba_sum_parts_gives_numpys_sum_over_the_parts(dtype):
+    """The parts' grad_w sums are added on Numba's threads in the parts' order: NumPy's
+    ``sum(axis=0)`` bits (each element summed in order), over a ragged last block of elements."""
+    rng = np.random.default_rng(5)
+    parts = (rng.standard_normal((13, 3 * 4096 + 77)) * 10.0 ** rng.integers(-3, 4, (13, 1))).astype(dtype)
+    out = np.empty(parts.shape[1], dtype)
+    nb_conv._sum_parts(parts, out)
+    np.testing.assert_array_equal(out, np.sum(parts, axis=0))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_numba_conv2d_backward_keeps_infinities_where_the_reference_has_them():
+@pytest.mark.parametrize("geometry", ["one-image-taps", "one-image-columns"])
+def test_numba_conv2d_backward_keeps_infinities_where_the_reference_has_them(geometry):
     """The per-tap weight gradient reads each padded row's junk columns against zeros of grad_pre
-    (0 * inf is NaN), so an image with an inf takes the columns instead; and the columns' gradient
-    is zeroed in those columns before col2im, so an infinite weight reaches only the input
-    positions it multiplies. Inf and NaN land where the float64 reference puts them."""
-    geometry = GEOMETRIES["one-image-taps"]
+    (0 * inf is NaN), so an image with an inf takes the columns instead, whose junk columns are
+    zeroed before the product where the image holds an inf or NaN (skipped for a finite image:
+    its junk times 0 adds only zeros); and the columns' gradient is zeroed in those columns before
+    col2im where the weight holds one, so an infinite weight reaches only the input positions it
+    multiplies. Inf and NaN land where the float64 reference puts them."""
+    geometry = GEOMETRIES[geometry]
     x, wt, pre, g = _arrays(geometry, np.float32, seed=2)
     x[1, 2, 5, 31] = np.inf  # the last column: its padded row's junk columns read it
     wt[3, 1, 0, 2] = -np.inf
@@ -223,13 +262,15 @@ def test_numba_conv2d_batch_norm_backward_work_items_match_the_reference(geometr
 
 
 # Geometries whose parts one parallel Numba kernel runs, calling ?gemm itself (NOTE [ BLAS from
-# Numba threads ]): both orders of grad_w's product, groups, stride 2, steps of several images.
+# Numba threads ]): both orders of grad_w's product, groups, stride 2, steps of several images, the
+# products per kernel row.
 IN_NUMBA = {
     "small-images": GEOMETRIES["small-images"],
     "1x1-stride2-groups2": GEOMETRIES["1x1-stride2-groups2"],
     "7x7-dilation2-H!=W": GEOMETRIES["7x7-dilation2-H!=W"],
     "N1-depthwise": GEOMETRIES["N1-depthwise"],
     "N2-odd": (2, 33, 13, 7, 5, (3, 3), (1, 1), (1, 1), (1, 1), 1, "relu"),
+    "kw-rows-dilated": GEOMETRIES["kw-rows-dilated"],
 }
 
 

@@ -33,21 +33,29 @@ rate; per-phase figures in docs/cnn.md. Every output element is written by one i
 result does not depend on which thread runs it.
 
 The backward runs as the forward does, on the same Python threads with BLAS on one thread per
-call (``_Backward``). Its items are parts of consecutive images, at most ``BACKWARD_PARTS`` (more
-only where Numba has more threads), each taken a step of whole images at a time: one image, or as
+call (``_Backward``). Its items are parts of consecutive images, each taken a step of whole images
+at a time, as many parts as steps (a part's grad_w sum written by its first product, no sum to add
+into) up to ``BACKWARD_PARTS`` and ``PARTS_MAX_BYTES`` of sums (more only where Numba has more
+threads): the workers take parts as they finish one, so the last to finish waits at most one step
+(eight parts of eight images at 32 -> 64, N = 64, left one worker 9-15 ms idle at the end on a loaded
+machine). A step is one image, or as
 many small ones as make ``ITEM_MIN_COLUMNS`` output pixels (never a band of an image: two bands'
 col2im would add into the same input rows). A step writes its grad_pre = grad_out * act'(pre) (or batch norm's input
 gradient, ``conv2d_batch_norm_backward``) channel-major into the worker's scratch at the columns'
 pitch, with each plane's float64 sum for grad_b; rebuilds the step's columns as the forward's;
 adds ``grad_pre_g @ cols_g.T`` (or its transpose) into the part's own grad_w sum; and writes
 ``w_g.T @ grad_pre_g`` over the columns, which col2im adds into the step's images of grad_x (no other item writes them).
-The parts' sums are added in their order at the end: the result does not depend on which worker
+The parts' sums are added in their order at the end (``_sum_parts``: blocks of elements on Numba's
+threads, each element's sum in the parts' order): the result does not depend on which worker
 took a part, nor on the thread count up to ``BACKWARD_PARTS`` threads (tested bit for bit). At
 stride 1 the columns are ``_im2col_padded``'s, at the padded width, and col2im is its adjoint:
 each tap's row one contiguous shifted add into the image's zero-padded planes, whose inside is
 then grad_x (elsewhere, one shifted add per output row over the columns whose input is inside).
-grad_pre's junk columns are zero, and the columns' junk is zeroed before each product, so that
-no inf or NaN in x or w meets a junk column (0 * inf is NaN). The columns' grad_w product runs
+grad_pre's junk columns are zero, so a junk column adds +-0 to every sum (the same bits); the
+columns' junk is zeroed before grad_w's product only where the step's images hold an inf or NaN,
+and before col2im only where the weight does (``_all_finite``, 0.004 ms an image against
+``_zero_junk``'s 0.03 ms a pass), so that no inf or NaN meets a junk column (0 * inf is NaN). The
+columns' grad_w product runs
 in the order whose output has more rows, ``cols_g @ grad_pre_g.T`` (K, OCg) where K = C * kh *
 kw is the larger (every layer but a first one's), summed in that order and transposed once at
 the end (``_grad_w_product``): 0.54 against 0.70 ms a 32 x 32 image at 32 -> 64, one BLAS thread
@@ -57,7 +65,17 @@ tap, ``grad_pre @ xpad[:, off : off + span].T`` over a strided view of the image
 (saving the columns' copy); those views' junk columns are real values, so an image holding an
 inf or NaN takes the columns instead. Under 8 input channels (the first layer's 3) the nine thin
 products lose to the columns' one; from 32 the columns' one product, in its (K, OCg) order, wins
-back its copy (each of the nine products repacks grad_pre). A dot-product kernel for grad_w at the first
+back its copy (each of the nine products repacks grad_pre). Where the columns' product would run
+in its (K, OCg) order with one image a step, one group and stride 1 (the 32 -> 64 layer, and a
+first layer with more output channels than taps takes the (OCg, K) order and the columns), grad_w
+is instead one product per kernel row i over the image's padded planes shifted per kernel column,
+``xs[(c, j), i * dh * WP:][:, :span] @ grad_pre.T`` (C * kw rows, ``_kw_planes``; conv-gw's 951cb1a
+at the padded width): kw copies of the planes instead of the columns' kh * kw, and each element
+sums the same products in the same order as the columns' product (the same bits, checked at 32
+-> 64); its rows come out (i, c, j), permuted once at the end, and an image holding an inf or
+NaN has the copies' junk columns zeroed. One thread, a 32 x 32 image's step (loaded machine,
+medians of 8 interleaved rounds over 64 images): 1.33 against 1.51 ms with the columns; the
+whole backward's CPU time moved by less than this machine's noise. A dot-product kernel for grad_w at the first
 layer's K = 27 taps ran 2-3x slower than BLAS's product there (a loaded machine's ratio), so
 every layer takes BLAS. grad_x as an implicit GEMM (the forward's, on grad_pre's planes padded by
 the kernel's reach less the padding, with the weight flipped and its channels swapped: 9711173)
@@ -796,27 +814,31 @@ def conv2d_backward(
 def _grad_pre_item(pre, g, op, n0, n1, pitch, ow, gp, sums):
     # Images [n0, n1) on the calling thread (a backward work item): gp[o, (n - n0) * OH * pitch +
     # r * pitch + q] = g[n, o, r * OW + q] * act'(pre[n, o, r * OW + q]), channel-major at the
-    # item's pitch (the columns q >= OW are left alone), and sums[n, o] = the plane's float64 sum
-    # (for grad_b).
+    # item's pitch (the columns q >= OW are left alone: zero), and sums[n, o] = the plane's
+    # float64 sum (for grad_b), one sum over the plane at the pitch, its zero columns included.
+    # Without an activation the rows are copied by index: a slice per 32-element row took twice
+    # the time (0.09 against 0.04 ms an image's 64 planes, one thread, a loaded machine).
     oc, p = g.shape[1], g.shape[2]
     width = p if pitch == ow else ow  # one run per plane where the pitch adds no columns
     runs = p // width
+    span = (p // ow) * pitch
     for n in range(n0, n1):
-        base = (n - n0) * (p // ow) * pitch
+        base = (n - n0) * span
         for o in range(oc):
-            s = 0.0
-            for r in range(runs):
-                dst = gp[o, base + r * pitch : base + r * pitch + width]
-                src = g[n, o, r * width : (r + 1) * width]
-                if op == _IDENTITY:
+            plane = gp[o, base : base + span]
+            src = g[n, o]
+            if op == _IDENTITY:
+                for r in range(runs):
                     for q in range(width):
-                        dst[q] = _widen(src[q])
-                else:
-                    _grad_pre_span(pre[n, o, r * width : (r + 1) * width], src, op, dst)
-                if sums is not None:
-                    s += _span_sum(dst)
+                        plane[r * pitch + q] = _widen(src[r * width + q])
+            else:
+                for r in range(runs):
+                    _grad_pre_span(
+                        pre[n, o, r * width : (r + 1) * width], src[r * width : (r + 1) * width], op,
+                        plane[r * pitch : r * pitch + width],
+                    )  # fmt: skip
             if sums is not None:
-                sums[n, o] = s
+                sums[n, o] = _span_sum(plane)
 
 
 @njit(**_FMA_INLINE)
@@ -864,6 +886,20 @@ def _zero_junk(a, width, ow, pitch):
                 dst[q] = 0
 
 
+@njit(**_FMA_REDUCE)
+def _all_finite(a):
+    # Whether every value of ``a`` (C-contiguous) is finite: v * 0 is NaN for an inf or NaN, 0
+    # otherwise (a sum that vectorizes, where a per-element test did not).
+    flat = a.ravel()
+    if flat.size == 0:
+        return True
+    zero = _like(0.0, _widen(flat[0]))
+    acc = zero
+    for e in range(flat.size):
+        acc += _widen(flat[e]) * zero
+    return acc == 0
+
+
 @njit(**_FMA)
 def _pad_image(x, n, kh, kw, ph, pw, dh, dw, oh, ow, xpad):
     # Image n's zero-padded planes at stride 1, as _im2col_padded lays them out in xpad (C, (OH +
@@ -887,6 +923,43 @@ def _pad_image(x, n, kh, kw, ph, pw, dh, dw, oh, ow, xpad):
                 finite &= math.isfinite(v)
                 dst[q] = v
     return finite
+
+
+@njit(**_FMA)
+def _kw_planes(x, n, kh, kw, ph, pw, dh, dw, oh, ow, xs):
+    # Image n's zero-padded planes at stride 1 (_im2col_padded's, at WP = OW + (kw - 1) * dw), one
+    # row per input channel and kernel column: xs[c * kw + j, e] = plane_c[e + j * dw] for e <
+    # rows * WP, rows = OH + (kh - 1) * dh. Kernel row i's columns are then the rows' runs from
+    # i * dh * WP (NOTE [ Convolution on the host: im2col in blocks ]): row (c, 0) is the plane
+    # itself (with its (kw - 1) * dw zeros after the last row), the others its shifted copies.
+    c_dim, h, w = x.shape[1], x.shape[2], x.shape[3]
+    wp = ow + (kw - 1) * dw
+    rows = oh + (kh - 1) * dh
+    size = rows * wp
+    lo, hi = min(pw, wp), min(wp, pw + w)
+    for c in range(c_dim):
+        plane = xs[c * kw]
+        for pr in range(rows):
+            ih = pr - ph
+            o = pr * wp
+            if ih < 0 or ih >= h:
+                for q in range(wp):
+                    plane[o + q] = 0
+                continue
+            src = x[n, c, ih]
+            for q in range(lo):
+                plane[o + q] = 0
+            for q in range(lo, hi):
+                plane[o + q] = _widen(src[q - pw])
+            for q in range(hi, wp):
+                plane[o + q] = 0
+        for q in range(size, size + (kw - 1) * dw):
+            plane[q] = 0
+        for j in range(1, kw):
+            dst = xs[c * kw + j, :size]
+            src = plane[j * dw : j * dw + size]
+            for e in range(size):
+                dst[e] = src[e]
 
 
 @njit(**_FMA)
@@ -951,10 +1024,10 @@ def _col2im_item(gcols, n0, n1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc, gx)
                     dst[a, b] = _narrow(plane[a, b], gx)
 
 
-# The backward's images are shared out as at most BACKWARD_PARTS runs of consecutive images (more
-# where Numba has more threads), each summing grad_w in scratch of its own (at most
-# PARTS_MAX_BYTES for all parts); the parts are added in their order at the end.
-BACKWARD_PARTS = 8
+# The backward's images are shared out as runs of consecutive images, one step each up to
+# BACKWARD_PARTS runs (more where Numba has more threads), each summing grad_w in scratch of its
+# own (at most PARTS_MAX_BYTES for all parts); the parts are added in their order at the end.
+BACKWARD_PARTS = 64
 PARTS_MAX_BYTES = 16 * 1024 * 1024
 # grad_w takes one product per tap, without the columns, from TAPS_MIN_CHANNELS input channels up
 # to (not including) TAPS_MAX_CHANNELS: per image at 32 x 32, the columns' copy and one product
@@ -1023,10 +1096,22 @@ class _Backward:
             self.acc = scratch.acquire((workers, c, h, wd), ct)
         self.w2 = _as_compute(w, scratch).reshape(groups, ocg, k) if grad_x is not None else None
         self.w2shape = (groups, ocg)
-        self.gw = self.tmp = None
+        # The columns' junk columns need zeroing only where a non-finite value meets them (NOTE
+        # [ Convolution on the host: im2col in blocks ]).
+        self.w_finite = self.w2 is not None and bool(_all_finite(self.w2))
+        self.gw = self.tmp = self.xs = None
         # The columns' product writes grad_w's transpose (K, OCg) where K is the larger
         # (_grad_w_product); the parts' sums keep that order until run() transposes their total.
         self.kmajor = k > ocg
+        # Or, with one image a step and one group at stride 1, one product per kernel row over the
+        # image's planes shifted per kernel column (``_kw_planes``), no columns: its rows (i, c, j).
+        self.kwrows = self.padded and groups == 1 and self.nb == 1 and self.kmajor and not self.taps
+        self.kwrows = self.kwrows and grad_w is not None
+        if self.kwrows:
+            rows = oh + (kh - 1) * dilation[0]
+            self.xs = scratch.acquire(
+                (workers, c * kw, rows * self.pitch + (kw - 1) * dilation[1] + _ROW_PAD), ct
+            )
         if grad_w is not None:
             shape = (groups, k, ocg) if self.kmajor else (groups, ocg, k)
             self.gw = scratch.acquire((len(self.items), *shape), ct)
@@ -1044,7 +1129,8 @@ class _Backward:
                 _backward_items(
                     self.x, self.w2, p3, g3, op, self.geom, self.padded, self.nb, starts, ends, self.gp,
                     self.cols, spare[:, 0] if self.xpad is None else self.xpad, spare if self.acc is None else self.acc,
-                    self.gw, self.tmp, self.kmajor, sums, None if self.grad_x is None else _bits(self.grad_x),
+                    self.gw, self.tmp, self.kmajor, sums, None if self.grad_x is None else _bits(self.grad_x), self.w_finite,
+                    self.kwrows, spare[:, 0] if self.xs is None else self.xs,
                     *address, np.zeros(1, np.int64),
                 )  # fmt: skip
         else:
@@ -1055,8 +1141,15 @@ class _Backward:
         gw = self.grad_w.reshape(groups, ocg, -1)
         direct = gw.dtype == self.ct and not self.kmajor
         total = gw if direct else pool.host_pool().acquire(self.gw.shape[1:], self.ct)
-        np.sum(self.gw, axis=0, out=total)  # the parts in their order: the same bits every run
-        if total is not gw:
+        parts = self.gw.reshape(len(self.items), -1)
+        if _jit._parallel(parts.size):  # the parts in their order: the same bits every run
+            _sum_parts(parts, total.reshape(-1))
+        else:
+            np.sum(self.gw, axis=0, out=total)
+        if self.kwrows:  # rows (i, c, j) -> grad_w (OC, C, kh, kw)
+            kh, kw = self.geom[:2]
+            _jit._convert(self.grad_w, total.reshape(kh, -1, kw, ocg).transpose(3, 1, 0, 2))
+        elif total is not gw:
             _jit._convert(gw, total.transpose(0, 2, 1) if self.kmajor else total)
 
     def _in_numba(self) -> tuple[int, bool] | None:
@@ -1082,14 +1175,16 @@ class _Backward:
         gp, cols_rows = gp_rows[:, :width], self.cols[worker]
         cols = cols_rows[:, :width]
         junk = self.pitch != ow
-        if self.grad_w is not None and not (self.taps and self._grad_w_taps(worker, part, n0, gp, add)):
+        if self.kwrows:
+            self._grad_w_kw_rows(worker, part, n0, gp, add)
+        elif self.grad_w is not None and not (self.taps and self._grad_w_taps(worker, part, n0, gp, add)):
             if self.padded:
                 _im2col_padded(
                     self.x, n0, n1, 0, oh, kh, kw, ph, pw, dh, dw, ow, self.xpad[worker], cols_rows
                 )
             else:
                 _im2col_block(self.x, n0, n1, 0, oh, *self.geom, cols_rows)
-            if junk:
+            if junk and not _all_finite(self.x[n0:n1]):  # else junk * 0 adds +-0: the same bits
                 _zero_junk(cols_rows, width, ow, self.pitch)
             acc = self.gw[part]
             if add:
@@ -1108,11 +1203,27 @@ class _Backward:
                 )
             gx = _bits(self.grad_x)
             if self.padded:
-                if junk:
+                if junk and not self.w_finite:  # else the columns' junk is w.T @ 0 = +0
                     _zero_junk(cols_rows, width, ow, self.pitch)
                 _col2im_padded(cols_rows, n0, n1, kh, kw, ph, pw, dh, dw, oh, ow, self.xpad[worker], gx)
             else:
                 _col2im_item(cols_rows, n0, n1, *self.geom, self.acc[worker], gx)
+
+    def _grad_w_kw_rows(self, worker: int, part: int, n: int, gp, add: bool) -> None:
+        """The part's grad_w (+)= one product per kernel row i, ``xs[:, i * dh * WP:][:, :span] @
+        gp.T`` into its rows (i, c, j), over image ``n``'s shifted planes (``_kw_planes``), whose
+        junk columns are zeroed where the image holds an inf or NaN."""
+        kh, kw, _, _, ph, pw, dh, dw, oh, ow = self.geom
+        xs = self.xs[worker]
+        _kw_planes(self.x, n, kh, kw, ph, pw, dh, dw, oh, ow, xs)
+        if not _all_finite(self.x[n : n + 1]):
+            _zero_junk(xs, (oh + (kh - 1) * dh) * self.pitch, ow, self.pitch)
+        acc = self.tmp[worker] if add else self.gw[part]
+        out = acc[0].reshape(kh, -1, acc.shape[2])
+        for i in range(kh):
+            np.matmul(xs[:, i * dh * self.pitch : i * dh * self.pitch + self.span], gp.T, out=out[i])
+        if add:
+            self.gw[part] += acc
 
     def _grad_w_taps(self, worker: int, part: int, n: int, gp, add: bool) -> bool:
         """The part's grad_w (+)= one product per tap, ``gp @ xpad[:, off : off + span].T``, where
@@ -1139,8 +1250,8 @@ class _Backward:
 
 @njit(**_FMA_PARALLEL)
 def _backward_items(
-    x, w2, pre, g, op, geom, padded, nb, starts, ends, gp, cols, xpad, acc, gw, tmp, kmajor, sums, gx, fn,
-    ilp64, next_item,
+    x, w2, pre, g, op, geom, padded, nb, starts, ends, gp, cols, xpad, acc, gw, tmp, kmajor, sums, gx, w_finite,
+    kwrows, xs, fn, ilp64, next_item,
 ):  # fmt: skip
     # _Backward's parts on Numba's threads (NOTE [ BLAS from Numba threads ]), each step as
     # _Backward._step with _grad_pre_item's fill: the same products on the same operands, summed
@@ -1162,27 +1273,40 @@ def _backward_items(
                 width = (s1 - s0) * span
                 _grad_pre_item(pre, g, op, s0, s1, pitch, ow, gpt, sums)
                 if gw is not None:
-                    if padded:
-                        _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
-                        if pitch != ow:
-                            _zero_junk(ct, width, ow, pitch)
-                    else:
-                        _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
                     first = s0 == starts[part]
                     dst = gw[part] if first else tmp[t]
                     rows, columns = dst.shape[1], dst.shape[2]
-                    for q in range(groups):
-                        a = ct.ctypes.data + q * k * ldc * size
-                        b = gpt.ctypes.data + q * ocg * ldg * size
-                        c = dst[q].ctypes.data
-                        if kmajor:  # cols_g @ gp_g.T (K, OCg)
+                    if kwrows:  # as _Backward._grad_w_kw_rows: rows (i, c, j)
+                        xst = xs[t]
+                        _kw_planes(x, s0, kh, kw, ph, pw, dh, dw, oh, ow, xst)
+                        if not _all_finite(x[s0:s1]):
+                            _zero_junk(xst, (oh + (kh - 1) * dh) * pitch, ow, pitch)
+                        ckw = rows // kh
+                        for i in range(kh):
                             _blas.call_gemm(
-                                fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
-                            )
-                        else:  # gp_g @ cols_g.T (OCg, K)
-                            _blas.call_gemm(
-                                fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
-                            )
+                                fn, ilp64, nt, tr, ckw, columns, width, one, xst.ctypes.data + i * dh * pitch * size,
+                                xs.shape[2], gpt.ctypes.data, ldg, zero, dst.ctypes.data + i * ckw * columns * size,
+                                columns,
+                            )  # fmt: skip
+                    else:
+                        if padded:
+                            _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
+                            if pitch != ow and not _all_finite(x[s0:s1]):
+                                _zero_junk(ct, width, ow, pitch)
+                        else:
+                            _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
+                        for q in range(groups):
+                            a = ct.ctypes.data + q * k * ldc * size
+                            b = gpt.ctypes.data + q * ocg * ldg * size
+                            c = dst[q].ctypes.data
+                            if kmajor:  # cols_g @ gp_g.T (K, OCg)
+                                _blas.call_gemm(
+                                    fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
+                                )  # fmt: skip
+                            else:  # gp_g @ cols_g.T (OCg, K)
+                                _blas.call_gemm(
+                                    fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
+                                )  # fmt: skip
                     if not first:
                         total = gw[part]
                         for q in range(groups):
@@ -1196,12 +1320,28 @@ def _backward_items(
                             gpt.ctypes.data + q * ocg * ldg * size, ldg, zero, ct.ctypes.data + q * k * ldc * size, ldc,
                         )  # fmt: skip
                     if padded:
-                        if pitch != ow:
+                        if pitch != ow and not w_finite:
                             _zero_junk(ct, width, ow, pitch)
                         _col2im_padded(ct, s0, s1, kh, kw, ph, pw, dh, dw, oh, ow, xpad[t], gx)
                     else:
                         _col2im_item(ct, s0, s1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc[t], gx)
             part = _blas.take(next_item)
+
+
+@njit(**_FMA_PARALLEL)
+def _sum_parts(parts, out):
+    # out = parts[0] + parts[1] + ... element by element, in the parts' order (np.sum(parts,
+    # axis=0)'s order and bits), blocks of elements on Numba's threads.
+    count, size = parts.shape
+    block = 4096
+    for b in prange(-(-size // block)):
+        lo, hi = b * block, min(size, (b + 1) * block)
+        dst = out[lo:hi]
+        _copy(dst, parts[0, lo:hi])
+        for q in range(1, count):
+            src = parts[q, lo:hi]
+            for e in range(hi - lo):
+                dst[e] += src[e]
 
 
 def _grad_w_product(gp, cols, out, kmajor: bool) -> None:
