@@ -22,6 +22,7 @@ from taifuse.backends.numba._jit import (
     _parallel_min_elements,
     _threading_layer,
 )
+from taifuse.backends.numba.tensor_math import TENSOR_MATH
 
 NAME = "numba"
 # The attention kernels take q, k, v and grad_out as (B, H, n, d) views of any row strides
@@ -54,6 +55,7 @@ globals().update(_KERNELS)
 __all__ = [
     "ALLOCATOR",
     "NAME",
+    "TENSOR_MATH",
     "check_dtype",
     "describe",
     "empty",
