@@ -344,24 +344,25 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
 @pytest.mark.parametrize("dtype", (np.float32, np.float64))
 @pytest.mark.parametrize("parallel", [False, True])
 def test_tensor_add_sub_mul_give_numpys_bits(dtype, parallel, force_path, monkeypatch):
-    """NOTE [ Numba tensor math ]: the numba backend's tensor ``+ - *`` of two same-shape
-    C-contiguous float32/float64 arrays run its own kernels when a parallel one would (odd sizes:
-    block tails and vector tails; NaN, inf and signed zeros), and NumPy's ufuncs otherwise
-    (broadcasting, a scalar, a strided view, mixed dtypes, the serial size); every result is
-    NumPy's to the bit."""
-    from taifuse.backends.numba import tensor_math as nb_math
+    """NOTE [ Host tensor math on a backend's kernels ]: the numba backend's tensor ``+ - *`` and
+    ``+=`` of two same-shape C-contiguous float32/float64 arrays run its own kernels when a
+    parallel one would (odd sizes: block tails and vector tails; NaN, inf and signed zeros), and
+    NumPy's ufuncs otherwise (broadcasting, a scalar, a strided view, mixed dtypes, the serial
+    size); every result is NumPy's to the bit."""
+    from taifuse._tensor_math import KernelHostMath, math_for
 
     force_path(parallel)
+    m = math_for(nb)
+    assert isinstance(m, KernelHostMath)
     called = []
     for name in ("add", "sub", "mul"):
-        kernel = getattr(nb_forward, name)
+        kernel = getattr(nb.HOST_MATH_KERNELS, name)
         spy = lambda a, b, out, k=kernel, n=name: (called.append(n), k(a, b, out))
-        monkeypatch.setattr(nb_forward, name, spy)
+        monkeypatch.setattr(nb.HOST_MATH_KERNELS, name, spy)
     x = _inputs((3, 2 * nb_jit._BLOCK + 37), dtype)
     y = _inputs(x.shape, dtype, seed=1)
     x[0, :4] = [np.nan, np.inf, -0.0, 0.0]
     y[0, :4] = [1.0, np.inf, 0.0, -0.0]
-    m = nb.TENSOR_MATH
     cases = {"add": np.add, "sub": np.subtract, "mul": np.multiply}
     for name, ufunc in cases.items():
         for a, b in [
@@ -385,7 +386,6 @@ def test_tensor_add_sub_mul_give_numpys_bits(dtype, parallel, force_path, monkey
                 bits = np.dtype(f"u{want.itemsize}")
                 np.testing.assert_array_equal(got.view(bits), want.view(bits))
     assert called == (["add", "add", "sub", "mul"] if parallel else [])
-    assert isinstance(nb_math.TENSOR_MATH, nb_math.NumbaMath)
 
 
 def _integer_blind(signature: tuple) -> tuple:

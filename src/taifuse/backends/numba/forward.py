@@ -697,8 +697,14 @@ def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: int) -> None:
     kernel(af, bf, of, op)
 
 
+def runs_parallel(size: int) -> bool:
+    """Whether an elementwise kernel over ``size`` elements runs on the threads (the host tensor
+    math asks: NOTE [ Host tensor math on a backend's kernels ] in taifuse/_tensor_math.py)."""
+    return _jit._parallel(size)
+
+
 def add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """out = a + b, all of one shape (the numba backend's tensor ``+``: NOTE [ Numba tensor math ])."""
+    """out = a + b, all of one shape (the numba backend's tensor ``+``)."""
     _binary(a, b, out, _ADD)
 
 
