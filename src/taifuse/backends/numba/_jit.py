@@ -22,7 +22,6 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from taifuse.backends import _host
@@ -198,28 +197,6 @@ def _maxnum(typingctx, a, b):
         return builder.call(fn, args)
 
     return a(a, b), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, array, index):
-    """Ask for the cache line of ``array``'s flat element ``index`` ahead of its loads
-    (``llvm.prefetch``: a read, kept in every level). A hint: it changes no value and never
-    faults, so ``index`` may lie past the array's end (NOTE [ Prefetching the next rows ])."""
-    if not (isinstance(array, types.Array) and isinstance(index, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        # rw 0 (read), locality 3 (keep in all levels), cache type 1 (data)
-        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(array, index), codegen
 
 
 # NOTE [ 512-bit vectors ]
@@ -662,28 +639,6 @@ _LEAKY_RELU = int(Activation.LEAKY_RELU)
 def _count(n, size):
     """How many work items of ``size`` cover ``n`` (the last one may be shorter)."""
     return (n + size - 1) // size
-
-
-# NOTE [ Prefetching the next rows ]
-# Row kernels (layer norm forward and backward) read a row, reduce it, then write its outputs, so
-# the loads of a row wait for the reductions of the one before; in a training step their operands
-# come from beyond L2 (the matrix products between them evict it). Each row first prefetches the
-# row _PREFETCH_ROWS ahead, one hint per cache line, so that its lines are on their way while this
-# row is reduced. A hint changes no value. Measured at (2048, 256) float32, one thread, operands
-# rotated over 24 sets (out of L2), HEAD's kernels against these in one process on a loaded
-# 2-core machine: forward 0.90x the CPU time [0.87, 0.95], backward 0.88x [0.87, 0.91] (median
-# [quartiles] of 21 interleaved rounds); with the operands in L2, 0.95x and 0.94x.
-_PREFETCH_ROWS = 4
-_CACHE_LINE = 64  # bytes (x86-64; on 128-byte lines every other hint repeats one)
-
-
-@njit(**_FMA_INLINE)
-def _prefetch_row(a, r):
-    """Prefetch row ``r`` of the 2-D array ``a``, if it has one (NOTE [ Prefetching the next rows ])."""
-    if r < a.shape[0]:
-        start = r * (a.strides[0] // a.itemsize)
-        for c in range(0, a.shape[1], max(1, _CACHE_LINE // a.itemsize)):
-            _prefetch(a, start + c)
 
 
 @njit(**_FMA_INLINE)

@@ -35,7 +35,6 @@ from taifuse.backends.numba._jit import (
     _IDENTITY,
     _INV_SQRT2,
     _LEAKY_RELU,
-    _PREFETCH_ROWS,
     _RELU,
     _SIGMOID,
     _SILU,
@@ -54,7 +53,6 @@ from taifuse.backends.numba._jit import (
     _maxnum,
     _narrow,
     _prefer_wide_vectors,
-    _prefetch_row,
     _sigmoid,
     _tail_ratio_f32,
     _widen,
@@ -717,8 +715,6 @@ def _layer_norm_backward_rows(x, weight, mean, rstd, g, gx, run, c, r0, r1):
     v0 = _widen(x[r0, 0])
     inv_cols = _like(1.0 / cols, v0)
     for r in range(r0, r1):
-        _prefetch_row(x, r + _PREFETCH_ROWS)
-        _prefetch_row(g, r + _PREFETCH_ROWS)
         mu_c, rs_c = _like(mean[r], v0), _like(rstd[r], v0)
         if gx is not None:
             s_gy = _like(0.0, v0)

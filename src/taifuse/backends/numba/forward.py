@@ -27,7 +27,6 @@ from taifuse.backends.numba._jit import (
     _GELU_TANH,
     _IDENTITY,
     _LEAKY_RELU,
-    _PREFETCH_ROWS,
     _RELU,
     _SIGMOID,
     _SILU,
@@ -45,7 +44,6 @@ from taifuse.backends.numba._jit import (
     _maxnum,
     _narrow,
     _prefer_wide_vectors,
-    _prefetch_row,
     _readable,
     _relu,
     _row_tile,
@@ -541,7 +539,6 @@ def _softmax_strided_parallel(x, out, log):
 @njit(**_FMA_REDUCE)
 def _layer_norm_row(x, weight, bias, eps, out, mean, rstd, r):
     _prefer_wide_vectors()
-    _prefetch_row(x, r + _PREFETCH_ROWS)
     n = x.shape[1]
     v0 = _widen(x[r, 0])
     s = _like(0.0, v0)
