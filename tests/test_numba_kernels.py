@@ -341,6 +341,53 @@ def test_every_kernel_on_both_paths(dtype, parallel, force_path):
         np.testing.assert_allclose(gr, wr, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", (np.float32, np.float64))
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tensor_add_sub_mul_give_numpys_bits(dtype, parallel, force_path, monkeypatch):
+    """NOTE [ Host tensor math on a backend's kernels ]: the numba backend's tensor ``+ - *`` and
+    ``+=`` of two same-shape C-contiguous float32/float64 arrays run its own kernels when a
+    parallel one would (odd sizes: block tails and vector tails; NaN, inf and signed zeros), and
+    NumPy's ufuncs otherwise (broadcasting, a scalar, a strided view, mixed dtypes, the serial
+    size); every result is NumPy's to the bit."""
+    from taifuse._tensor_math import KernelHostMath, math_for
+
+    force_path(parallel)
+    m = math_for(nb)
+    assert isinstance(m, KernelHostMath)
+    called = []
+    for name in ("add", "sub", "mul"):
+        kernel = getattr(nb.HOST_MATH_KERNELS, name)
+        spy = lambda a, b, out, k=kernel, n=name: (called.append(n), k(a, b, out))
+        monkeypatch.setattr(nb.HOST_MATH_KERNELS, name, spy)
+    x = _inputs((3, 2 * nb_jit._BLOCK + 37), dtype)
+    y = _inputs(x.shape, dtype, seed=1)
+    x[0, :4] = [np.nan, np.inf, -0.0, 0.0]
+    y[0, :4] = [1.0, np.inf, 0.0, -0.0]
+    cases = {"add": np.add, "sub": np.subtract, "mul": np.multiply}
+    for name, ufunc in cases.items():
+        for a, b in [
+            (x, y),
+            (x, y[0]),  # broadcast
+            (x, 2.5),  # scalar
+            (x[:, ::2], y[:, ::2]),  # strided views
+            (x, y.astype(np.float16)),  # mixed dtypes
+        ]:
+            with np.errstate(invalid="ignore"):  # inf - inf, 0 * inf
+                got = getattr(m, name)(a, b)
+                want = ufunc(a, b)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            bits = np.dtype(f"u{want.itemsize}")
+            np.testing.assert_array_equal(np.asarray(got).view(bits), np.asarray(want).view(bits))
+        if name == "add":  # in place: acc += a, the engine's gradient sums
+            for a, b in [(x, y), (x, y[0]), (x[:, ::2], y[:, ::2]), (x, y.astype(np.float16))]:
+                got, want = a.copy(), a.copy()
+                m.add_(got, b)
+                np.add(want, b, out=want, casting="unsafe")
+                bits = np.dtype(f"u{want.itemsize}")
+                np.testing.assert_array_equal(got.view(bits), want.view(bits))
+    assert called == (["add", "add", "sub", "mul"] if parallel else [])
+
+
 def _integer_blind(signature: tuple) -> tuple:
     return tuple("integer" if isinstance(t, numba.types.Integer) else t for t in signature)
 

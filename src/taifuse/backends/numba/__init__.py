@@ -13,11 +13,14 @@ on first use per dtype and are cached on disk (``cache=True``).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numba
 import numpy as np
 
 from taifuse.backends import _spec
 from taifuse.backends._host import ALLOCATOR, check_dtype, empty, from_numpy, is_array, to_numpy
+from taifuse.backends.numba import forward as _forward
 from taifuse.backends.numba._jit import (
     _parallel_min_elements,
     _threading_layer,
@@ -47,6 +50,12 @@ def describe() -> dict:
     }
 
 
+# The same-shape arithmetic the host tensor math runs on this backend's kernels (NOTE [ Host
+# tensor math on a backend's kernels ] in taifuse/_tensor_math.py).
+HOST_MATH_KERNELS = SimpleNamespace(
+    add=_forward.add, sub=_forward.sub, mul=_forward.mul, runs_parallel=_forward.runs_parallel
+)
+
 # The kernels: every name backends/_spec.py lists, from the module it names.
 _KERNELS = _spec.kernel_table(NAME, __name__)
 globals().update(_KERNELS)
@@ -54,6 +63,7 @@ globals().update(_KERNELS)
 __all__ = [
     "ALLOCATOR",
     "NAME",
+    "HOST_MATH_KERNELS",
     "check_dtype",
     "describe",
     "empty",

@@ -153,18 +153,28 @@ def _unary_inplace_parallel(x, op, param):
         _unary_inplace_block(x, op, param, lo, hi)
 
 
-_ADD_RELU, _MUL_RELU = range(2)
+_ADD_RELU, _MUL_RELU, _ADD, _SUB, _MUL = range(5)
 
 
 @njit(**_FMA_INLINE)
 def _binary_span(a, b, out, op):
+    # One rounding per element (a lone product or sum has nothing to contract), as NumPy's ufuncs.
     _prefer_wide_vectors()
     if op == _ADD_RELU:
         for i in range(a.size):
             out[i] = _narrow(_relu(_widen(a[i]) + _widen(b[i])), out)
-    else:
+    elif op == _MUL_RELU:
         for i in range(a.size):
             out[i] = _narrow(_relu(_widen(a[i]) * _widen(b[i])), out)
+    elif op == _ADD:
+        for i in range(a.size):
+            out[i] = _narrow(_widen(a[i]) + _widen(b[i]), out)
+    elif op == _SUB:
+        for i in range(a.size):
+            out[i] = _narrow(_widen(a[i]) - _widen(b[i]), out)
+    else:
+        for i in range(a.size):
+            out[i] = _narrow(_widen(a[i]) * _widen(b[i]), out)
 
 
 @njit(**_FMA)
@@ -682,6 +692,27 @@ def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: int) -> None:
     af, bf, of = _flat(_readable(a, out)), _flat(_readable(b, out)), _flat(out)
     kernel = _binary_parallel if _jit._parallel(af.size) else _binary_serial
     kernel(af, bf, of, op)
+
+
+def runs_parallel(size: int) -> bool:
+    """Whether an elementwise kernel over ``size`` elements runs on the threads (the host tensor
+    math asks: NOTE [ Host tensor math on a backend's kernels ] in taifuse/_tensor_math.py)."""
+    return _jit._parallel(size)
+
+
+def add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a + b, all of one shape (the numba backend's tensor ``+``)."""
+    _binary(a, b, out, _ADD)
+
+
+def sub(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a - b, all of one shape."""
+    _binary(a, b, out, _SUB)
+
+
+def mul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a * b, all of one shape."""
+    _binary(a, b, out, _MUL)
 
 
 def add_relu(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
