@@ -185,3 +185,50 @@ def test_numba_conv2d_batch_norm_backward_from_numba_matches_the_python_items(
     np.testing.assert_array_less(np.abs(gw - ew), tol * np.maximum(1.0, sw))
     np.testing.assert_allclose(gbb, ebb, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(gbw, ebw, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["kernel", "python-items"])
+@pytest.mark.parametrize("where", ["input", "weight"])
+def test_numba_conv2d_batch_norm_backward_keeps_infinities_where_the_reference_has_them(
+    where, hidden, monkeypatch
+):
+    """The padded columns' junk is zeroed only where x (grad_w's product) or w (the columns'
+    gradient) holds an inf or NaN; then inf and NaN land where the float64 reference puts them,
+    and nowhere else (0 * inf is NaN in a junk column otherwise)."""
+    if hidden:
+        monkeypatch.setattr(_blas, "address", lambda dtype: None)
+    geometry = BACKWARD["steps-of-several"]
+    x, wt, _b = _inputs(geometry, np.float32, seed=5)
+    if where == "input":
+        x[1, 2, 5, 15] = np.inf  # the last column: the junk columns of the padded row before read it
+    else:
+        wt[3, 1, 0, 2] = -np.inf
+    *_, stride, padding, dilation, groups = geometry
+    shape = _shape(geometry)
+    oc = shape[1]
+    rng = np.random.default_rng(6)
+    y, g = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    ones = np.ones(oc, np.float32)
+    args = (
+        np.zeros(oc, np.float32),
+        ones,
+        ones,
+        np.zeros(oc, np.float32),
+        "relu",
+        stride,
+        padding,
+        dilation,
+        groups,
+    )
+    gx, gw = np.empty(x.shape, np.float32), np.empty(wt.shape, np.float32)
+    nb_conv.conv2d_batch_norm_backward(x, wt, y, g, *args, gx, gw, None, np.empty(oc, np.float32),
+                                       np.empty(oc, np.float32))  # fmt: skip
+    ex, ew = np.empty(x.shape), np.empty(wt.shape)
+    ref.conv2d_batch_norm_backward(_f64(x), _f64(wt), _f64(y), _f64(g), *args, ex, ew, None, np.empty(oc),
+                                   np.empty(oc))  # fmt: skip
+    for what, a, e in (("grad_x", gx, ex), ("grad_w", gw, ew)):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg=what)
+        np.testing.assert_array_equal(np.isinf(a) * np.sign(a), np.isinf(e) * np.sign(e), err_msg=what)
+        fin = np.isfinite(e)
+        np.testing.assert_allclose(a[fin], e[fin], rtol=1e-4, atol=1e-4, err_msg=what)
+    assert not np.isfinite(ew if where == "input" else ex).all()  # the case reaches the non-finite values
