@@ -31,6 +31,8 @@ STATS = {
     # 1,056 output pixels: one image an item, in place (implicit); groups
     "one-image-groups2": (3, 4, 33, 32, 6, (3, 3), (1, 1), (1, 1), (1, 1), 2),
     "N1-dilation2-H!=W": (1, 3, 11, 40, 5, (3, 3), (1, 1), (2, 2), (2, 2), 1),
+    # a 1 x 1 kernel: im2col's columns as wide as the output, one image an item lands in place
+    "1x1-N1": (1, 2, 5, 4, 6, (1, 1), (1, 1), (0, 0), (1, 1), 1),
 }
 BACKWARD = {
     "steps-of-several": (9, 4, 16, 16, 6, (3, 3), (1, 1), (1, 1), (1, 1), 1),

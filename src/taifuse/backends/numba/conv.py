@@ -1383,18 +1383,18 @@ def _stats_items(
     # threads ]), as _Forward.__call__ with conv2d_stats's epilogue: the same products on the same
     # operands, so the same bits. Item ``(n0 // nb) * bands + r`` is the band ``r`` of ``band``
     # output rows of images [n0, n0 + nb). ``implicit``: _tap_planes into xs (wk's kh products a
-    # group, landing in place in ``out`` where an item is one image at out's dtype), else
-    # _im2col_padded's columns (one product a group of w2); off place, the product goes to the
-    # front of the thread's y, C-contiguous (OC, width) as the Python items' (a strided view
-    # compiled _epilogue_stats's float64 sums with another vectorization: other bits), and
-    # _epilogue_stats copies it out.
+    # group), else _im2col_padded's columns (one product a group of w2); the product lands in
+    # place in ``out`` where an item is one image at out's dtype and width (as _Forward's ``into``);
+    # off place, it goes to the front of the thread's y, C-contiguous (OC, width) as the Python
+    # items' (a strided view compiled _epilogue_stats's float64 sums with another vectorization:
+    # other bits), and _epilogue_stats copies it out.
     kh, kw, _sh, _sw, ph, pw, dh, dw, oh, ow = geom
     n, oc, p = out.shape
     groups, ocg, kk = w2.shape
     size = w2.itemsize
     bands = (oh + band - 1) // band
     pitch = ow if implicit else ow + (kw - 1) * dw
-    in_place = implicit and nb == 1 and out.dtype == w2.dtype
+    in_place = nb == 1 and pitch == ow and out.dtype == w2.dtype  # as _Forward's
     one, zero = _like(1.0, w2[0, 0, 0]), _like(0.0, w2[0, 0, 0])
     nt = _blas.NO_TRANS
     for t in prange(y.shape[0]):
@@ -1430,12 +1430,15 @@ def _stats_items(
                 width = (n1 - n0) * (rb - ra) * pitch
                 ys = (rb - ra) * pitch
                 _im2col_padded(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct[:, :width])
-                yt = y[t][: oc * width].reshape(oc, width)
+                yt = y[t][:1].reshape(1, 1) if in_place else y[t][: oc * width].reshape(oc, width)
                 for g in range(groups):
+                    if in_place:  # a 1-wide kernel: no junk columns
+                        c, ldc = out.ctypes.data + ((n0 * oc + g * ocg) * p + c0) * size, p
+                    else:
+                        c, ldc = yt.ctypes.data + g * ocg * width * size, width
                     _blas.call_gemm(
                         fn, ilp64, nt, nt, ocg, width, kk, one, w2[g].ctypes.data, kk,
-                        ct.ctypes.data + g * kk * ct.shape[1] * size, ct.shape[1], zero,
-                        yt.ctypes.data + g * ocg * width * size, width,
+                        ct.ctypes.data + g * kk * ct.shape[1] * size, ct.shape[1], zero, c, ldc,
                     )  # fmt: skip
             if in_place:
                 _epilogue_stats_in_place(b, n0, c0, span, out, shift, s1, s2, part)
