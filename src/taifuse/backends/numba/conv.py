@@ -1034,8 +1034,9 @@ class _Backward:
         # The columns' junk meets grad_pre's zero junk in grad_w's product, and the columns'
         # gradient's junk (w.T times that zero junk) is added by col2im: both add zero unless x
         # (w) holds an inf or NaN, the only case that needs them zeroed (0 * inf is NaN).
+        wc = np.ascontiguousarray(_bits(w))
         self.zero_cols = self.pitch != ow and grad_w is not None and not _all_finite(self.x)
-        self.zero_gcols = self.pitch != ow and grad_x is not None and not _all_finite(_bits(w))
+        self.zero_gcols = self.pitch != ow and grad_x is not None and not _all_finite(wc)
         products = grad_x is not None or grad_w is not None
         self.cols = scratch.acquire((workers, c * kh * kw, width + _ROW_PAD), ct) if products else None
         self.xpad = self.acc = None
