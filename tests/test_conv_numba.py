@@ -135,7 +135,7 @@ def test_numba_conv2d_work_items_match_the_reference(geometry, dtype, threads, b
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
 def test_numba_conv2d_stats_work_items_match_the_reference(geometry, dtype, threads, banded, path):
-    """The statistics' shift comes from the first item, which runs before the others start."""
+    """The statistics' shift is the first output value, computed before the items run."""
     x, wt, b, shape = _arrays(geometry, dtype, seed=1)
     *_, stride, padding, dilation, groups, _act, _bias = geometry
     oc = shape[1]

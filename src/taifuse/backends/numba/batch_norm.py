@@ -9,7 +9,8 @@ per-channel factors computed once (``_channel_factors``).
 
 # NOTE [ Batch norm statistics in one pass ]
 # One read of x gives both moments: each first-level partial sums d = x - K[c] and d * d, with the
-# shift K[c] = x[0, c, 0], the channel's first value; then mean = K + sum(d) / M and
+# shift K[c] = x[0, c, 0], the channel's first value (conv2d_stats: the convolution's first output
+# value computed in float64 and rounded as stored, known before its items run); then mean = K + sum(d) / M and
 # var = sum(d^2) / M - (sum(d) / M)^2. Without the shift this is E[x^2] - E[x]^2, which loses every
 # digit when |mean| >> std (a channel at 1000 +- 1 in float32); shifted by a value of the channel
 # itself the cancellation is bounded by ((mean - K) / std)^2, which is small unless K is an

@@ -23,7 +23,8 @@ OW (32) elements, under the vectorized loop's minimum trip count, and cost as mu
 product at 32 -> 64; the padded runs took the 3 -> 32 columns from 8.0 to 1.6 ms (docs/cnn.md).
 At stride 1 with enough channels a group (``IMPLICIT_MIN_K``) the items lay out no columns at all:
 NOTE [ Implicit GEMM on the host ]. ``conv2d_stats`` runs the same items, its epilogue adding each
-plane's shifted sums, with the first item run alone first (it fixes the shift). BLAS runs on one
+plane's shifted sums, the shift of each channel its first output value computed beforehand in
+float64 and rounded as stored (``_first_values``: no item has to run before the others). BLAS runs on one
 thread per call on one worker too (one numba thread): the items are the parallelism, and
 OpenBLAS's own threads around products this small spin more than they compute. The design it replaced
 ran im2col and the epilogue as Numba parallel regions around products on OpenBLAS's threads, on
@@ -54,8 +55,9 @@ then grad_x (elsewhere, one shifted add per output row over the columns whose in
 grad_pre's junk columns are zero, so a junk column adds +-0 to every sum (the same bits); the
 columns' junk is zeroed before grad_w's product only where the step's images hold an inf or NaN,
 and before col2im only where the weight does (``_all_finite``, 0.004 ms an image against
-``_zero_junk``'s 0.03 ms a pass), so that no inf or NaN meets a junk column (0 * inf is NaN). The
-columns' grad_w product runs
+``_zero_junk``'s 0.03 ms a pass), so that no inf or NaN meets a junk column (0 * inf is NaN).
+conv2d_batch_norm_backward's kernel asks the same once for the whole input (``_Backward.zero_cols``,
+``zero_gcols``). The columns' grad_w product runs
 in the order whose output has more rows, ``cols_g @ grad_pre_g.T`` (K, OCg) where K = C * kh *
 kw is the larger (every layer but a first one's), summed in that order and transposed once at
 the end (``_grad_w_product``): 0.54 against 0.70 ms a 32 x 32 image at 32 -> 64, one BLAS thread
@@ -138,10 +140,13 @@ its rate on a 1024^3 product on the same loaded core: two images a product, or o
 
 NOTE [ BLAS from Numba threads ]
 Where the library's ``?gemm`` address is known (``_blas.address``), the forward's items that land
-in place (implicit GEMMs of one image, or of a band of its rows: ``_implicit_in_place``) and
-conv2d_backward's parts (``_backward_items``; not the per-tap grad_w, nor batch norm's fill, nor
-a backward without grad_x) run as ONE parallel Numba kernel whose threads each take the next item
-as they finish one (an atomic counter, ``_blas.take``), lay out its operands, call ``?gemm``
+in place (implicit GEMMs of one image, or of a band of its rows: ``_implicit_in_place``),
+conv2d_backward's parts (``_backward_items``; not the per-tap grad_w, nor a backward without
+grad_x), the fused block's forward at stride 1 (``_stats_items``: implicit GEMMs in place or
+through scratch, and im2col's padded columns) and its backward's parts with batch norm's fill,
+with or without grad_x (``_bn_backward_items``; not the per-tap grad_w) run as ONE parallel
+Numba kernel whose threads each take the next item as they finish one (an atomic counter,
+``_blas.take``), lay out its operands, call ``?gemm``
 themselves (``_blas.call_gemm``: the C function at its address, no Python, ctypes or GIL between
 calls) and run the epilogue: the same products on the same operands, summed in the same order,
 so the bits of the Python items (tested). OpenBLAS is held to one thread for the kernel
@@ -1053,13 +1058,14 @@ class _Backward:
     product per tap from the image's padded planes: ``taps``), then ``cols_g = w_g.T @ gp_g`` over
     them, which col2im adds into the step's images of grad_x."""
 
-    def __init__(self, x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w):
+    def __init__(self, x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w, bn=None):
         n, c, h, wd = x.shape
         _, cg, kh, kw = w.shape
         scratch = pool.host_pool()
         ct = _compute_dtype(x.dtype)
         self.ct, self.fill, self.grad_x, self.grad_w = ct, fill, grad_x, grad_w
         self.grad_pre = None  # conv2d_backward's fill's arguments: the parts may run in Numba
+        self.bn = bn  # conv2d_batch_norm_backward's fill's arguments: the parts may run in Numba
         self.padded = tuple(stride) == (1, 1)
         self.pitch = ow + (kw - 1) * dilation[1] if self.padded else ow
         self.ow, self.span = ow, oh * self.pitch
@@ -1086,6 +1092,12 @@ class _Backward:
         if self.pitch != ow:  # fill never writes the junk columns: zero them once
             for gp in self.gp:
                 _zero_junk(gp, width, ow, self.pitch)
+        # The columns' junk meets grad_pre's zero junk in grad_w's product, and the columns'
+        # gradient's junk (w.T times that zero junk) is added by col2im: both add zero unless x
+        # (w) holds an inf or NaN, the only case that needs them zeroed (0 * inf is NaN).
+        wc = np.ascontiguousarray(_bits(w))
+        self.zero_cols = self.pitch != ow and grad_w is not None and not _all_finite(self.x)
+        self.zero_gcols = self.pitch != ow and grad_x is not None and not _all_finite(wc)
         products = grad_x is not None or grad_w is not None
         self.cols = scratch.acquire((workers, c * kh * kw, width + _ROW_PAD), ct) if products else None
         self.xpad = self.acc = None
@@ -1106,7 +1118,9 @@ class _Backward:
         # Or, with one image a step and one group at stride 1, one product per kernel row over the
         # image's planes shifted per kernel column (``_kw_planes``), no columns: its rows (i, c, j).
         self.kwrows = self.padded and groups == 1 and self.nb == 1 and self.kmajor and not self.taps
-        self.kwrows = self.kwrows and grad_w is not None
+        # _bn_backward_items writes the columns' layout: where it will run, the columns it is.
+        bn_kernel = bn is not None and _blas.address(ct) is not None
+        self.kwrows = self.kwrows and grad_w is not None and not bn_kernel
         if self.kwrows:
             rows = oh + (kh - 1) * dilation[0]
             self.xs = scratch.acquire(
@@ -1133,7 +1147,7 @@ class _Backward:
                     self.kwrows, spare[:, 0] if self.xs is None else self.xs,
                     *address, np.zeros(1, np.int64),
                 )  # fmt: skip
-        else:
+        elif not self._bn_in_numba():
             _run(self, self.items, self.workers, True)
         if self.grad_w is None:
             return
@@ -1159,6 +1173,28 @@ class _Backward:
         if self.grad_pre is None or self.w2 is None or self.taps:
             return None
         return _blas.address(self.ct)
+
+    def _bn_in_numba(self) -> bool:
+        """Run the parts of conv2d_batch_norm_backward (``bn``: its fill's arguments) as one parallel
+        Numba kernel (``_bn_backward_items``) where ``?gemm``'s address is known and no step takes
+        grad_w's per-tap or per-kernel-row products (the kernel writes the columns' layout);
+        False (nothing run) otherwise."""
+        skip = self.bn is None or self.cols is None or self.taps or self.kwrows
+        address = None if skip else _blas.address(self.ct)
+        if address is None:
+            return False
+        starts = np.array([n0 for _, n0, _ in self.items], np.int64)
+        ends = np.array([n1 for _, _, n1 in self.items], np.int64)
+        spare = np.empty((self.workers, 1, 1, 1), self.ct)  # for the scratch that the path needs not
+        *fill, dims = self.bn
+        with _blas_single_threaded():
+            _bn_backward_items(
+                self.x, self.w2, dims, *fill, self.geom, self.padded, self.nb, starts, ends, self.gp, self.cols,
+                spare[:, 0] if self.xpad is None else self.xpad, spare if self.acc is None else self.acc, self.gw,
+                self.tmp, self.kmajor, None if self.grad_x is None else _bits(self.grad_x), self.zero_cols,
+                self.zero_gcols, *address, np.zeros(1, np.int64),
+            )  # fmt: skip
+        return True
 
     def __call__(self, worker: int, item: tuple[int, int, int]) -> None:
         part, n0, n1 = item
@@ -1344,6 +1380,74 @@ def _sum_parts(parts, out):
                 dst[e] += src[e]
 
 
+@njit(**_FMA_PARALLEL)
+def _bn_backward_items(
+    x, w2, dims, y, g, mean, scale, shift, relu, k1, k2, k3, geom, padded, nb, starts, ends, gp, cols, xpad, acc,
+    gw, tmp, kmajor, gx, zero_cols, zero_gcols, fn, ilp64, next_item,
+):  # fmt: skip
+    # conv2d_batch_norm_backward's parts on Numba's threads (NOTE [ BLAS from Numba threads ]): as
+    # _backward_items with _bn_grad_pre_item's fill (batch norm's input gradient), and grad_x
+    # optional (gx None: a network's first layer, w2 None then); dims = (groups, OCg, K); the junk
+    # columns zeroed as _Backward's zero_cols and zero_gcols say.
+    kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = geom
+    groups, ocg, k = dims
+    size = gp.itemsize
+    pitch = ow + (kw - 1) * dw if padded else ow
+    span = oh * pitch
+    ldg, ldc = gp.shape[2], cols.shape[2]
+    one, zero = _like(1.0, gp[0, 0, 0]), _like(0.0, gp[0, 0, 0])
+    nt, tr = _blas.NO_TRANS, _blas.TRANS
+    for t in prange(gp.shape[0]):
+        gpt, ct = gp[t], cols[t]
+        part = _blas.take(next_item)
+        while part < starts.size:
+            for s0 in range(starts[part], ends[part], nb):
+                s1 = min(ends[part], s0 + nb)
+                width = (s1 - s0) * span
+                _bn_grad_pre_item(y, g, mean, scale, shift, relu, k1, k2, k3, s0, s1, pitch, ow, gpt)
+                if gw is not None:
+                    if padded:
+                        _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
+                        if zero_cols:
+                            _zero_junk(ct, width, ow, pitch)
+                    else:
+                        _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
+                    first = s0 == starts[part]
+                    dst = gw[part] if first else tmp[t]
+                    rows, columns = dst.shape[1], dst.shape[2]
+                    for q in range(groups):
+                        a = ct.ctypes.data + q * k * ldc * size
+                        b = gpt.ctypes.data + q * ocg * ldg * size
+                        c = dst[q].ctypes.data
+                        if kmajor:  # cols_g @ gp_g.T (K, OCg)
+                            _blas.call_gemm(
+                                fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
+                            )
+                        else:  # gp_g @ cols_g.T (OCg, K)
+                            _blas.call_gemm(
+                                fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
+                            )
+                    if not first:
+                        total = gw[part]
+                        for q in range(groups):
+                            for r in range(rows):
+                                for e in range(columns):
+                                    total[q, r, e] += dst[q, r, e]
+                if gx is not None:
+                    for q in range(groups):  # cols_g = w_g.T @ gp_g
+                        _blas.call_gemm(
+                            fn, ilp64, tr, nt, k, width, ocg, one, w2[q].ctypes.data, k,
+                            gpt.ctypes.data + q * ocg * ldg * size, ldg, zero, ct.ctypes.data + q * k * ldc * size, ldc,
+                        )  # fmt: skip
+                    if padded:
+                        if zero_gcols:
+                            _zero_junk(ct, width, ow, pitch)
+                        _col2im_padded(ct, s0, s1, kh, kw, ph, pw, dh, dw, oh, ow, xpad[t], gx)
+                    else:
+                        _col2im_item(ct, s0, s1, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, acc[t], gx)
+            part = _blas.take(next_item)
+
+
 def _grad_w_product(gp, cols, out, kmajor: bool) -> None:
     """out = gp_g @ cols_g.T per group, gp (G * OCg, width), cols (G * K, width): out (G, OCg, K),
     or its transpose cols_g @ gp_g.T (G, K, OCg) where ``kmajor``. OpenBLAS (one thread) ran the
@@ -1379,11 +1483,6 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
     shift = scratch.acquire((oc,), np.float64)
 
     def epilogue(n0, part, c0, span, y, pitch, ys):
-        if part == 0:  # K[o]: the channel's first value as stored (the first item runs alone)
-            first = (o3[0, :, 0] if y is None else y[:, 0]).copy()
-            if b is not None:
-                first += b.astype(first.dtype)
-            np.copyto(shift, first.astype(out.dtype), casting="unsafe")
         if y is None:
             _epilogue_stats_in_place(bb, n0, c0, span, o3, shift, s1, s2, part)
         else:
@@ -1392,11 +1491,114 @@ def conv2d_stats(x, w, b, stride, padding, dilation, groups, out, mean, var) -> 
     workers = _workers(n * oh)
     fw = _Forward(x, w, stride, padding, dilation, groups, oh, ow, o3, epilogue, workers)
     s1, s2 = (scratch.acquire((n * fw.bands, oc), np.float64) for _ in range(2))
-    items = fw.items()
+    _first_values(x, w, b, padding, dilation, groups, out.dtype, shift)
+    address = _blas.address(fw.ct) if fw.padded else None
     with _blas_single_threaded():  # on one worker too (NOTE [ Implicit GEMM on the host ])
-        fw(0, items[0])
-        _run(fw, items[1:], workers, False)  # already held to one thread here
+        if address is None:
+            _run(fw, fw.items(), workers, False)  # already held to one thread here
+        else:  # one parallel Numba kernel (NOTE [ BLAS from Numba threads ])
+            spare = np.empty((workers, 1, 1), fw.ct)  # for the scratch that the path needs not
+            implicit = fw.gemm is not None
+            y = spare[:, :, 0] if fw.y is None else fw.y
+            _stats_items(
+                fw.x, fw.w2, fw.wk if implicit else spare, bb, fw.geom, fw.nb, fw.band, implicit,
+                fw.xs if implicit else spare, spare if implicit else fw.xpad, spare if implicit else fw.cols,
+                y, o3, shift, s1, s2, *address,
+                np.zeros(1, np.int64),
+            )  # fmt: skip
     _finish_stats(s1, s2, shift, n * p, mean, var)
+
+
+@njit(**_FMA_PARALLEL)
+def _stats_items(
+    x, w2, wk, b, geom, nb, band, implicit, xs, xpad, cols, y, out, shift, s1, s2, fn, ilp64, next_item
+):  # fmt: skip
+    # conv2d_stats's forward items at stride 1 on Numba's threads (NOTE [ BLAS from Numba
+    # threads ]), as _Forward.__call__ with conv2d_stats's epilogue: the same products on the same
+    # operands, so the same bits. Item ``(n0 // nb) * bands + r`` is the band ``r`` of ``band``
+    # output rows of images [n0, n0 + nb). ``implicit``: _tap_planes into xs (wk's kh products a
+    # group), else _im2col_padded's columns (one product a group of w2); the product lands in
+    # place in ``out`` where an item is one image at out's dtype and width (as _Forward's ``into``);
+    # off place, it goes to the front of the thread's y, C-contiguous (OC, width) as the Python
+    # items' (a strided view compiled _epilogue_stats's float64 sums with another vectorization:
+    # other bits), and _epilogue_stats copies it out.
+    kh, kw, _sh, _sw, ph, pw, dh, dw, oh, ow = geom
+    n, oc, p = out.shape
+    groups, ocg, kk = w2.shape
+    size = w2.itemsize
+    bands = (oh + band - 1) // band
+    pitch = ow if implicit else ow + (kw - 1) * dw
+    in_place = nb == 1 and pitch == ow and out.dtype == w2.dtype  # as _Forward's
+    one, zero = _like(1.0, w2[0, 0, 0]), _like(0.0, w2[0, 0, 0])
+    nt = _blas.NO_TRANS
+    for t in prange(y.shape[0]):
+        item = _blas.take(next_item)
+        while item < ((n + nb - 1) // nb) * bands:
+            n0, r = (item // bands) * nb, item % bands
+            n1 = min(n, n0 + nb)
+            ra, rb = r * band, min(oh, (r + 1) * band)
+            c0, span = ra * ow, (rb - ra) * ow
+            part = n0 * bands + r
+            if implicit:
+                xt = xs[t]
+                ld, k = xt.shape[1], wk.shape[2]
+                prow = rb - ra + (kh - 1) * dh
+                width = ((n1 - n0) * prow - (kh - 1) * dh) * pitch
+                ys = prow * pitch
+                _tap_planes(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xt)
+                # in place, y is (threads, 1): yt unused
+                yt = y[t][:1].reshape(1, 1) if in_place else y[t][: oc * width].reshape(oc, width)
+                for g in range(groups):
+                    if in_place:
+                        c, ldc = out.ctypes.data + ((n0 * oc + g * ocg) * p + c0) * size, p
+                    else:
+                        c, ldc = yt.ctypes.data + g * ocg * width * size, width
+                    for i in range(kh):
+                        _blas.call_gemm(
+                            fn, ilp64, nt, nt, ocg, width, k, one, wk.ctypes.data + (i * oc + g * ocg) * k * size,
+                            k, xt.ctypes.data + (g * k * ld + i * dh * pitch) * size, ld, zero if i == 0 else one,
+                            c, ldc,
+                        )  # fmt: skip
+            else:
+                ct = cols[t]
+                width = (n1 - n0) * (rb - ra) * pitch
+                ys = (rb - ra) * pitch
+                _im2col_padded(x, n0, n1, ra, rb, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct[:, :width])
+                yt = y[t][:1].reshape(1, 1) if in_place else y[t][: oc * width].reshape(oc, width)
+                for g in range(groups):
+                    if in_place:  # a 1-wide kernel: no junk columns
+                        c, ldc = out.ctypes.data + ((n0 * oc + g * ocg) * p + c0) * size, p
+                    else:
+                        c, ldc = yt.ctypes.data + g * ocg * width * size, width
+                    _blas.call_gemm(
+                        fn, ilp64, nt, nt, ocg, width, kk, one, w2[g].ctypes.data, kk,
+                        ct.ctypes.data + g * kk * ct.shape[1] * size, ct.shape[1], zero, c, ldc,
+                    )  # fmt: skip
+            if in_place:
+                _epilogue_stats_in_place(b, n0, c0, span, out, shift, s1, s2, part)
+            else:
+                _epilogue_stats(yt, b, n0, c0, span, pitch, ys, ow, out, shift, s1, s2, part)
+            item = _blas.take(next_item)
+
+
+def _first_values(x, w, b, padding, dilation, groups, dtype, shift) -> None:
+    """shift[o] = the convolution's first output value (image 0, pixel (0, 0)) plus b[o], in float64
+    and rounded to ``dtype`` as stored: the shift of the statistics' sums (NOTE [ Batch norm
+    statistics in one pass ] in batch_norm.py), known before any item runs."""
+    oc, cg, kh, kw = w.shape
+    (ph, pw), (dh, dw) = padding, dilation
+    h, wd = x.shape[2:]
+    patch = np.zeros((x.shape[1], kh, kw))
+    for i in range(kh):
+        for j in range(kw):
+            r, q = i * dh - ph, j * dw - pw
+            if 0 <= r < h and 0 <= q < wd:
+                patch[:, i, j] = x[0, :, r, q]
+    first = np.einsum("gokl,gkl->go", w.reshape(groups, oc // groups, cg, kh * kw).astype(np.float64),
+                      patch.reshape(groups, cg, kh * kw)).reshape(oc)  # fmt: skip
+    if b is not None:
+        first += b
+    np.copyto(shift, first.astype(dtype), casting="unsafe")
 
 
 def conv2d_batch_norm_backward(
@@ -1440,7 +1642,10 @@ def conv2d_batch_norm_backward(
     def fill(n0, n1, pitch, gp):
         _bn_grad_pre_item(y3, g3, m, a, bsh, relu, k1, k2, k3, n0, n1, pitch, ow, gp)
 
-    _Backward(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w).run()
+    dims = (groups, oc // groups, w.shape[1] * w.shape[2] * w.shape[3])
+    bn = (y3, g3, m, a, bsh, relu, k1, k2, k3, dims)  # the parts may run in Numba
+    bw = _Backward(x, w, fill, oc, stride, padding, dilation, groups, oh, ow, grad_x, grad_w, bn)
+    bw.run()
 
 
 # ----------------------------------------------------------------------------- pooling
