@@ -55,9 +55,8 @@ then grad_x (elsewhere, one shifted add per output row over the columns whose in
 grad_pre's junk columns are zero, so a junk column adds +-0 to every sum (the same bits); the
 columns' junk is zeroed before grad_w's product only where the step's images hold an inf or NaN,
 and before col2im only where the weight does (``_all_finite``, 0.004 ms an image against
-``_zero_junk``'s 0.03 ms a pass), so that no inf or NaN meets a junk column (0 * inf is NaN).
-conv2d_batch_norm_backward's kernel asks the same once for the whole input (``_Backward.zero_cols``,
-``zero_gcols``). The columns' grad_w product runs
+``_zero_junk``'s 0.03 ms a pass), so that no inf or NaN meets a junk column (0 * inf is NaN);
+conv2d_batch_norm_backward's kernel does the same. The columns' grad_w product runs
 in the order whose output has more rows, ``cols_g @ grad_pre_g.T`` (K, OCg) where K = C * kh *
 kw is the larger (every layer but a first one's), summed in that order and transposed once at
 the end (``_grad_w_product``): 0.54 against 0.70 ms a 32 x 32 image at 32 -> 64, one BLAS thread
@@ -1092,12 +1091,6 @@ class _Backward:
         if self.pitch != ow:  # fill never writes the junk columns: zero them once
             for gp in self.gp:
                 _zero_junk(gp, width, ow, self.pitch)
-        # The columns' junk meets grad_pre's zero junk in grad_w's product, and the columns'
-        # gradient's junk (w.T times that zero junk) is added by col2im: both add zero unless x
-        # (w) holds an inf or NaN, the only case that needs them zeroed (0 * inf is NaN).
-        wc = np.ascontiguousarray(_bits(w))
-        self.zero_cols = self.pitch != ow and grad_w is not None and not _all_finite(self.x)
-        self.zero_gcols = self.pitch != ow and grad_x is not None and not _all_finite(wc)
         products = grad_x is not None or grad_w is not None
         self.cols = scratch.acquire((workers, c * kh * kw, width + _ROW_PAD), ct) if products else None
         self.xpad = self.acc = None
@@ -1191,8 +1184,8 @@ class _Backward:
             _bn_backward_items(
                 self.x, self.w2, dims, *fill, self.geom, self.padded, self.nb, starts, ends, self.gp, self.cols,
                 spare[:, 0] if self.xpad is None else self.xpad, spare if self.acc is None else self.acc, self.gw,
-                self.tmp, self.kmajor, None if self.grad_x is None else _bits(self.grad_x), self.zero_cols,
-                self.zero_gcols, *address, np.zeros(1, np.int64),
+                self.tmp, self.kmajor, None if self.grad_x is None else _bits(self.grad_x), self.w_finite,
+                *address, np.zeros(1, np.int64),
             )  # fmt: skip
         return True
 
@@ -1284,6 +1277,45 @@ class _Backward:
         return True
 
 
+@njit(**_FMA)
+def _cols_grad_w(ct, gpt, dst, groups, ocg, k, kmajor, width, ldc, ldg, fn, ilp64):
+    # dst (G, rows, columns) = cols_g @ gp_g.T (K, OCg) where kmajor, else gp_g @ cols_g.T (OCg, K),
+    # per group: the backward kernels' grad_w product over a step's columns.
+    size = gpt.itemsize
+    one, zero = _like(1.0, gpt[0, 0]), _like(0.0, gpt[0, 0])
+    nt, tr = _blas.NO_TRANS, _blas.TRANS
+    rows, columns = dst.shape[1], dst.shape[2]
+    for q in range(groups):
+        a = ct.ctypes.data + q * k * ldc * size
+        b = gpt.ctypes.data + q * ocg * ldg * size
+        c = dst[q].ctypes.data
+        if kmajor:
+            _blas.call_gemm(fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns)
+        else:
+            _blas.call_gemm(fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns)
+
+
+@njit(**_FMA)
+def _add_part(total, dst):
+    # A part's later step: its grad_w product (dst) added into the part's sum, in order.
+    for q in range(total.shape[0]):
+        for r in range(total.shape[1]):
+            for e in range(total.shape[2]):
+                total[q, r, e] += dst[q, r, e]
+
+
+@njit(**_FMA)
+def _cols_grad_x(w2, gpt, ct, groups, ocg, k, width, ldc, ldg, fn, ilp64):
+    # ct (G * K, width) = w_g.T @ gp_g per group: the columns' gradient, which col2im adds into grad_x.
+    size = gpt.itemsize
+    one, zero = _like(1.0, gpt[0, 0]), _like(0.0, gpt[0, 0])
+    for q in range(groups):
+        _blas.call_gemm(
+            fn, ilp64, _blas.TRANS, _blas.NO_TRANS, k, width, ocg, one, w2[q].ctypes.data, k,
+            gpt.ctypes.data + q * ocg * ldg * size, ldg, zero, ct.ctypes.data + q * k * ldc * size, ldc,
+        )  # fmt: skip
+
+
 @njit(**_FMA_PARALLEL)
 def _backward_items(
     x, w2, pre, g, op, geom, padded, nb, starts, ends, gp, cols, xpad, acc, gw, tmp, kmajor, sums, gx, w_finite,
@@ -1331,30 +1363,11 @@ def _backward_items(
                                 _zero_junk(ct, width, ow, pitch)
                         else:
                             _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
-                        for q in range(groups):
-                            a = ct.ctypes.data + q * k * ldc * size
-                            b = gpt.ctypes.data + q * ocg * ldg * size
-                            c = dst[q].ctypes.data
-                            if kmajor:  # cols_g @ gp_g.T (K, OCg)
-                                _blas.call_gemm(
-                                    fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
-                                )  # fmt: skip
-                            else:  # gp_g @ cols_g.T (OCg, K)
-                                _blas.call_gemm(
-                                    fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
-                                )  # fmt: skip
+                        _cols_grad_w(ct, gpt, dst, groups, ocg, k, kmajor, width, ldc, ldg, fn, ilp64)
                     if not first:
-                        total = gw[part]
-                        for q in range(groups):
-                            for r in range(rows):
-                                for e in range(columns):
-                                    total[q, r, e] += dst[q, r, e]
+                        _add_part(gw[part], dst)
                 if gx is not None:
-                    for q in range(groups):  # cols_g = w_g.T @ gp_g
-                        _blas.call_gemm(
-                            fn, ilp64, tr, nt, k, width, ocg, one, w2[q].ctypes.data, k,
-                            gpt.ctypes.data + q * ocg * ldg * size, ldg, zero, ct.ctypes.data + q * k * ldc * size, ldc,
-                        )  # fmt: skip
+                    _cols_grad_x(w2, gpt, ct, groups, ocg, k, width, ldc, ldg, fn, ilp64)
                     if padded:
                         if pitch != ow and not w_finite:
                             _zero_junk(ct, width, ow, pitch)
@@ -1383,20 +1396,17 @@ def _sum_parts(parts, out):
 @njit(**_FMA_PARALLEL)
 def _bn_backward_items(
     x, w2, dims, y, g, mean, scale, shift, relu, k1, k2, k3, geom, padded, nb, starts, ends, gp, cols, xpad, acc,
-    gw, tmp, kmajor, gx, zero_cols, zero_gcols, fn, ilp64, next_item,
+    gw, tmp, kmajor, gx, w_finite, fn, ilp64, next_item,
 ):  # fmt: skip
     # conv2d_batch_norm_backward's parts on Numba's threads (NOTE [ BLAS from Numba threads ]): as
     # _backward_items with _bn_grad_pre_item's fill (batch norm's input gradient), and grad_x
     # optional (gx None: a network's first layer, w2 None then); dims = (groups, OCg, K); the junk
-    # columns zeroed as _Backward's zero_cols and zero_gcols say.
+    # columns zeroed where an inf or NaN would meet them, as _backward_items.
     kh, kw, sh, sw, ph, pw, dh, dw, oh, ow = geom
     groups, ocg, k = dims
-    size = gp.itemsize
     pitch = ow + (kw - 1) * dw if padded else ow
     span = oh * pitch
     ldg, ldc = gp.shape[2], cols.shape[2]
-    one, zero = _like(1.0, gp[0, 0, 0]), _like(0.0, gp[0, 0, 0])
-    nt, tr = _blas.NO_TRANS, _blas.TRANS
     for t in prange(gp.shape[0]):
         gpt, ct = gp[t], cols[t]
         part = _blas.take(next_item)
@@ -1408,39 +1418,19 @@ def _bn_backward_items(
                 if gw is not None:
                     if padded:
                         _im2col_padded(x, s0, s1, 0, oh, kh, kw, ph, pw, dh, dw, ow, xpad[t], ct)
-                        if zero_cols:
+                        if pitch != ow and not _all_finite(x[s0:s1]):
                             _zero_junk(ct, width, ow, pitch)
                     else:
                         _im2col_block(x, s0, s1, 0, oh, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, ct)
                     first = s0 == starts[part]
                     dst = gw[part] if first else tmp[t]
-                    rows, columns = dst.shape[1], dst.shape[2]
-                    for q in range(groups):
-                        a = ct.ctypes.data + q * k * ldc * size
-                        b = gpt.ctypes.data + q * ocg * ldg * size
-                        c = dst[q].ctypes.data
-                        if kmajor:  # cols_g @ gp_g.T (K, OCg)
-                            _blas.call_gemm(
-                                fn, ilp64, nt, tr, rows, columns, width, one, a, ldc, b, ldg, zero, c, columns
-                            )
-                        else:  # gp_g @ cols_g.T (OCg, K)
-                            _blas.call_gemm(
-                                fn, ilp64, nt, tr, rows, columns, width, one, b, ldg, a, ldc, zero, c, columns
-                            )
+                    _cols_grad_w(ct, gpt, dst, groups, ocg, k, kmajor, width, ldc, ldg, fn, ilp64)
                     if not first:
-                        total = gw[part]
-                        for q in range(groups):
-                            for r in range(rows):
-                                for e in range(columns):
-                                    total[q, r, e] += dst[q, r, e]
+                        _add_part(gw[part], dst)
                 if gx is not None:
-                    for q in range(groups):  # cols_g = w_g.T @ gp_g
-                        _blas.call_gemm(
-                            fn, ilp64, tr, nt, k, width, ocg, one, w2[q].ctypes.data, k,
-                            gpt.ctypes.data + q * ocg * ldg * size, ldg, zero, ct.ctypes.data + q * k * ldc * size, ldc,
-                        )  # fmt: skip
+                    _cols_grad_x(w2, gpt, ct, groups, ocg, k, width, ldc, ldg, fn, ilp64)
                     if padded:
-                        if zero_gcols:
+                        if pitch != ow and not w_finite:
                             _zero_junk(ct, width, ow, pitch)
                         _col2im_padded(ct, s0, s1, kh, kw, ph, pw, dh, dw, oh, ow, xpad[t], gx)
                     else:
