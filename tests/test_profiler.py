@@ -145,6 +145,37 @@ def test_a_passed_through_gradient_costs_nothing():
     assert costs["mul_backward"] == (4 * 32 * 5, 4 * 32 * 2, 0)
 
 
+def test_views_move_nothing_and_a_splits_backward_moves_its_slices():
+    # NOTE [ Views move no bytes ] in taifuse/profiler.py: a host view and a view of the
+    # gradient ran no kernel; a split's backward reads its slice's gradient (not the forward's
+    # input) and writes a zeroed gradient of the input's shape, or adds into the sum so far.
+    taifuse.set_backend("numpy")
+    x = taifuse.tensor(np.ones((8, 16), np.float32), requires_grad=True)
+    with profile(ceilings=CEILINGS) as prof:
+        h = x * 2.0  # not a leaf: the engine sums its gradient in place (as c_attn's output's)
+        q, k = h.split(4, dim=0)  # two (4, 16) row slices of 256 bytes; h is 512
+        ((q.reshape(64) * k.reshape(64)).sum() + k.t().sum()).backward()
+    costs = {}
+    for e in prof.events():
+        if e.kind in ("op", "backward"):
+            costs.setdefault(e.name, []).append(e.cost)
+    # The split's slices, the reshapes of contiguous slices, the transpose, and the backwards that
+    # hand back a view of the gradient (the reshapes' of mul's fresh gradients, the transpose's).
+    for name in ("strided", "reshape", "transpose", "reshape_backward", "transpose_backward"):
+        assert costs[name] and all(c == (0, 0, 0) for c in costs[name]), (name, costs[name])
+    assert costs["mul"][-1] == (3 * 256, 256, 0)  # a kernel that ran is counted as before
+    slice_bytes = 4 * 64  # bytes of a (4, 16) float32 slice
+    # The first slice's backward: read its gradient, write h's whole gradient (zeros and the slice);
+    # the second adds into that sum: read its gradient and the slice of the sum, write the slice.
+    assert sorted(costs["strided_backward"]) == sorted(
+        [(slice_bytes + 2 * slice_bytes, 2 * slice_bytes, 0), (3 * slice_bytes, slice_bytes, 0)]
+    )
+    grad = x.grad.numpy()
+    expected = np.full((8, 16), 4.0, np.float32)  # d/dx through h = 2x: q's rows 2 * k = 2 * 2
+    expected[4:] = 6.0  # k's rows: 2 * (q + 1), from the product and the transpose's sum
+    np.testing.assert_array_equal(grad, expected)  # the counting changed nothing
+
+
 def test_attention_cost_is_hand_computed():
     taifuse.set_backend("numpy")
     rng = np.random.default_rng(3)

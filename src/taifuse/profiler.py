@@ -415,18 +415,39 @@ def _op_cost(
     return _costs.elementwise(read, out_bytes)
 
 
-def _cost_of(name: str, phase: str, sig: tuple, out_bytes: int, needs_grad: tuple, grad_bytes: int) -> Cost:
+def _cost_of(
+    name: str, phase: str, sig: tuple, out_bytes: int, needs_grad: tuple, grad_bytes: int, added: bool = False
+) -> Cost:
     """An op event's cost from what its hook kept (``_pending``); a backward without a formula
-    of its own reads the output's gradient and the forward's inputs and writes the gradients."""
+    of its own reads the output's gradient and the forward's inputs and writes the gradients,
+    a view's backward reads the output's gradient only (NOTE [ Views move no bytes ])."""
     if phase == "forward":
         return _op_cost(name, sig, "forward", out_bytes)
     op = name.removesuffix("_backward")
-    if not out_bytes:  # every gradient passed through: no kernel ran
+    if not out_bytes:  # every gradient passed through, or is a view of it: no kernel ran
         return Cost(0, 0, 0)
     if op in _OWN_BACKWARD:
         return _op_cost(op, sig, "backward", out_bytes, needs_grad, grad_bytes)
+    if op in _VIEWS:  # a scatter of the gradient into zeros, or ``added`` into the sum so far
+        return _costs.elementwise(grad_bytes + (out_bytes if added else 0), out_bytes)
     base = _op_cost(op, sig, "backward", 0, needs_grad)
     return _costs.elementwise(base.bytes_moved + grad_bytes, out_bytes)
+
+
+# NOTE [ Views move no bytes ]
+# On the host a view op (reshape, transpose, expand, basic indexing and split: a Function with
+# ``view``) returns a NumPy view of its input, and the backward of a reshape or transpose returns a
+# view of the gradient (a sum's backward, a broadcast of it): no kernel runs, so nothing is read
+# or written. Counting their inputs and outputs as moved gave rows at several times the copy
+# ceiling (transpose 587%, strided 424% in a profile of a GPT step). The hooks record such an op
+# as moving nothing (a cost of 0 bytes: the row's time is per-op overhead), checked with
+# ``np.may_share_memory`` (bounds only, about 0.25 us) on view ops' outputs and on gradients. A
+# split's backward (``strided_backward``) does run a kernel, and moves less than the elementwise
+# model says: it reads the output's gradient, not the forward's input, and either writes a zeroed
+# gradient of the input's shape with the slice scattered in, or, where the engine hands it the
+# gradient summed so far (NOTE [ Gradients summed in place ] in _engine.py), reads and writes its
+# slice of that sum (``added``). On a device the view ops copy, and are counted as copies.
+_VIEWS = frozenset(("reshape", "transpose", "strided", "expand"))
 
 
 @functools.cache
@@ -564,6 +585,7 @@ def _recorder() -> _Recorder:
     # NOTE: time.perf_counter, not perf_counter_ns: a float comes from a free list, a large int is
     # allocated (about 15 ns a reading here); the records are made integer nanoseconds when read.
     get_ident, pc, active = threading.get_ident, time.perf_counter, backends.active
+    may_share = np.may_share_memory
     array_types, scalars, other = _ARRAY_TYPES, _SCALARS, _other
     # The bound profile's state; tid None (unbound) makes every hook pass its call through.
     tid: int | None = None
@@ -632,8 +654,12 @@ def _recorder() -> _Recorder:
             sync()
         end = pc()
         depth, op_open = d, outer
-        # What it wrote: bytes, not a signature (one attribute read, no tuples).
-        written = out.nbytes if type(out) in array_types else _raw_bytes((other(out),))
+        # What it wrote: bytes, not a signature (one attribute read, no tuples); None for a view of
+        # its input, which moved nothing (NOTE [ Views move no bytes ]).
+        if ctx.view and type(out) is np.ndarray and may_share(out, arrays[0]):
+            written = None
+        else:
+            written = out.nbytes if type(out) in array_types else _raw_bytes((other(out),))
         append(("op", type(ctx), be, start, end, d, sig, written))
         return out
 
@@ -658,13 +684,22 @@ def _recorder() -> _Recorder:
             sync()
         end = pc()
         depth, op_open = d, outer
-        written = 0  # bytes; a gradient passed through as it came (add's) is neither read nor written
+        # Bytes written; a gradient passed through as it came (add's), or a view of it (a transpose's,
+        # a reshape's, a sum's broadcast), is neither read nor written; one added into the gradient
+        # summed so far (a split's) reads and writes its slice (NOTE [ Views move no bytes ]).
+        written, host = 0, type(grad) is np.ndarray
+        acc = ctx.accumulate_into if ctx.accumulates else None
         for x in grads:
-            if x is not None and x is not grad:
+            if x is None or x is grad:
+                continue
+            if x is acc:
+                written += grad.nbytes
+            elif not (host and type(x) is np.ndarray and may_share(x, grad)):
                 written += x.nbytes if type(x) in array_types else _raw_bytes((other(x),))
         gsig = ((grad.shape, grad.dtype) if type(grad) in array_types else other(grad),)
         fsig = ctx.profile_signature
-        append(("backward", type(ctx), be, start, end, d, gsig, written, ctx.needs_grad, fsig))
+        added = acc is not None
+        append(("backward", type(ctx), be, start, end, d, gsig, written, ctx.needs_grad, fsig, added))
         return grads
 
     def array_op(name, fn, args, kwargs):
@@ -1055,20 +1090,21 @@ class profile:
             if kind == "optimizer":  # read param, grad, state; write param, state
                 param_bytes, grad_bytes = (_raw_bytes((item,)) for item in sig)
                 ev.cost = _costs.optimizer_step(param_bytes, grad_bytes, r[7])
+            elif kind == "op" and r[7] is None:  # a view: no kernel ran (NOTE [ Views move no bytes ])
+                ev.cost = Cost(0, 0, 0)
             elif kind == "op" and r[7] is not False:
                 custom = getattr(who, "op_cost", None)  # a custom op's cost= (taifuse.library)
                 ev.cost = (
                     _cost_of(name, "forward", split, r[7], (), 0) if custom is None else custom(split, False)
                 )
             elif kind == "backward" and r[7] is not None:
-                out_bytes, needs_grad, forward_sig = r[7:10]
+                out_bytes, needs_grad, forward_sig, added = r[7:11]
                 custom = getattr(who, "op_cost", None)
+                forward_split, grad_bytes = _split(forward_sig), _raw_bytes(sig)
                 ev.cost = (
-                    _cost_of(
-                        name, "backward", _split(forward_sig), out_bytes, tuple(needs_grad), _raw_bytes(sig)
-                    )
+                    _cost_of(name, "backward", forward_split, out_bytes, tuple(needs_grad), grad_bytes, added)
                     if custom is None
-                    else custom(_split(forward_sig), True)
+                    else custom(forward_split, True)
                 )
             self._events.append(ev)
         self._done = len(self._raw)
