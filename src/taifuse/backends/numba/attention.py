@@ -84,7 +84,10 @@ lanes, and the blocks are ``_BLOCK_COLS`` = 32 queries reading keys to their las
 products skip a quarter of the scores (sgemm ran at the same ~105-110 GFLOP/s from 16 to 64 rows
 here, unset OPENBLAS_CORETYPE or not). The softmax of a 64 x 64 causal block took 3.57 us by rows
 and 2.69 us by columns, and its two 32-query blocks 0.73 + 1.32 us (fastest of 20 x 200 calls,
-one thread). NOTE: index the blocks through row slices (``pt[j, q0 : q0 + nq]``) in the column
+one thread). The scratch rows are ``_PAD`` elements longer than L: laying out q.T with rows of
+L = 128 (512 bytes apart, so that a row of q's stores fell into few L1 sets) took 5.1 us a head,
+with rows 16 longer 2.6 us (fastest of 10, one thread); whole calls at (16, 4, 128, 64) then took
+1.06x less CPU time forward, 1.03x backward, (32, 4, 64, 32) no different. NOTE: index the blocks through row slices (``pt[j, q0 : q0 + nq]``) in the column
 loops: ``pt[j, q0 + i]`` kept LLVM from vectorizing them (Numba wraps a possibly negative index),
 and the gradient kernel ran 5-8x slower so. Whole calls, one thread, causal, float32, q, k, v as
 c_attn's views, medians of 9 interleaved rounds of 5 calls in one process against the row items (a
@@ -134,7 +137,8 @@ from taifuse.backends.numba._jit import (
 from taifuse.backends.reference.forward import dropout_key, dropout_scale, dropout_threshold
 
 _BLOCK_Q = 64  # query rows per block
-_BLOCK_COLS = 32  # query rows per block of the jitted forward (NOTE [ Attention scores by columns ])
+_BLOCK_COLS = 32  # query rows per block of the jitted items (NOTE [ Attention scores by columns ])
+_PAD = 16  # elements past L in a row of the jitted items' transposed scratch (the same NOTE)
 _GROUP_SCORES = 1 << 16  # heads share a product call while their block scores stay under this
 # The backward keeps a group's whole (L, S) scores and dP where a head's stay under this.
 _WHOLE_SCORES = 1 << 16
@@ -373,7 +377,7 @@ def _forward_items(
     # The forward's items on one thread (NOTE [ BLAS from Numba threads in attention ]): item h is
     # flat head h, all its query blocks of ``rows`` rows, each as k @ q_blk.T (NOTE [ Attention
     # scores by columns ]); q, k, v, out (B, H, n, d) of any strides whose last is one element;
-    # buf[t] (S * rows), qt[t] (E, L) and cols[t] (2, rows) this worker's scratch.
+    # buf[t] (S * rows), qt[t] (E, L + _PAD) and cols[t] (2, rows) this worker's scratch.
     nb, nh, L, e = q.shape
     S, ev = k.shape[2], v.shape[3]
     size = q.itemsize
@@ -381,6 +385,7 @@ def _forward_items(
     nt, tr = _blas.NO_TRANS, _blas.TRANS
     ldk, ldv, ldo = k.strides[2] // size, v.strides[2] // size, out.strides[2] // size
     qth = qt[t]
+    ldt = qth.shape[1]
     mx, total = cols[t, 0], cols[t, 1]
     h = _blas.take(next_item)
     while h < nb * nh:
@@ -393,7 +398,7 @@ def _forward_items(
             nq = q1 - q0
             st = buf[t, : sn * nq].reshape((sn, nq))
             sa, qa, oa = st.ctypes.data, qth[:, q0:].ctypes.data, out[b, hh, q0:].ctypes.data
-            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, e, one, ka, ldk, qa, L, zero, sa, nq)
+            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, e, one, ka, ldk, qa, ldt, zero, sa, nq)
             _softmax_cols(st, mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, mx, total)
             _blas.call_gemm(fn, ilp64, tr, nt, nq, ev, sn, one, sa, nq, va, ldv, zero, oa, ldo)
         h = _blas.take(next_item)
@@ -464,8 +469,8 @@ def _backward_items(
 ):  # fmt: skip
     # The whole-scores backward's items on one thread (NOTE [ BLAS from Numba threads in
     # attention ]): item h is flat head h, by columns (NOTE [ Attention scores by columns ]); the
-    # arrays (B, H, n, d) of any strides whose last is one element; scores[t], dps[t] (S, L), qt[t]
-    # (E, L), gt[t] (Ev, L) and cols[t] (2, rows) this worker's scratch.
+    # arrays (B, H, n, d) of any strides whose last is one element; scores[t], dps[t] (S, L +
+    # _PAD), qt[t] (E, L + _PAD), gt[t] (Ev, L + _PAD) and cols[t] (2, rows) this worker's scratch.
     nb, nh, L, e = q.shape
     S, ev = k.shape[2], v.shape[3]
     size = q.itemsize
@@ -477,6 +482,7 @@ def _backward_items(
     seen = min(S, L) if causal else S
     qth, gth = qt[t], gt[t]
     pt_all, dst_all = scores[t], dps[t]
+    ldt, lds = qth.shape[1], pt_all.shape[1]
     total, di = cols[t, 0], cols[t, 1]
     h = _blas.take(next_item)
     while h < nb * nh:
@@ -490,13 +496,13 @@ def _backward_items(
             nq = q1 - q0
             pa, da = pt_all[:, q0:].ctypes.data, dst_all[:, q0:].ctypes.data
             qa, ga = qth[:, q0:].ctypes.data, gth[:, q0:].ctypes.data
-            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, e, one, ka, ldk, qa, L, zero, pa, L)
-            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, ev, one, va, ldv, ga, L, zero, da, L)
+            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, e, one, ka, ldk, qa, ldt, zero, pa, lds)
+            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, ev, one, va, ldv, ga, ldt, zero, da, lds)
             _gradient_cols(
                 pt_all, dst_all, q0, nq, sn, mask, h, L, S, causal, scale, drop, key, threshold, dscale, lse, total, di
             )  # fmt: skip
             dqa = grad_q[b, hh, q0:].ctypes.data
-            _blas.call_gemm(fn, ilp64, tr, nt, nq, e, sn, one, da, L, ka, ldk, zero, dqa, ldgq)
+            _blas.call_gemm(fn, ilp64, tr, nt, nq, e, sn, one, da, lds, ka, ldk, zero, dqa, ldgq)
         # Keys k0 .. k1 are seen by rows from k0 on under is_causal (NOTE [ Numba attention blocks ]).
         step = rows if causal else max(seen, 1)
         for k0 in range(0, seen, step):
@@ -505,8 +511,8 @@ def _backward_items(
             pa, da = pt_all[k0, r0:].ctypes.data, dst_all[k0, r0:].ctypes.data
             qa, ga = q[b, hh, r0:].ctypes.data, grad_out[b, hh, r0:].ctypes.data
             dva, dka = grad_v[b, hh, k0:].ctypes.data, grad_k[b, hh, k0:].ctypes.data
-            _blas.call_gemm(fn, ilp64, nt, nt, k1 - k0, ev, L - r0, one, pa, L, ga, ldg, zero, dva, ldgv)
-            _blas.call_gemm(fn, ilp64, nt, nt, k1 - k0, e, L - r0, one, da, L, qa, ldq, zero, dka, ldgk)
+            _blas.call_gemm(fn, ilp64, nt, nt, k1 - k0, ev, L - r0, one, pa, lds, ga, ldg, zero, dva, ldgv)
+            _blas.call_gemm(fn, ilp64, nt, nt, k1 - k0, e, L - r0, one, da, lds, qa, ldq, zero, dka, ldgk)
         grad_k[b, hh, seen:] = zero
         grad_v[b, hh, seen:] = zero
         h = _blas.take(next_item)
@@ -703,7 +709,7 @@ def attention(
         rows = min(_BLOCK_COLS, L)
         workers = _workers(bh)
         host = pool.host_pool()
-        buf, qt = host.acquire((workers, rows * S), ct), host.acquire((workers, e, L), ct)
+        buf, qt = host.acquire((workers, rows * S), ct), host.acquire((workers, e, L + _PAD), ct)
         cols = host.acquire((workers, 2, rows), ct)
         args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, o4, lc, rows, buf, qt, cols)
         _run_jitted(_forward_items, args + address, workers)
@@ -785,8 +791,8 @@ def attention_backward(
     if views is not None:
         workers = _workers(bh)
         host = pool.host_pool()
-        scores, dps = host.acquire((workers, S, L), ct), host.acquire((workers, S, L), ct)
-        qt, gt = host.acquire((workers, e, L), ct), host.acquire((workers, ev, L), ct)
+        scores, dps = host.acquire((workers, S, L + _PAD), ct), host.acquire((workers, S, L + _PAD), ct)
+        qt, gt = host.acquire((workers, e, L + _PAD), ct), host.acquire((workers, ev, L + _PAD), ct)
         cols = host.acquire((workers, 2, _BLOCK_COLS), ct)
         q4, k4, v4, g4, dq4, dk4, dv4 = views
         rows = min(_BLOCK_COLS, L)
