@@ -76,23 +76,27 @@ The jitted items hold a block's scores transposed, (keys, queries): ``k[:sn] @ q
 ``v[:sn] @ grad_out_blk.T``) with the head's ``q.T`` (and ``grad_out.T``) laid out once in scratch,
 so that no product takes a transposed right operand (OpenBLAS's kernels here took 1.7-2x as long on
 one: 64 x 128 x 64 sgemm 19 us against 11 us, one thread, a loaded machine); the products that read
-the block back take it as a transposed left operand, which ran at the untransposed rate (64 x 32 x
-32: 1.20 against 1.24 us). The softmax's and the gradient's reductions then run down the columns,
-one vector of queries per key row: no horizontal reduction, call or log per row of 32 to 128 keys,
-which were most of the row kernels' time at these widths. A key row's causal limit only selects
-lanes, and the blocks are ``_BLOCK_COLS`` = 32 queries reading keys to their last: at T = 64 the
-products skip a quarter of the scores (sgemm ran at the same ~105-110 GFLOP/s from 16 to 64 rows
-here, unset OPENBLAS_CORETYPE or not). The softmax of a 64 x 64 causal block took 3.57 us by rows
-and 2.69 us by columns, and its two 32-query blocks 0.73 + 1.32 us (fastest of 20 x 200 calls,
-one thread). The scratch rows are ``_PAD`` elements longer than L: laying out q.T with rows of
-L = 128 (512 bytes apart, so that a row of q's stores fell into few L1 sets) took 5.1 us a head,
-with rows 16 longer 2.6 us (fastest of 10, one thread); whole calls at (16, 4, 128, 64) then took
-1.06x less CPU time forward, 1.03x backward, (32, 4, 64, 32) no different. NOTE: index the blocks through row slices (``pt[j, q0 : q0 + nq]``) in the column
-loops: ``pt[j, q0 + i]`` kept LLVM from vectorizing them (Numba wraps a possibly negative index),
-and the gradient kernel ran 5-8x slower so. Whole calls, one thread, causal, float32, q, k, v as
-c_attn's views, medians of 9 interleaved rounds of 5 calls in one process against the row items (a
-loaded 2-core machine): (32, 4, 64, 32) forward 1.35x, backward 1.20x faster; (16, 4, 128, 64)
-1.19x and 1.11x.
+a block back take it as a transposed left operand, which ran at the untransposed rate (32 x 64 x
+32: 1.21 us either way). The softmax's and the gradient's reductions then run down the columns, one
+vector of queries per key row, with no horizontal reduction, call or log per row: the forward's
+softmax of a 64 x 64 causal block took 3.57 us by rows and 2.69 us by columns (fastest of 20 x 200
+calls, one thread); the gradient kernel by columns is no faster than by rows (2.5 us a head at T =
+64 either way; 8.6 against 7.4 us at T = 128, where a key row of a block is only two vectors). The
+blocks are ``_BLOCK_COLS`` = 32 queries, each reading the keys to its last query, so that causal
+heads skip more of the masked half in every product than 64-row blocks do (at T = 64 a quarter of
+the scores; at T = 128 10240 scores against 12288): sgemm ran at the same 105-110 GFLOP/s from 16 to
+64 rows here (one thread, in cache), and the 64 x 64 block's softmax took 0.73 + 1.32 us as two
+32-query blocks. Blocks of 16 and of 64 queries took as long or longer over whole calls. NOTE: index
+the blocks through row slices (``pt[j, q0 : q0 + nq]``) in the column loops: with ``pt[j, q0 + i]``
+LLVM vectorized nothing (Numba wraps a possibly negative index) and the gradient kernel ran 5-8x
+slower. The scratch rows are ``_PAD`` elements longer than L: laying out q.T in rows of L = 128
+(512 bytes apart, so that the stores of a row of q fell into a few L1 sets) took 5.1 us a head, in
+rows 16 longer 2.6 us, and whole calls at (16, 4, 128, 64) 1.06x less CPU time forward, 1.03x
+backward ((32, 4, 64, 32) no different). Whole calls, one thread, causal, float32, q, k, v as c_attn's
+views, against the row items they replaced (medians of 15 interleaved rounds of 5 calls in one
+process, CPU time; a loaded 2-core machine): (32, 4, 64, 32) forward 1367 -> 1044 us (1.31x),
+backward 2606 -> 2114 us (1.23x); (16, 4, 128, 64) 3540 -> 3065 us (1.16x), 7274 -> 6111 us
+(1.19x); without is_causal no different at either shape; (8, 8, 512, 64) causal forward 1.16x.
 
 NOTE [ Numba attention views ]
 Besides (BH, n, d) arrays, the kernels take q, k, v and grad_out as (B, H, n, d) arrays of any
@@ -499,7 +503,8 @@ def _backward_items(
             _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, e, one, ka, ldk, qa, ldt, zero, pa, lds)
             _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, ev, one, va, ldv, ga, ldt, zero, da, lds)
             _gradient_cols(
-                pt_all, dst_all, q0, nq, sn, mask, h, L, S, causal, scale, drop, key, threshold, dscale, lse, total, di
+                pt_all, dst_all, q0, nq, sn, mask, h, L, S, causal, scale, drop, key, threshold, dscale, lse,
+                total, di,
             )  # fmt: skip
             dqa = grad_q[b, hh, q0:].ctypes.data
             _blas.call_gemm(fn, ilp64, tr, nt, nq, e, sn, one, da, lds, ka, ldk, zero, dqa, ldgq)
