@@ -504,8 +504,8 @@ def _heads_of_c_attn(rng, B, T, H, D, dtype):
 )
 def test_numba_jitted_items_match_the_python_items(views, L, S, causal, mask_kind, p, dtype, monkeypatch):
     """NOTE [ BLAS from Numba threads in attention ]: where the library's ?gemm address is found,
-    the forward and the whole-scores backward run as jitted items that call it themselves (on k.T
-    and v.T laid out per head); where it is not, the Python items run. Both give the float64
+    the forward and the whole-scores backward run as jitted items that call it themselves (on the
+    transposed scores, NOTE [ Attention scores by columns ]); where it is not, the Python items run. Both give the float64
     reference's out, lse and gradients, and each other's within float32's (float64's) tolerance,
     on one thread and two (the same bits). ``views``: that many heads of c_attn's output (NOTE
     [ Numba attention views ]), or 0 for (BH, n, d) arrays."""

@@ -63,26 +63,40 @@ through), the forward and the whole-scores backward (all three gradients asked f
 items, one head each, that call ``?gemm`` themselves (``_blas.call_gemm``, as conv2d's: NOTE [ BLAS
 from Numba threads ] in conv.py), with no Python, ctypes or GIL between the products of a call: one
 jitted call per worker (``_run``'s threads, each taking the next head from an atomic counter,
-``_blas.take``) runs every product and row kernel of its heads. Not a parallel Numba kernel: its
+``_blas.take``) runs every product and column kernel of its heads. Not a parallel Numba kernel: its
 OpenMP threads spin at the closing barrier while a descheduled one finishes (two threads took 1.6x
-the CPU time of one on the loaded 2-core machine; Python threads sleep in ``f.result()``). A head's
-``k.T`` (and ``v.T`` in the backward) is laid out once in scratch, so that ``q_blk @ k.T`` and
-``grad_out_blk @ v.T`` run as untransposed products: OpenBLAS's kernels here took 1.7-2x as long on
-a transposed right operand (64 x 128 x 64 sgemm: 19 us against 11 us; 64 x 64 x 32: 4.9 against
-2.5 us, one thread, a loaded machine, the forced Haswell kernel or not). The blocks, row kernels
-and the order of every sum are the Python items' (the same products on other layouts: results
-agree to float32's rounding, tested against each other and the reference); the Python items run
-where the address is not found (another BLAS), and for float16, the block-summed backward and a
-backward asked for fewer gradients. Skipping the masked half of a causal diagonal block (blocks of
-16 or 32 rows reading keys to their own last row) did not pay: the products of 16 rows ran at a
-quarter of the 64-row rate per flop, and the row kernels' loops (vectorized 64 wide) ran their
-remainders scalar. At the GPT step's (B=16, H=4, T=128, D=64) and the example GPT's (32, 4, 64, 32),
-causal, float32, two threads, the Python items took 1.21x and 1.18x the jitted items' CPU time
-forward, 1.40x and 1.20x backward (medians of 11 interleaved rounds of 5 calls in one process; 1.15x,
-1.16x, 1.17x, 1.36x on one thread over 9 rounds; a loaded 2-core machine, whose wall times said
-nothing). Where the time goes then (one thread, the GPT step's forward, about 4.3 ms): the two
-products 50%, the row kernel 35% (its short rows: a pass over 64 keys costs 2-5 times a score what
-it does over 1024; ``_row_max`` took the max's share down), laying out k.T 10%.
+the CPU time of one on the loaded 2-core machine; Python threads sleep in ``f.result()``). The
+items work on the transposed scores (NOTE [ Attention scores by columns ]); the products and sums
+are the Python items' on other layouts and in other orders, so results agree to float32's rounding
+(tested against each other and the reference). The Python items run where the address is not found
+(another BLAS), and for float16, the block-summed backward and a backward asked for fewer gradients.
+
+NOTE [ Attention scores by columns ]
+The jitted items hold a block's scores transposed, (keys, queries): ``k[:sn] @ q_blk.T`` (and
+``v[:sn] @ grad_out_blk.T``) with the head's ``q.T`` (and ``grad_out.T``) laid out once in scratch,
+so that no product takes a transposed right operand (OpenBLAS's kernels here took 1.7-2x as long on
+one: 64 x 128 x 64 sgemm 19 us against 11 us, one thread, a loaded machine); the products that read
+a block back take it as a transposed left operand, which ran at the untransposed rate (32 x 64 x
+32: 1.21 us either way). The softmax's and the gradient's reductions then run down the columns, one
+vector of queries per key row, with no horizontal reduction, call or log per row: the forward's
+softmax of a 64 x 64 causal block took 3.57 us by rows and 2.69 us by columns (fastest of 20 x 200
+calls, one thread); the gradient kernel by columns is no faster than by rows (2.5 us a head at T =
+64 either way; 8.6 against 7.4 us at T = 128, where a key row of a block is only two vectors). The
+blocks are ``_BLOCK_COLS`` = 32 queries, each reading the keys to its last query, so that causal
+heads skip more of the masked half in every product than 64-row blocks do (at T = 64 a quarter of
+the scores; at T = 128 10240 scores against 12288): sgemm ran at the same 105-110 GFLOP/s from 16 to
+64 rows here (one thread, in cache), and the 64 x 64 block's softmax took 0.73 + 1.32 us as two
+32-query blocks. Blocks of 16 and of 64 queries took as long or longer over whole calls. NOTE: index
+the blocks through row slices (``pt[j, q0 : q0 + nq]``) in the column loops: with ``pt[j, q0 + i]``
+LLVM vectorized nothing (Numba wraps a possibly negative index) and the gradient kernel ran 5-8x
+slower. The scratch rows are ``_PAD`` elements longer than L: laying out q.T in rows of L = 128
+(512 bytes apart, so that the stores of a row of q fell into a few L1 sets) took 5.1 us a head, in
+rows 16 longer 2.6 us, and whole calls at (16, 4, 128, 64) 1.06x less CPU time forward, 1.03x
+backward ((32, 4, 64, 32) no different). Whole calls, one thread, causal, float32, q, k, v as c_attn's
+views, against the row items they replaced (medians of 15 interleaved rounds of 5 calls in one
+process, CPU time; a loaded 2-core machine): (32, 4, 64, 32) forward 1367 -> 1044 us (1.31x),
+backward 2606 -> 2114 us (1.23x); (16, 4, 128, 64) 3540 -> 3065 us (1.16x), 7274 -> 6111 us
+(1.19x); without is_causal no different at either shape; (8, 8, 512, 64) causal forward 1.16x.
 
 NOTE [ Numba attention views ]
 Besides (BH, n, d) arrays, the kernels take q, k, v and grad_out as (B, H, n, d) arrays of any
@@ -127,6 +141,8 @@ from taifuse.backends.numba._jit import (
 from taifuse.backends.reference.forward import dropout_key, dropout_scale, dropout_threshold
 
 _BLOCK_Q = 64  # query rows per block
+_BLOCK_COLS = 32  # query rows per block of the jitted items (NOTE [ Attention scores by columns ])
+_PAD = 16  # elements past L in a row of the jitted items' transposed scratch (the same NOTE)
 _GROUP_SCORES = 1 << 16  # heads share a product call while their block scores stay under this
 # The backward keeps a group's whole (L, S) scores and dP where a head's stay under this.
 _WHOLE_SCORES = 1 << 16
@@ -305,90 +321,203 @@ def _transpose_into(a, kt):
             kt[c, j] = a[j, c]
 
 
+@njit(**_FMA_REDUCE)
+def _softmax_cols(st, mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, mx, total):
+    # _softmax_rows on the transposed block (NOTE [ Attention scores by columns ]): st (sn, nq)
+    # holds k[:sn] @ q_blk.T of head h, column i query q0 + i; it becomes the probabilities, with
+    # lse[h, q0 + i]. mx and total (at least nq each) are scratch: every reduction runs down the
+    # columns, one vector of queries per key row.
+    _prefer_wide_vectors()
+    sn, nq = st.shape
+    zero = st.dtype.type(0.0)
+    ninf = st.dtype.type(-np.inf)
+    hm = 0 if mask is None else (h if mask.shape[0] > 1 else 0)
+    for i in range(nq):
+        mx[i] = ninf
+        total[i] = zero
+    for j in range(sn):
+        lo = j - q0 if causal else 0  # query q0 + i sees key j from i = j - q0 on
+        if mask is None:
+            for i in range(nq):
+                mx[i] = _maxnum(mx[i], st[j, i] * scale if i >= lo else ninf)
+        else:
+            mcol = mask[hm, q0:, j]
+            for i in range(nq):
+                mx[i] = _maxnum(mx[i], st[j, i] * scale + mcol[i] if i >= lo else ninf)
+    for j in range(sn):
+        lo = j - q0 if causal else 0
+        if mask is None:
+            for i in range(nq):
+                e = _exp_neg(st[j, i] * scale - mx[i])
+                e = e if i >= lo and mx[i] != ninf else zero
+                st[j, i] = e
+                total[i] += e
+        else:
+            mcol = mask[hm, q0:, j]
+            for i in range(nq):
+                e = _exp_neg(st[j, i] * scale + mcol[i] - mx[i])
+                e = e if i >= lo and mx[i] != ninf else zero
+                st[j, i] = e
+                total[i] += e
+    for i in range(nq):
+        # A fully masked row (mx -inf): 0 and lse -inf, as PyTorch (NOTE [ Attention kernel arguments ]).
+        lse[h, q0 + i] = mx[i] + math.log(total[i]) if mx[i] != ninf else ninf
+        total[i] = (dscale if drop else st.dtype.type(1.0)) / total[i] if mx[i] != ninf else zero
+    for j in range(sn):
+        for i in range(nq):
+            st[j, i] *= total[i]
+    if drop:
+        for j in range(sn):
+            for i in range(max(j - q0, 0) if causal else 0, nq):
+                if not _keep(h, q0 + i, j, L, S, key, threshold):
+                    st[j, i] = zero
+
+
 @njit(**_FMA)
 def _forward_items(
-    q, k, v, mask, causal, scale, drop, key, threshold, dscale, out, lse, rows, buf, kt, fn, ilp64, next_item, t
+    q, k, v, mask, causal, scale, drop, key, threshold, dscale, out, lse, rows, buf, qt, cols, fn, ilp64,
+    next_item, t,
 ):  # fmt: skip
     # The forward's items on one thread (NOTE [ BLAS from Numba threads in attention ]): item h is
-    # flat head h, all its query blocks of ``rows`` rows; q, k, v, out (B, H, n, d) of any strides
-    # whose last is one element; buf[t] (rows * S) and kt[t] (E, S) this worker's scratch.
+    # flat head h, all its query blocks of ``rows`` rows, each as k @ q_blk.T (NOTE [ Attention
+    # scores by columns ]); q, k, v, out (B, H, n, d) of any strides whose last is one element;
+    # buf[t] (S * rows), qt[t] (E, L + _PAD) and cols[t] (2, rows) this worker's scratch.
     nb, nh, L, e = q.shape
     S, ev = k.shape[2], v.shape[3]
     size = q.itemsize
     one, zero = _like(1.0, buf[0, 0]), _like(0.0, buf[0, 0])
-    nt = _blas.NO_TRANS
-    ldq, ldv, ldo = q.strides[2] // size, v.strides[2] // size, out.strides[2] // size
-    kth = kt[t]
-    kta = kth.ctypes.data
+    nt, tr = _blas.NO_TRANS, _blas.TRANS
+    ldk, ldv, ldo = k.strides[2] // size, v.strides[2] // size, out.strides[2] // size
+    qth = qt[t]
+    ldt = qth.shape[1]
+    mx, total = cols[t, 0], cols[t, 1]
     h = _blas.take(next_item)
     while h < nb * nh:
         b, hh = h // nh, h % nh
-        _transpose_into(k[b, hh], kth)
-        va = v[b, hh].ctypes.data
+        _transpose_into(q[b, hh], qth)
+        ka, va = k[b, hh].ctypes.data, v[b, hh].ctypes.data
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if causal else S  # under is_causal the block's last row's keys
             nq = q1 - q0
-            sc = buf[t, : nq * sn].reshape((1, nq, sn))
-            sa, qa, oa = sc.ctypes.data, q[b, hh, q0:].ctypes.data, out[b, hh, q0:].ctypes.data
-            _blas.call_gemm(fn, ilp64, nt, nt, nq, sn, e, one, qa, ldq, kta, S, zero, sa, sn)
-            _softmax_rows(sc, mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse)
-            _blas.call_gemm(fn, ilp64, nt, nt, nq, ev, sn, one, sa, sn, va, ldv, zero, oa, ldo)
+            st = buf[t, : sn * nq].reshape((sn, nq))
+            sa, qa, oa = st.ctypes.data, qth[:, q0:].ctypes.data, out[b, hh, q0:].ctypes.data
+            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, e, one, ka, ldk, qa, ldt, zero, sa, nq)
+            _softmax_cols(st, mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse, mx, total)
+            _blas.call_gemm(fn, ilp64, tr, nt, nq, ev, sn, one, sa, nq, va, ldv, zero, oa, ldo)
         h = _blas.take(next_item)
+
+
+@njit(**_FMA_REDUCE)
+def _gradient_cols(
+    pt, dst, q0, nq, sn, mask, h, L, S, causal, scale, drop, key, threshold, dscale, lse, total, di
+):
+    # _gradient_rows on the transposed blocks (NOTE [ Attention scores by columns ]): in, pt[:sn,
+    # q0 : q0 + nq] = k[:sn] @ q_blk.T and dst (likewise) = v[:sn] @ grad_out_blk.T of head h, in
+    # buffers of width >= q0 + nq; out, there: pt = P * Z (for grad_v), dst = dS * scale. total
+    # and di (at least nq each) are scratch for the column sums.
+    _prefer_wide_vectors()
+    zero = pt.dtype.type(0.0)
+    ninf = pt.dtype.type(-np.inf)
+    hm = 0 if mask is None else (h if mask.shape[0] > 1 else 0)
+    cols_lse = lse[h, q0 : q0 + nq]
+    for i in range(nq):
+        total[i] = zero
+        di[i] = zero
+    for j in range(sn):
+        lo = j - q0 if causal else 0  # query q0 + i sees key j from i = j - q0 on
+        prow = pt[j, q0 : q0 + nq]
+        if mask is None:
+            for i in range(nq):
+                p = _exp_neg(prow[i] * scale - cols_lse[i])
+                p = p if (i >= lo) & (cols_lse[i] != ninf) else zero
+                prow[i] = p
+                total[i] += p
+        else:
+            mcol = mask[hm, q0:, j]
+            for i in range(nq):
+                p = _exp_neg(prow[i] * scale + mcol[i] - cols_lse[i])
+                p = p if (i >= lo) & (cols_lse[i] != ninf) else zero
+                prow[i] = p
+                total[i] += p
+        drow = dst[j, q0 : q0 + nq]
+        if drop:
+            for i in range(max(lo, 0), nq):
+                if not _keep(h, q0 + i, j, L, S, key, threshold):
+                    drow[i] = zero
+                else:
+                    drow[i] *= dscale
+        for i in range(nq):
+            di[i] += prow[i] * (drow[i] if i >= lo else zero)
+    for i in range(nq):
+        if total[i] > zero:
+            di[i] /= total[i]
+    for j in range(sn):
+        lo = j - q0 if causal else 0
+        prow, drow = pt[j, q0 : q0 + nq], dst[j, q0 : q0 + nq]
+        for i in range(nq):
+            d = prow[i] * (drow[i] - di[i]) * scale
+            drow[i] = d if (i >= lo) & (cols_lse[i] != ninf) else zero
+        if drop:
+            for i in range(max(lo, 0), nq):
+                if not _keep(h, q0 + i, j, L, S, key, threshold):
+                    prow[i] = zero
+                else:
+                    prow[i] *= dscale
 
 
 @njit(**_FMA)
 def _backward_items(
     q, k, v, mask, causal, scale, drop, key, threshold, dscale, lse, grad_out, grad_q, grad_k, grad_v, rows,
-    scores, dps, kt, vt, fn, ilp64, next_item, t,
+    scores, dps, qt, gt, cols, fn, ilp64, next_item, t,
 ):  # fmt: skip
     # The whole-scores backward's items on one thread (NOTE [ BLAS from Numba threads in
-    # attention ]): item h is flat head h; the arrays (B, H, n, d) of any strides whose last is one
-    # element; scores[t], dps[t] (L, S), kt[t] (E, S), vt[t] (Ev, S) this worker's scratch. The
-    # products and row kernels of the Python items' whole-scores path, one head at a time.
+    # attention ]): item h is flat head h, by columns (NOTE [ Attention scores by columns ]); the
+    # arrays (B, H, n, d) of any strides whose last is one element; scores[t], dps[t] (S, L +
+    # _PAD), qt[t] (E, L + _PAD), gt[t] (Ev, L + _PAD) and cols[t] (2, rows) this worker's scratch.
     nb, nh, L, e = q.shape
     S, ev = k.shape[2], v.shape[3]
     size = q.itemsize
     one, zero = _like(1.0, scores[0, 0, 0]), _like(0.0, scores[0, 0, 0])
     nt, tr = _blas.NO_TRANS, _blas.TRANS
-    ldq, ldk, ldg = q.strides[2] // size, k.strides[2] // size, grad_out.strides[2] // size
+    ldq, ldk, ldv = q.strides[2] // size, k.strides[2] // size, v.strides[2] // size
+    ldg = grad_out.strides[2] // size
     ldgq, ldgk, ldgv = grad_q.strides[2] // size, grad_k.strides[2] // size, grad_v.strides[2] // size
     seen = min(S, L) if causal else S
-    kth, vth = kt[t], vt[t]
-    kta, vta = kth.ctypes.data, vth.ctypes.data
-    sc_all, dp_all = scores[t : t + 1], dps[t : t + 1]
+    qth, gth = qt[t], gt[t]
+    pt_all, dst_all = scores[t], dps[t]
+    ldt, lds = qth.shape[1], pt_all.shape[1]
+    total, di = cols[t, 0], cols[t, 1]
     h = _blas.take(next_item)
     while h < nb * nh:
         b, hh = h // nh, h % nh
-        _transpose_into(k[b, hh], kth)
-        _transpose_into(v[b, hh], vth)
-        ka = k[b, hh].ctypes.data
+        _transpose_into(q[b, hh], qth)
+        _transpose_into(grad_out[b, hh], gth)
+        ka, va = k[b, hh].ctypes.data, v[b, hh].ctypes.data
         for q0 in range(0, L, rows):
             q1 = min(q0 + rows, L)
             sn = min(S, q1) if causal else S
             nq = q1 - q0
-            sa, pa = sc_all[0, q0:].ctypes.data, dp_all[0, q0:].ctypes.data
-            qa, ga, dqa = (
-                q[b, hh, q0:].ctypes.data,
-                grad_out[b, hh, q0:].ctypes.data,
-                grad_q[b, hh, q0:].ctypes.data,
-            )
-            _blas.call_gemm(fn, ilp64, nt, nt, nq, sn, e, one, qa, ldq, kta, S, zero, sa, S)
-            _blas.call_gemm(fn, ilp64, nt, nt, nq, sn, ev, one, ga, ldg, vta, S, zero, pa, S)
-            _gradient_rows(
-                sc_all, dp_all, q0, nq, sn, mask, h, q0, L, S, causal, scale, drop, key, threshold, dscale, lse
+            pa, da = pt_all[:, q0:].ctypes.data, dst_all[:, q0:].ctypes.data
+            qa, ga = qth[:, q0:].ctypes.data, gth[:, q0:].ctypes.data
+            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, e, one, ka, ldk, qa, ldt, zero, pa, lds)
+            _blas.call_gemm(fn, ilp64, nt, nt, sn, nq, ev, one, va, ldv, ga, ldt, zero, da, lds)
+            _gradient_cols(
+                pt_all, dst_all, q0, nq, sn, mask, h, L, S, causal, scale, drop, key, threshold, dscale, lse,
+                total, di,
             )  # fmt: skip
-            _blas.call_gemm(fn, ilp64, nt, nt, nq, e, sn, one, pa, S, ka, ldk, zero, dqa, ldgq)
+            dqa = grad_q[b, hh, q0:].ctypes.data
+            _blas.call_gemm(fn, ilp64, tr, nt, nq, e, sn, one, da, lds, ka, ldk, zero, dqa, ldgq)
         # Keys k0 .. k1 are seen by rows from k0 on under is_causal (NOTE [ Numba attention blocks ]).
         step = rows if causal else max(seen, 1)
         for k0 in range(0, seen, step):
             k1 = min(k0 + step, seen)
             r0 = k0 if causal else 0
-            sa, pa = sc_all[0, r0, k0:].ctypes.data, dp_all[0, r0, k0:].ctypes.data
+            pa, da = pt_all[k0, r0:].ctypes.data, dst_all[k0, r0:].ctypes.data
             qa, ga = q[b, hh, r0:].ctypes.data, grad_out[b, hh, r0:].ctypes.data
             dva, dka = grad_v[b, hh, k0:].ctypes.data, grad_k[b, hh, k0:].ctypes.data
-            _blas.call_gemm(fn, ilp64, tr, nt, k1 - k0, ev, L - r0, one, sa, S, ga, ldg, zero, dva, ldgv)
-            _blas.call_gemm(fn, ilp64, tr, nt, k1 - k0, e, L - r0, one, pa, S, qa, ldq, zero, dka, ldgk)
+            _blas.call_gemm(fn, ilp64, nt, nt, k1 - k0, ev, L - r0, one, pa, lds, ga, ldg, zero, dva, ldgv)
+            _blas.call_gemm(fn, ilp64, nt, nt, k1 - k0, e, L - r0, one, da, lds, qa, ldq, zero, dka, ldgk)
         grad_k[b, hh, seen:] = zero
         grad_v[b, hh, seen:] = zero
         h = _blas.take(next_item)
@@ -582,11 +711,12 @@ def attention(
     views = None if address is None else _jitted_views(bh, q, k, v, out)
     if views is not None:
         q4, k4, v4, o4 = views
-        rows = min(_BLOCK_Q, L)
+        rows = min(_BLOCK_COLS, L)
         workers = _workers(bh)
         host = pool.host_pool()
-        buf, kt = host.acquire((workers, rows * S), ct), host.acquire((workers, e, S), ct)
-        args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, o4, lc, rows, buf, kt)
+        buf, qt = host.acquire((workers, rows * S), ct), host.acquire((workers, e, L + _PAD), ct)
+        cols = host.acquire((workers, 2, rows), ct)
+        args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, o4, lc, rows, buf, qt, cols)
         _run_jitted(_forward_items, args + address, workers)
         if lc is not lse:
             np.copyto(lse, lc)
@@ -666,11 +796,13 @@ def attention_backward(
     if views is not None:
         workers = _workers(bh)
         host = pool.host_pool()
-        scores, dps = host.acquire((workers, L, S), ct), host.acquire((workers, L, S), ct)
-        kt, vt = host.acquire((workers, e, S), ct), host.acquire((workers, ev, S), ct)
+        scores, dps = host.acquire((workers, S, L + _PAD), ct), host.acquire((workers, S, L + _PAD), ct)
+        qt, gt = host.acquire((workers, e, L + _PAD), ct), host.acquire((workers, ev, L + _PAD), ct)
+        cols = host.acquire((workers, 2, _BLOCK_COLS), ct)
         q4, k4, v4, g4, dq4, dk4, dv4 = views
+        rows = min(_BLOCK_COLS, L)
         args = (q4, k4, v4, m, is_causal, sc_scale, drop, key, threshold, dscale, lc, g4, dq4, dk4, dv4, rows)
-        _run_jitted(_backward_items, args + (scores, dps, kt, vt) + address, workers)
+        _run_jitted(_backward_items, args + (scores, dps, qt, gt, cols) + address, workers)
         return
     gs = _group(bh, rows, S, q.shape[1] if q.ndim == 4 else 0)
     # Small heads keep a group's whole (L, S) scores and dP, and grad_k, grad_v are one product per
