@@ -416,12 +416,66 @@ def test_helpers_compile_once_for_the_serial_and_the_parallel_kernel(force_path)
         nb_forward._unary_block,
         nb_forward._softmax_rows,
         nb_batch_norm._stats_rows,
-        nb_forward._layer_norm_row,
+        nb_forward._layer_norm_rows,
         nb_backward._layer_norm_backward_chunk,
     )
     for helper in helpers:
         blind = [_integer_blind(sig) for sig in helper.signatures]
         assert len(blind) == len(set(blind)), f"{helper.py_func.__name__}: {helper.signatures}"
+
+
+# The row-at-a-time layer norm forward that the blocked one replaced (NOTE [ Numba layer norm ]),
+# kept to check that the blocks changed no bit.
+@numba.njit(**dict(nb_jit._FMA_REDUCE, cache=False))
+def _layer_norm_row_at_a_time(x, weight, bias, eps, out, mean, rstd):
+    _widen, _narrow, _like = nb_jit._widen, nb_jit._narrow, nb_jit._like
+    nb_jit._prefer_wide_vectors()
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        v0 = _widen(x[r, 0])
+        s = _like(0.0, v0)
+        for c in range(n):
+            s += _widen(x[r, c])
+        mu_c = s / _like(n, v0)
+        ss = _like(0.0, v0)
+        for c in range(n):
+            d = _widen(x[r, c]) - mu_c
+            ss += d * d
+        rs = 1.0 / math.sqrt(np.float64(ss) / n + eps)
+        mean[r] = mu_c
+        rstd[r] = rs
+        rs_c = _like(rs, v0)
+        for c in range(n):
+            y = (_widen(x[r, c]) - mu_c) * rs_c
+            if weight is None:
+                if bias is not None:
+                    y = y + _widen(bias[c])
+            elif bias is None:
+                y = y * _widen(weight[c])
+            else:
+                y = y * _widen(weight[c]) + _widen(bias[c])
+            out[r, c] = _narrow(y, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(1, 7), (5, 3), (33, 37), (300, 256), (17, 4099)])
+def test_layer_norm_blocks_keep_the_row_at_a_time_bits(dtype, rows, cols, force_path):
+    """The blocked forward (statistics of _LN_BLOCK rows, then their outputs) writes the bits of
+    the row-at-a-time form it replaced, on the serial and the parallel path; partial last blocks."""
+    x = _inputs((rows, cols), dtype) + 2
+    w, b = _inputs(cols, dtype, 1, scale=1.0), _inputs(cols, dtype, 2)
+    stats = np.float64 if dtype == np.float64 else np.float32
+    for weight, bias_ in [(None, None), (w, None), (None, b), (w, b)]:
+        want = np.empty_like(x), np.empty(rows, stats), np.empty(rows, stats)
+        wb = [None if a is None else nb_jit._bits(a) for a in (weight, bias_)]
+        _layer_norm_row_at_a_time(nb_jit._bits(x), *wb, 1e-5, nb_jit._bits(want[0]), want[1], want[2])
+        for parallel in (False, True):
+            force_path(parallel)
+            got = np.empty_like(x), np.empty(rows, stats), np.empty(rows, stats)
+            nb.layer_norm(x, weight, bias_, 1e-5, *got)
+            for g_, w_ in zip(got, want):
+                bits = np.dtype(f"u{g_.itemsize}")
+                np.testing.assert_array_equal(g_.view(bits), w_.view(bits))
 
 
 # (rows, cols): one row; fewer rows than chunks; rows that leave the last chunks short or empty
