@@ -688,6 +688,8 @@ def test_unary_kernels_go_parallel_where_the_threshold_says(monkeypatch):
     # parallel kernels ]): the unary wrapper asks _jit._parallel at every size where that may say
     # parallel, and forcing the parallel path (as force_path does) reaches it.
     monkeypatch.setattr(nb_jit, "_parallel_min_elements", lambda: 65536)
+    monkeypatch.setattr(nb_jit, "_SERIAL_BELOW", 65536)
+    monkeypatch.setattr(nb_forward, "_SMALL_UNARY", 65536 // nb_jit._TRANSCENDENTAL_DISCOUNT)
     calls = []
     parallel = nb_forward._unary_parallel
     monkeypatch.setattr(nb_forward, "_unary_parallel", lambda *a: (calls.append(a[0].size), parallel(*a)))
@@ -706,7 +708,7 @@ def test_unary_kernels_go_parallel_where_the_threshold_says(monkeypatch):
 
 
 # The small unary path (its overlap test in the kernel) and the other.
-@pytest.mark.parametrize("size", [101, 70_001])
+@pytest.mark.parametrize("size", [101, nb_jit._SERIAL_BELOW + 1])
 @pytest.mark.parametrize("name", ["relu", "gelu", "dropout", "add_relu"])
 def test_out_overlapping_the_input(name, size):
     # out may be x itself (the in-place kernels) or a shifted view of it (x is read from a copy).

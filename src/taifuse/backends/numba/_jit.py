@@ -85,10 +85,29 @@ _COL_TILE = 256  # columns per work item of column sums (bias / weight gradients
 
 # Minimum element count for a parallel launch, per threading layer, for memory-bound kernels;
 # kernels that evaluate exp/tanh/erf per element go parallel at half of it (NOTE [ Serial and
-# parallel kernels ]). "omp": measured crossover on a 2-core x86-64 Linux machine (relu ~64K,
-# gelu_tanh ~32K elements, float32). "workqueue": derived, not measured: its ~100 us launch
-# (docs/backends.md, "Numba") against the measured serial cost per element. "tbb": not measured, as "omp".
-_PARALLEL_MIN_ELEMENTS = {"omp": 65536, "tbb": 65536, "workqueue": 1 << 20}
+# parallel kernels ]). "omp": see NOTE [ A launch wakes the worker ]. "workqueue": derived, not
+# measured: its ~100 us launch (docs/backends.md, "Numba") against the measured serial cost per
+# element. "tbb": not measured, as "omp".
+#
+# NOTE [ A launch wakes the worker ]
+# The "omp" threshold was 64K elements, the crossover measured with Numba's worker thread awake.
+# Since the worker spins only briefly after a region (NOTE [ OpenMP spin between BLAS calls ]), it
+# is asleep at every launch that does not follow another within microseconds, which is every
+# launch of a training step, and waking it is the launch's cost: on the 2-vCPU AMD EPYC VM
+# (firecracker), a 2-element parallel kernel took 37 us median [32, 95 p10-p90] back to back, 63-84
+# us after 20 us to 1 ms of work on the calling thread, against 2 us with the worker spinning
+# (GOMP_SPINCOUNT=300000) and 0.7 us serial (200 rounds, one process, quiet). Right after an
+# OpenBLAS product the worker also queued ~90 us behind that product's threads. Serial against
+# parallel, medians of 25 rounds with the worker asleep (after 200 us of work, or after a
+# (2048, 128) @ (128, 512) product), float32: add 0.26M elements 82 vs 112 us and 130 vs 230 us
+# after the product, 2M 766 vs 760 and 819 vs 944 us; layer norm (the row blocks of NOTE [ Numba
+# layer norm ]) 0.26M 71 vs 129 and 117 vs 203 us, 1M 291 vs 333 and 335 vs 435 us; its backward
+# 0.26M 137 vs 156 and 176 vs 259 us, 1M 508 vs 489 and 490 vs 601 us (lightly loaded machine);
+# relu 0.26M 36 vs 90 us, 1M 215 vs 209 us (30 rounds, loaded). So parallel pays from about 1M
+# elements (4 MiB of float32) for memory-bound kernels, and from 512K for the transcendental ones
+# through the discount: the GPT example's layer norms and residual adds ((32, 64, 128) and
+# (16, 128, 256) float32) now run on the calling thread.
+_PARALLEL_MIN_ELEMENTS = {"omp": 1 << 20, "tbb": 1 << 20, "workqueue": 1 << 20}
 _SERIAL_BELOW = min(_PARALLEL_MIN_ELEMENTS.values())
 _TRANSCENDENTAL_DISCOUNT = 2
 
