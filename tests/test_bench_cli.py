@@ -37,8 +37,9 @@ ENV_KEYS = (
     "fingerprint",
     "load_average",
 )
-# One suite's small cases (--case: its 150M-element cases took 151 of a run's 189 s), two processes
-# per case, five ABBA blocks: both runs stay well under a minute each on 2 cores.
+# One suite's small cases (--case: its past-the-cache cases, 150M elements on a 300 MiB L3, took 151
+# of a run's 189 s), two processes per case, five ABBA blocks: both runs stay well under a minute
+# each on 2 cores.
 SMALL_CASES = ("elementwise/gelu(approximate='tanh')", "elementwise/silu", "elementwise/add_relu", "elementwise/affine")
 SMALL_RUN = (
     "--quick", "--suite", "elementwise", *(a for c in SMALL_CASES for a in ("--case", c)),
@@ -179,13 +180,17 @@ def test_a_case_pattern_that_matches_nothing_is_refused_before_measuring(no_meas
 def test_case_patterns_select_by_shell_pattern_in_suite_order():
     import taifuse.bench
     from taifuse.bench.suites import load_cases
+    from taifuse.bench.suites.elementwise import dram_elements
 
     cases = load_cases(["elementwise"], quick=True, compare_torch=False)
-    ids = [c.id for c in taifuse.bench.select_cases(cases, ["*150M elements", "elementwise/silu"])]
-    assert ids == [c.id for c in cases if c.id.endswith("150M elements") or c.id == "elementwise/silu"]
-    assert "elementwise/silu" in ids and len(ids) == 1 + sum(c.id.endswith("150M elements") for c in cases) > 2
+    # The past-the-cache cases' size follows the machine's last-level cache (150M elements on a
+    # 300 MiB L3, 16M on a 32 MiB one).
+    big = f"{dram_elements() // 2**20}M elements"
+    ids = [c.id for c in taifuse.bench.select_cases(cases, [f"*{big}", "elementwise/silu"])]
+    assert ids == [c.id for c in cases if c.id.endswith(big) or c.id == "elementwise/silu"]
+    assert "elementwise/silu" in ids and len(ids) == 1 + sum(c.id.endswith(big) for c in cases) > 2
     exact = taifuse.bench.select_cases(cases, ["elementwise/gelu(approximate='tanh')"])
-    assert [c.id for c in exact] == ["elementwise/gelu(approximate='tanh')"]  # not its 150M twin
+    assert [c.id for c in exact] == ["elementwise/gelu(approximate='tanh')"]  # not its big twin
 
 
 def _fake_measuring(monkeypatch):
