@@ -17,6 +17,7 @@
 #   PYTHONPATH=/tmp/taifuse-site:src python3 benchmarks/gpu/probe.py
 # Dry run here: ARCH=cpu N=1048576 PYTHONPATH=src .venv/bin/python benchmarks/gpu/probe.py
 import cProfile
+import functools
 import os
 import pstats
 import time
@@ -27,7 +28,7 @@ import numpy as np
 import taifuse
 
 ARCH = os.environ.get("ARCH", "cuda")
-N = int(os.environ.get("N", 16 * 2**20))
+N = int(os.environ.get("N", str(16 * 2**20)))
 taifuse.set_backend("taichi", arch=ARCH)
 import taichi as ti
 
@@ -56,7 +57,7 @@ def section(title, body):
     print(f"\n## {title}", flush=True)
     try:
         body()
-    except Exception:  # one failing section must not lose the others
+    except Exception:  # noqa: BLE001 (one failing section must not lose the others)
         traceback.print_exc()
 
 
@@ -68,8 +69,10 @@ def launches():
         for i in range(n):
             x[i] = x[i] + 1.0
 
-    print(f"1-element kernel: {per_call_us(lambda: tiny(one._ndarray(), 1), 200):.1f} us synced, "
-          f"{per_call_us(lambda: tiny(one._ndarray(), 1), 200, False):.1f} us queued")
+    print(
+        f"1-element kernel: {per_call_us(lambda: tiny(one._ndarray(), 1), 200):.1f} us synced, "
+        f"{per_call_us(lambda: tiny(one._ndarray(), 1), 200, False):.1f} us queued"
+    )
     print(f"ti.sync alone: {per_call_us(lambda: None, 200):.1f} us")
 
 
@@ -93,8 +96,10 @@ def memory_bound():
     }
     for name, (fn, bytes_per) in ops.items():
         s, q = per_call_us(fn, 20), per_call_us(fn, 20, False)
-        print(f"{name}, {N} float32: {s:.1f} us synced ({bytes_per * N / s / 1e6:.2f} TB/s), "
-              f"{q:.1f} us queued ({bytes_per * N / q / 1e6:.2f} TB/s)")
+        print(
+            f"{name}, {N} float32: {s:.1f} us synced ({bytes_per * N / s / 1e6:.2f} TB/s), "
+            f"{q:.1f} us queued ({bytes_per * N / q / 1e6:.2f} TB/s)"
+        )
 
 
 def block_dims():
@@ -115,11 +120,13 @@ def block_dims():
         return gelu_like
 
     for block in (0, 128, 256, 512, 1024):
-        k = build(block)
-        q = per_call_us(lambda: k(x._ndarray(), o._ndarray(), N), 20, False)
-        s = per_call_us(lambda: k(x._ndarray(), o._ndarray(), N), 20)
-        print(f"gelu-like, block_dim {block or 'default'}: {q:.1f} us queued ({8 * N / q / 1e6:.2f} TB/s), "
-              f"{s:.1f} us synced")
+        launch = functools.partial(build(block), x._ndarray(), o._ndarray(), N)
+        q = per_call_us(launch, 20, False)
+        s = per_call_us(launch, 20)
+        print(
+            f"gelu-like, block_dim {block or 'default'}: {q:.1f} us queued ({8 * N / q / 1e6:.2f} TB/s), "
+            f"{s:.1f} us synced"
+        )
 
 
 def adamw():
@@ -131,22 +138,28 @@ def adamw():
         opt = optim.AdamW(ps, lr=1e-3)
         sum((p * taifuse.tensor(rng.standard_normal(shape, dtype=np.float32))).sum() for p in ps).backward()
         step = per_call_us(opt.step, 10)
-        print(f"AdamW {count}x{shape}: optimizer.step {step:.0f} us synced, "
-              f"{per_call_us(opt.step, 10, False):.0f} us queued")
+        print(
+            f"AdamW {count}x{shape}: optimizer.step {step:.0f} us synced, "
+            f"{per_call_us(opt.step, 10, False):.0f} us queued"
+        )
     bufs = [tb.from_numpy(rng.standard_normal(N, dtype=np.float32)) for _ in range(4)]
 
     def bare():
         kernels.adam_step(*bufs, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, False)
 
-    print(f"bare adam kernel over {N}: {per_call_us(bare, 10):.0f} us synced, "
-          f"{per_call_us(bare, 10, False):.0f} us queued")
+    print(
+        f"bare adam kernel over {N}: {per_call_us(bare, 10):.0f} us synced, "
+        f"{per_call_us(bare, 10, False):.0f} us queued"
+    )
     small = [tb.from_numpy(np.ones(1, np.float32)) for _ in range(4)]
 
     def bare_small():
         kernels.adam_step(*small, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, False)
 
-    print(f"bare adam kernel over 1 element (20 arguments): {per_call_us(bare_small, 100):.1f} us synced, "
-          f"{per_call_us(bare_small, 100, False):.1f} us queued")
+    print(
+        f"bare adam kernel over 1 element (20 arguments): {per_call_us(bare_small, 100):.1f} us synced, "
+        f"{per_call_us(bare_small, 100, False):.1f} us queued"
+    )
     tb.reset_transfer_stats()
     opt.step()
     tb.sync()
