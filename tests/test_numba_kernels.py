@@ -902,3 +902,41 @@ def test_short_openmp_spin_is_set_for_numba_only_and_never_left_behind(user_valu
     assert seen == str(user_value)
     if layer == "omp" and "GOMP_SPINCOUNT = " in out.stderr:  # GNU OpenMP (not LLVM's libomp)
         assert f"GOMP_SPINCOUNT = '{user_value or nb_jit._SHORT_SPIN}'" in out.stderr
+
+
+@pytest.mark.parametrize("user_value", [None, "28"])
+def test_openblas_spin_is_shortened_at_start_and_a_users_timeout_is_left_alone(user_value):
+    """NOTE [ OpenBLAS spin after a product ]: starting the backend restarts NumPy's OpenBLAS workers
+    with a timeout of 2**SPIN_LOG2 cycles, with OPENBLAS_THREAD_TIMEOUT set only while OpenBLAS reads
+    it; the workers then sleep after a product instead of spinning for ~0.1 s. A value the user set
+    stays, and so does the spin it asks for."""
+    import os
+    import subprocess
+    import sys
+
+    from taifuse.backends.numba import _blas
+
+    if _blas.spin_log2() is None:
+        pytest.skip("NumPy's BLAS is not an OpenBLAS that exports openblas_thread_timeout")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
+    env["OPENBLAS_NUM_THREADS"] = "2"  # a worker thread to spin, whatever this machine's cores
+    if user_value is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = user_value
+    code = (
+        "import os, time, numpy as np, taifuse\n"
+        "taifuse.set_backend('numba')\n"
+        "from taifuse.backends import numba as nb\n"
+        "nb.init()\n"
+        "a = np.ones((512, 512), np.float32)\n"
+        "for _ in range(3): a @ a\n"
+        "c = time.process_time(); a @ a; time.sleep(0.3)\n"
+        "print(nb.describe()['openblas_spin_log2'], os.environ.get('OPENBLAS_THREAD_TIMEOUT'), "
+        "time.process_time() - c)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    log2, seen, cpu = out.stdout.split()
+    assert seen == str(user_value)  # never left behind for later processes
+    assert int(log2) == int(user_value or _blas.SPIN_LOG2)
+    if user_value is None:
+        # 2**18 cycles is ~0.1 ms: one product and its short spin, then asleep (the default: ~0.1 s)
+        assert float(cpu) < 0.05, f"the OpenBLAS worker still spun after the product: {cpu} s of CPU"

@@ -20,6 +20,7 @@ import numpy as np
 
 from taifuse.backends import _spec
 from taifuse.backends._host import ALLOCATOR, check_dtype, empty, from_numpy, is_array, to_numpy
+from taifuse.backends.numba import _blas
 from taifuse.backends.numba import forward as _forward
 from taifuse.backends.numba._jit import (
     _parallel_min_elements,
@@ -34,8 +35,16 @@ ATTENTION_VIEWS = True
 
 def init() -> None:
     """Start Numba's threads (NOTE [ OpenMP spin between BLAS calls ] in ``_jit.py``: before any
-    parallel kernel runs); kernels compile on first use."""
+    parallel kernel runs) and shorten OpenBLAS's spin (NOTE [ OpenBLAS spin after a product ] in
+    ``_blas.py``), once; kernels compile on first use."""
+    global _started
     _threading_layer()
+    if not _started:
+        _started = True
+        _blas.shorten_spin()
+
+
+_started = False
 
 
 def describe() -> dict:
@@ -47,6 +56,7 @@ def describe() -> dict:
         "threading_layer": _threading_layer(),
         "threads": numba.get_num_threads(),
         "parallel_min_elements": _parallel_min_elements(),
+        "openblas_spin_log2": _blas.spin_log2(),
     }
 
 

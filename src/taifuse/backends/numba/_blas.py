@@ -117,6 +117,62 @@ def address(dtype) -> tuple[int, bool] | None:
     return _found.get(("address", np.dtype(dtype)))
 
 
+# NOTE [ OpenBLAS spin after a product ]
+# After a product, OpenBLAS's worker threads spin before they sleep: THREAD_TIMEOUT, 2**28 time-stamp
+# cycles by default (about 0.1 s at 2.6 GHz), read when the threads start. Measured on the 2-core AMD
+# EPYC VM: a 512 x 512 product and then 0.2 s asleep cost the process 0.108 s of CPU (0.003 s with
+# the timeout at its shortest). In a training step a product comes every few milliseconds, so the
+# worker never sleeps: one core spins for the whole step, and everything else that wants that core
+# waits for it: attention's two worker threads (which hold BLAS to one thread per call, NOTE [ Numba
+# attention threads ], so the spinning worker has nothing to do), Numba's OpenMP worker, and the
+# calling thread itself when the scheduler puts them on the same core. The timeout is an environment
+# variable OpenBLAS reads once, when it loads, which is before taifuse can set it; but the library
+# exports ``openblas_read_env`` (read the variables again) and ``blas_thread_shutdown_`` /
+# ``blas_thread_init`` (stop the workers and start them again, as OpenBLAS itself does around a
+# fork), and the new workers take the new timeout. ``shorten_spin`` does that once, when the numba
+# backend starts, with ``OPENBLAS_THREAD_TIMEOUT`` set only for the moment of the reading, so that
+# nothing else (processes started later) inherits it; a timeout the user set
+# (``OPENBLAS_THREAD_TIMEOUT`` or ``GOTO_THREAD_TIMEOUT``) is left alone, as is an OpenBLAS without
+# these symbols. The value is log2 of the cycles (OpenBLAS clamps it to 4..30).
+SPIN_LOG2 = "18"
+
+
+def shorten_spin() -> bool:
+    """Restart NumPy's OpenBLAS workers with a short spin (NOTE [ OpenBLAS spin after a product ]);
+    whether it did. Call it where no other thread runs a BLAS call (the backend's start)."""
+    if "OPENBLAS_THREAD_TIMEOUT" in os.environ or "GOTO_THREAD_TIMEOUT" in os.environ:
+        return False
+    gemm(np.float32)
+    path = _found.get("library")
+    if path is None:
+        return False
+    dll = ctypes.CDLL(path)
+    try:
+        read_env, shutdown, start = dll.openblas_read_env, dll.blas_thread_shutdown_, dll.blas_thread_init
+    except AttributeError:
+        return False
+    with _lock:
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = SPIN_LOG2  # NOTE: os.environ sets the C environment too
+        try:
+            read_env()
+        finally:
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+        shutdown()
+        start()
+    return True
+
+
+def spin_log2() -> int | None:
+    """The log2 of the cycles NumPy's OpenBLAS workers spin after a product, as it read it from the
+    environment (0: its default, 2**28), or None where that is not known."""
+    gemm(np.float32)
+    path = _found.get("library")
+    try:
+        return int(ctypes.CDLL(path).openblas_thread_timeout()) if path else None
+    except AttributeError:
+        return None
+
+
 # CBLAS's enumerations (C ints whatever the library's integer width).
 NO_TRANS, TRANS = _NO_TRANS, 112
 
