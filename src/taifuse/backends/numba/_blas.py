@@ -133,7 +133,15 @@ def address(dtype) -> tuple[int, bool] | None:
 # backend starts, with ``OPENBLAS_THREAD_TIMEOUT`` set only for the moment of the reading, so that
 # nothing else (processes started later) inherits it; a timeout the user set
 # (``OPENBLAS_THREAD_TIMEOUT`` or ``GOTO_THREAD_TIMEOUT``) is left alone, as is an OpenBLAS without
-# these symbols. The value is log2 of the cycles (OpenBLAS clamps it to 4..30).
+# these symbols. The value is log2 of the cycles (OpenBLAS clamps it to 4..30): 2**18 is ~0.1 ms, which
+# still covers the gap between the two products of a linear's backward. Measured (quiet, 2-core AMD
+# EPYC, each tree in its own process, taken in turn; medians of 8-12 steps per process):
+#   * the 4-layer GPT step of the ``step`` suite, 5 pairs: 345 330 345 377 351 ms against the default's
+#     345 382 393 367 369 (median of the pairs' ratios 0.951x), with 600 ms of CPU a step against 730;
+#   * the example GPT step, 4 pairs: 52 57 65 68 ms against 53 63 64 80 (within this VM's spread),
+#     89-111 ms of CPU against 106-161;
+#   * two linears (2048 x 512 by 512 x 512) with a gelu, forward and backward, 4 pairs: 36-45 ms both;
+#   * 2**16 and 2**20 on the 4-layer step: no difference from 2**18 that the spread could show.
 SPIN_LOG2 = "18"
 
 
