@@ -147,8 +147,11 @@ SPIN_LOG2 = "18"
 
 def shorten_spin() -> bool:
     """Restart NumPy's OpenBLAS workers with a short spin (NOTE [ OpenBLAS spin after a product ]);
-    whether it did. Call it where no other thread runs a BLAS call (the backend's start)."""
+    whether it did. Call it where no other thread runs a BLAS call (the backend's start): it is
+    skipped off the main thread, where another thread may be inside a product."""
     if "OPENBLAS_THREAD_TIMEOUT" in os.environ or "GOTO_THREAD_TIMEOUT" in os.environ:
+        return False
+    if threading.current_thread() is not threading.main_thread():
         return False
     gemm(np.float32)
     path = _found.get("library")
