@@ -728,6 +728,44 @@ def test_out_overlapping_the_input(name, size):
         assert_close(out, want, np.float32, scale=10.0)
 
 
+# The small unary path flattens inside the kernel (NOTE [ A tiny op's kernel call ] in
+# numba/forward.py): each ndim is its own specialization, so every ndim is checked against the
+# same elements as a flat 1-D call (the flattening done by NumPy, as before), bit for bit, with
+# NaN, signed zeros and infinities among them; out may be x itself.
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 2)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "leaky_relu"])
+def test_small_unary_any_ndim_equals_the_flat_call(name, dtype, shape):
+    special = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-30, -2.5], dtype)
+    x = np.asarray(_inputs(shape, dtype))  # shape (): a 0-d array, not a scalar
+    x.reshape(-1)[: special.size] = special[: x.size]
+    args = (0.1,) if name == "leaky_relu" else ()
+
+    def run(a, out):
+        if name == "leaky_relu":
+            nb.leaky_relu(a, out, *args)
+        else:
+            run_unary(name, a, out)
+
+    flat = np.empty(x.size, dtype)
+    run(x.ravel().copy(), flat)
+    got = np.full(shape, 7, dtype)
+    run(x, got)
+    assert got.shape == x.shape
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), flat.view(np.uint8))
+    inplace = x.copy()
+    run(inplace, inplace)
+    np.testing.assert_array_equal(inplace.reshape(-1).view(np.uint8), flat.view(np.uint8))
+    want = np.empty(shape)
+    if name == "leaky_relu":
+        ref.leaky_relu(x.astype(np.float64), want, *args)
+    elif name.startswith("gelu"):
+        ref.gelu(x.astype(np.float64), want, "tanh" if name == "gelu_tanh" else "none")
+    else:
+        getattr(ref, name)(x.astype(np.float64), want)
+    assert_close(got, want.astype(dtype), dtype, scale=10.0)
+
+
 # float16's budget in rows of the (549, 23) weight: the default (one chunk, the whole weight),
 # the whole weight in chunks of 23 rows, and blocks of 100 weight rows with chunks of 20 rows.
 _BACKWARD_BLOCKS = [(dtype, None) for dtype in DTYPES] + [(np.float16, 549), (np.float16, 100)]

@@ -306,7 +306,15 @@ class Function:
         if not cls.strided and base(a) is not None and _strided(x):
             x = ctx.m.contiguous(x)  # through the math object, as apply's
         rec = _profile_hook.ACTIVE  # NOTE [ Profiler hooks ]
-        result = ctx.forward(x, *rest) if rec is None else rec.forward(ctx, (x, *rest), {})
+        if rec is not None:
+            result = rec.forward(ctx, (x, *rest), {})
+        elif rest:
+            result = ctx.forward(x, *rest)
+        else:
+            # A plain call: ``f(x, *())`` goes through CPython's generic call with a new argument
+            # tuple, ~100 ns of a unary op's ~3 us (F.relu on (8, 16), thread time, 15 alternating
+            # rounds in one process, loaded 2-core EPYC: 3132 -> 3001 ns median).
+            result = ctx.forward(x)
         if record:
             out = wrap(result, be, ctx)
             creator = node(a)
