@@ -839,3 +839,38 @@ def test_taichi_float16_products_that_overflow_are_redone_in_float32(arch, big):
                 _close(a, r, F16, f"{name} ({big} products past float16's range)")
     finally:
         taifuse.set_backend("numpy")
+
+
+def test_the_calling_thread_is_a_worker_and_every_item_runs_once():
+    """NOTE [ The caller is a worker ]: with two workers the calling thread takes items itself
+    (one pool thread is handed the rest), every item runs exactly once, and an error on the caller's
+    side is raised only after the pool thread has finished."""
+    import importlib
+    import threading
+    import time
+
+    NA = importlib.import_module("taifuse.backends.numba.attention")  # the package's name is the kernel
+
+    seen: dict[int, int] = {}
+    ran = Counter()
+    lock = threading.Lock()
+
+    def task(w, item):
+        with lock:
+            seen[item] = threading.get_ident()
+            ran[item] += 1
+        time.sleep(0.002)  # the GIL is released, as in a jitted item: the threads share the items
+
+    NA._run(task, list(range(16)), 2, False)
+    assert sorted(ran) == list(range(16)) and set(ran.values()) == {1}
+    assert threading.get_ident() in set(seen.values())
+
+    done = []
+
+    def failing(w, item):
+        if threading.get_ident() == threading.main_thread().ident:
+            raise RuntimeError("caller's item failed")
+        done.append(item)
+
+    with pytest.raises(RuntimeError, match="caller's item failed"):
+        NA._run(failing, list(range(8)), 2, False)
