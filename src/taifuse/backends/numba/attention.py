@@ -574,6 +574,10 @@ def _run(task, items: list, workers: int, blas_may_thread: bool) -> None:
 # the caller's own wake-up, while the items of a small shape take ~1 ms in all (128 heads of
 # (64, 32) at ~7.5 us each). Which thread runs which item never changed the result: each item
 # writes its own outputs and no sum is split between items (tested bit for bit across thread counts).
+# Measured (quiet, 2 threads, causal float32 on c_attn views, each tree in its own process, 5
+# alternating pairs, medians of 15 rounds of 10 calls, us per call): (32, 4, 64, 32) forward 693 ->
+# 621, backward 1261 -> 1161, with 8% less CPU; (16, 4, 128, 64) forward 1469 -> 1419, backward 3332
+# -> 3410 (within the spread); the example GPT step, 4 pairs, within its spread.
 
 
 def _run_jitted(kernel, args: tuple, workers: int) -> None:
