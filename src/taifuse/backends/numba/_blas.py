@@ -153,11 +153,9 @@ def shorten_spin() -> bool:
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
-    gemm(np.float32)
-    path = _found.get("library")
-    if path is None:
+    dll = _library()
+    if dll is None:
         return False
-    dll = ctypes.CDLL(path)
     try:
         read_env, shutdown, start = dll.openblas_read_env, dll.blas_thread_shutdown_, dll.blas_thread_init
     except AttributeError:
@@ -176,12 +174,18 @@ def shorten_spin() -> bool:
 def spin_log2() -> int | None:
     """The log2 of the cycles NumPy's OpenBLAS workers spin after a product, as it read it from the
     environment (0: its default, 2**28), or None where that is not known."""
-    gemm(np.float32)
-    path = _found.get("library")
+    dll = _library()
     try:
-        return int(ctypes.CDLL(path).openblas_thread_timeout()) if path else None
+        return None if dll is None else int(dll.openblas_thread_timeout())
     except AttributeError:
         return None
+
+
+def _library() -> ctypes.CDLL | None:
+    """The OpenBLAS that ``gemm`` binds, or None where there is none."""
+    gemm(np.float32)
+    path = _found.get("library")
+    return None if path is None else ctypes.CDLL(path)
 
 
 # CBLAS's enumerations (C ints whatever the library's integer width).
